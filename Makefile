@@ -1,0 +1,40 @@
+# suite: `make help` lists the targets.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .cache/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+
+.PHONY: help install demo test test-fast lint format bench clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	@mkdir -p .cache && touch $(STAMP)
+
+install: $(STAMP) ## install torch (CPU build) first, then the suite with dev extras (editable)
+
+demo: $(STAMP) ## train gpt-tiny on the embedded corpus on this machine, then sample from it
+	suite pretrain
+	suite generate ckpt=runs/gpt-tiny prompt="The module"
+
+test: $(STAMP) ## run every test (unit, distributed, e2e)
+	$(PYTHON) -m pytest -q tests
+
+test-fast: $(STAMP) ## unit tests only
+	$(PYTHON) -m pytest -q tests/unit
+
+lint: $(STAMP) ## ruff lint and format check
+	$(PYTHON) -m ruff check suite tests bench
+	$(PYTHON) -m ruff format --check suite tests bench
+
+format: $(STAMP) ## apply ruff's formatting and safe fixes
+	$(PYTHON) -m ruff check --fix suite tests bench
+	$(PYTHON) -m ruff format suite tests bench
+
+bench: $(STAMP) ## CPU benchmark against plain transformers; appends to docs/benchmarks.md
+	$(PYTHON) bench/throughput.py
+
+clean: ## remove runs, caches and build outputs
+	rm -rf runs .cache build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from suite.cli import main
+
+sys.exit(main())

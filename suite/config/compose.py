@@ -1,0 +1,181 @@
+"""Compose a recipe with Hydra's compose API (never @hydra.main) and turn its errors into one line.
+
+Search order for config groups: $SUITE_RECIPES folders, then ./recipes, then the shipped recipes,
+so a user's own `recipe/my13b.yaml` (or `recipe=./my13b.yaml`) is found before ours.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import tempfile
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+ENTRY_DIR = SHIPPED_RECIPES / "_entry"
+GROUP_NAMES = ("recipe", "model", "parallel", "recompute", "compress", "data", "optim", "sched", "log", "launch")
+
+ConfigStore.instance().store(name="suite_schema", node=SuiteConfig)
+
+
+def recipe_search_dirs() -> list[Path]:
+    """Folders searched for config groups, first match wins."""
+    dirs: list[Path] = []
+    for entry in os.environ.get("SUITE_RECIPES", "").split(os.pathsep):
+        if entry and Path(entry).is_dir():
+            dirs.append(Path(entry).resolve())
+    local = Path.cwd() / "recipes"
+    if local.is_dir() and local.resolve() != SHIPPED_RECIPES:
+        dirs.append(local.resolve())
+    dirs.append(SHIPPED_RECIPES)
+    return dirs
+
+
+def known_options(group: str, extra_dirs: list[Path] | None = None) -> list[str]:
+    """Every option of a config group, across all search folders."""
+    names: set[str] = set()
+    for folder in (extra_dirs or []) + recipe_search_dirs():
+        for path in (folder / group).glob("*.yaml"):
+            names.add(path.stem)
+    return sorted(names)
+
+
+def _schema_field(key: str) -> tuple[bool, list[str]]:
+    """Whether a dotted key exists in the schema, and the valid names at the level where it failed."""
+    node: Any = SuiteConfig
+    for part in key.split("."):
+        if not (isinstance(node, type) and is_dataclass(node)):
+            # Free-form below a dict/Any field (e.g. model.rope_scaling.factor) or list index.
+            return True, []
+        hints = get_type_hints(node)
+        names = [f.name for f in fields(node)]
+        if part not in names:
+            return False, names
+        node = hints[part]
+        origin = get_origin(node)
+        if origin is not None:  # Optional[X], list[X], dict[...]
+            args = [a for a in get_args(node) if a is not type(None)]
+            node = args[0] if origin is not list and len(args) == 1 else None
+    return True, []
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise ConfigError(
+            f"argument '{text}' is not an override; use key=value (e.g. train.max_steps=100) "
+            "or group=option (e.g. recipe=gpt13b)"
+        )
+    key, value = text.split("=", 1)
+    return key.strip().lstrip("+"), value.strip()
+
+
+def _materialise_recipe_file(value: str, workdir: Path) -> str:
+    """`recipe=./my.yaml`: expose the file as recipe/<stem>.yaml in a private search folder."""
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"recipe='{value}': no such file; give an existing .yaml path or one of: "
+                          + ", ".join(known_options("recipe")))
+    target = workdir / "recipe"
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, target / path.name)
+    return path.stem
+
+
+def _check_override(key: str, value: str, extra_dirs: list[Path]) -> None:
+    if key in GROUP_NAMES:
+        if value in ("null", "none") and key == "recipe":
+            return
+        options = known_options(key, extra_dirs)
+        if value not in options:
+            close = difflib.get_close_matches(value, options, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{key}='{value}' is not a known {key}{hint}; known: {', '.join(options)}")
+        return
+    ok, names = _schema_field(key)
+    if not ok:
+        leaf = key.split(".")[-1]
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        close = difflib.get_close_matches(leaf, names, n=1)
+        hint = f"did you mean '{(parent + '.') if parent else ''}{close[0]}'?" if close else ""
+        valid = f"valid keys here: {', '.join(names)}"
+        raise ConfigError(f"unknown key '{key}' (value '{value}'); {hint or valid}")
+
+
+def _explain(exc: BaseException) -> str:
+    """Dig the OmegaConf cause out of a Hydra exception and make it one line."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None) or "?"
+        msg = str(getattr(cause, "msg", cause)).splitlines()[0]
+        expected = getattr(cause, "ref_type", None)
+        return f"{key}: {msg}" + (f" (expected {expected})" if expected else "")
+    return str(exc).splitlines()[0]
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """Compose suite.yaml with the overrides; returns the (unresolved) DictConfig."""
+    overrides = list(overrides or [])
+    workdir = Path(tempfile.mkdtemp(prefix="suite-recipe-"))
+    try:
+        extra_dirs: list[Path] = []
+        final: list[str] = []
+        recipe_name = None
+        for text in overrides:
+            key, value = _split_override(text)
+            if key == "recipe" and (value.endswith((".yaml", ".yml")) or os.sep in value):
+                value = _materialise_recipe_file(value, workdir)
+                extra_dirs = [workdir]
+            _check_override(key, value, extra_dirs)
+            if key == "recipe":
+                recipe_name = value
+            final.append(f"{key}={value}")
+        if recipe_name and recipe_name not in ("null", "none"):
+            final.append(f"recipe_name={recipe_name}")
+        search = extra_dirs + recipe_search_dirs()
+        final.append("hydra.searchpath=[" + ",".join(f"file://{d}" for d in search) + "]")
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(str(ENTRY_DIR), version_base="1.3"):
+                cfg = compose("suite", overrides=final)
+        except Exception as exc:  # Hydra/OmegaConf errors carry multi-line messages
+            raise ConfigError(_explain(exc)) from None
+        try:
+            OmegaConf.resolve(cfg)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_explain(exc)) from None
+        return cfg
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        GlobalHydra.instance().clear()
+
+
+def to_object(cfg: DictConfig) -> SuiteConfig:
+    """Typed view of a composed config (attribute access with the schema's types)."""
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+
+
+def load_saved_config(path: str | Path) -> SuiteConfig:
+    """Re-read a run's resolved config.yaml against the schema."""
+    schema = OmegaConf.structured(SuiteConfig)
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: {_explain(exc)}") from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]

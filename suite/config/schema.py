@@ -1,0 +1,189 @@
+"""Structured configs: the single source of every default in the suite.
+
+Each dataclass is one Hydra config group (or the root). YAML recipes only override these
+fields; a key that is not declared here is rejected at compose time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Architecture only. `family` picks the block flavour: gpt (Megatron/GPT-2) or llama."""
+
+    name: str = "gpt-tiny"
+    family: str = "gpt"  # gpt | llama
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None  # None: same as num_heads (no grouped-query attention)
+    ffn_hidden_size: Optional[int] = None  # None: 4*hidden (gpt) or Llama's 8/3*hidden rounded to 256
+    vocab_size: int = 8192
+    max_seq_len: int = 1024  # learned-position table size (gpt); RoPE cache length (llama)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None  # e.g. {rope_type: llama3, factor: 8.0, ...}
+    qkv_bias: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees and batch sizes. Degrees may be the string 'auto' (what is left of the world)."""
+
+    dp: Any = 1
+    sharding: Any = 1
+    sharding_stage: int = 3
+    offload: bool = False
+    tp: Any = 1
+    sp: bool = False
+    pp: Any = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    vpp: int = 1
+    cp: Any = 1
+    ep: Any = 1
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+
+
+@dataclass
+class RecomputeConfig:
+    granularity: str = "none"  # none | full | full_attn | core_attn
+    num_layers: Optional[int] = None  # None: every layer (after skip_layers)
+    skip_layers: int = 0
+
+
+@dataclass
+class CompressConfig:
+    method: str = "none"
+
+
+@dataclass
+class DataSourceConfig:
+    """One text source: local files (glob) or a `datasets` name, blended by weight."""
+
+    path: str = MISSING
+    weight: float = 1.0
+    text_field: str = "text"
+    split: str = "train"
+    name: Optional[str] = None  # datasets config name
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # prepared data folder; None: the embedded corpus, built on first use
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    seq_len: int = 256
+    vocab_size: int = 8192  # tokenizer size when `suite prepare` trains one
+    val_fraction: float = 0.02
+    tokenizer: Optional[str] = None  # an existing tokenizer.json/folder to reuse instead of training
+    cache_dir: Optional[str] = None  # where the embedded corpus is built; None: ~/.cache/suite
+    max_corpus_mb: float = 8.0  # size cap of the embedded corpus text
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    fused: Optional[bool] = None  # None: fused where the device supports it
+
+
+@dataclass
+class SchedConfig:
+    name: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True
+    wandb: bool = True
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "suite"
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: Any = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    max_restarts: int = 0
+    backend: str = "auto"  # auto | nccl | gloo
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    save_every: int = 100
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    resume: bool = True
+    peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: Optional[int] = None
+
+
+@dataclass
+class GenerateConfig:
+    prompt: str = "The "
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: Optional[int] = 50
+    top_p: Optional[float] = 0.95
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${model.name}"
+    name: Optional[str] = None
+
+
+@dataclass
+class SuiteConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
+    recipe_name: str = "default"
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "recompute": RecomputeConfig,
+    "compress": CompressConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "sched": SchedConfig,
+    "log": LogConfig,
+    "launch": LaunchConfig,
+}

@@ -1,0 +1,321 @@
+"""A decoder-only transformer in one readable file, for both families the suite trains.
+
+- family=gpt:   pre-LN, learned positions, GELU MLP, biases, tied embeddings (GPT-2 / Megatron GPT).
+- family=llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, optional qkv bias (Llama/Mistral/Qwen2).
+
+No parallel code lives here: suite.parallel rewrites these modules from outside. To keep that
+possible, shapes are never derived from the config inside forward (heads are `-1` in views), so a
+tensor-parallel shard of a projection just works, and `layers` is a ModuleDict so pipeline stages
+can drop layers while keeping the names checkpoints use.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from suite.config.schema import ModelConfig
+
+
+def ffn_size(cfg: ModelConfig) -> int:
+    """Default MLP width: 4h for GPT, Llama's 2/3*4h rounded up to a multiple of 256."""
+    if cfg.ffn_hidden_size:
+        return cfg.ffn_hidden_size
+    if cfg.family == "gpt":
+        return 4 * cfg.hidden_size
+    width = int(2 * 4 * cfg.hidden_size / 3)
+    return 256 * ((width + 255) // 256)
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.num_kv_heads or cfg.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 style scaling when `rope_scaling.rope_type == llama3`."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    scaling = dict(cfg.rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"model.rope_scaling.rope_type={kind!r} is not supported; use linear or llama3")
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face Llama layout). x: [b, s, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value buffers for incremental decoding."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
+        p = next(model.parameters())
+        shape = (batch, model.num_kv_heads, max_len, model.head_dim)
+        n = len(model.layers)
+        return cls([p.new_zeros(shape) for _ in range(n)], [p.new_zeros(shape) for _ in range(n)])
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T)V alone: the unit that `recompute=core_attn` checkpoints."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        super().__init__()
+        self.gqa = num_kv_heads != num_heads
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=self.gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        gpt = cfg.family == "gpt"
+        qkv_bias = gpt or cfg.qkv_bias
+        n_kv = kv_heads(cfg)
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=gpt)
+        self.core = CoreAttention(cfg.num_heads, n_kv)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k_buf, v_buf, start = cache
+            k_buf[:, :, start : start + s] = k
+            v_buf[:, :, start : start + s] = v
+            k, v = k_buf[:, :, : start + s], v_buf[:, :, : start + s]
+            if s > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, all of the prefix
+                mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
+        out = self.core(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        width = ffn_size(cfg)
+        self.swiglu = cfg.family == "llama"
+        bias = not self.swiglu
+        self.w1 = nn.Linear(cfg.hidden_size, width, bias=bias)  # gate (llama) / fc (gpt)
+        self.w2 = nn.Linear(width, cfg.hidden_size, bias=bias)  # down / proj
+        self.w3 = nn.Linear(cfg.hidden_size, width, bias=False) if self.swiglu else None  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.family == "llama":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope=None, mask=None, cache=None):
+        x = x + self.dropout(self.attention(self.attention_norm(x), rope, mask, cache))
+        return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.family not in ("gpt", "llama"):
+            raise ValueError(f"model.family={cfg.family!r}; use gpt or llama")
+        self.cfg = cfg
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.num_kv_heads = kv_heads(cfg)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.family == "gpt" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if cfg.family == "llama":
+            self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
+        else:
+            self.rope_inv_freq = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (again after to_empty, which unties them)."""
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    # ---- positions -------------------------------------------------------------------------
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the given positions, shaped to broadcast over [b, s, heads, head_dim]."""
+        freqs = positions.float()[..., None] * self.rope_inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        if cos.dim() == 2:  # [s, d] -> [1, s, 1, d]
+            return cos[None, :, None, :], sin[None, :, None, :]
+        return cos[:, :, None, :], sin[:, :, None, :]  # [b, s, d] -> [b, s, 1, d]
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for `tokens` [b, s]. Pipeline stages without the embedding pass `hidden` instead.
+
+        positions: [s] or [b, s] absolute positions (default: arange from the cache length);
+        mask: an optional boolean attention mask (True = attend), e.g. for packed documents.
+        """
+        start = kv_cache.length if kv_cache is not None else 0
+        if self.tok_embeddings is not None:
+            seq = tokens.shape[1]
+            if positions is None:
+                positions = torch.arange(start, start + seq, device=tokens.device)
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(positions)
+            h = self.dropout(h)
+        else:
+            h = hidden
+            if positions is None:
+                positions = torch.arange(start, start + h.shape[1], device=h.device)
+        rope = self.rope_tables(positions, h.dtype) if self.rope_inv_freq is not None else None
+        for i, layer in enumerate(self.layers.values()):
+            cache = (kv_cache.keys[i], kv_cache.values[i], start) if kv_cache is not None else None
+            h = layer(h, rope, mask, cache)
+        if kv_cache is not None:
+            kv_cache.length = start + h.shape[1]
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    # ---- init and accounting ----------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded GPT-2/Megatron init: N(0, std), residual projections scaled by 1/sqrt(2L).
+
+        Values depend only on (seed, parameter name), so every parallel layout starts identical.
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                init = torch.zeros(param.shape)
+            elif "norm" in name:
+                init = torch.ones(param.shape)
+            else:
+                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                # One generator per parameter name: the same values whatever layers this rank holds.
+                gen = torch.Generator(device="cpu").manual_seed(seed + zlib.crc32(name.encode()))
+                init = torch.randn(param.shape, generator=gen) * scale
+            param.copy_(init.to(param.dtype))
+        if self.rope_inv_freq is not None:
+            self.rope_inv_freq.copy_(rope_inv_freq(self.cfg).to(self.rope_inv_freq.device))
+
+    def num_params(self, exclude_position_embeddings: bool = True) -> int:
+        seen: set[int] = set()
+        total = 0
+        for name, p in self.named_parameters():
+            if id(p) in seen or (exclude_position_embeddings and name.startswith("pos_embeddings")):
+                continue
+            seen.add(id(p))
+            total += p.numel()
+        return total
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone (no weights are allocated)."""
+    with torch.device("meta"):
+        return Transformer(cfg).num_params()
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6*N (forward+backward matmuls) + 12*L*s*h (attention scores).
+
+    N counts every parameter once (tied head included: its matmul is real work) except the learned
+    position table, which is a lookup.
+    """
+    return 6.0 * num_params(cfg) + 12.0 * cfg.num_layers * seq_len * cfg.hidden_size
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
+    """Build on `device` (meta by default: no memory, parallelize first, materialise later)."""
+    with torch.device(device):
+        return Transformer(cfg)
+
+
+def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
+    """Allocate a meta-built model on `device` and run the seeded init."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model

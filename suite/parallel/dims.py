@@ -1,0 +1,133 @@
+"""One frozen object that owns the parallel degrees, checks them, and builds the device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig, ParallelConfig
+
+# Mesh dimension order, outermost first: pp spans nodes, tp stays inside a node.
+MESH_ORDER = ("pp", "dp", "sharding", "cp", "tp")
+DEGREE_KEYS = ("dp", "sharding", "tp", "pp", "cp")
+
+
+def _as_degree(key: str, value: object) -> int | None:
+    if value == "auto" or value is None:
+        return None
+    try:
+        degree = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"parallel.{key}={value!r} is not a degree; use a positive integer or 'auto'") from None
+    if degree < 1:
+        raise ConfigError(f"parallel.{key}={degree} must be at least 1 (or 'auto')")
+    return degree
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    sharding: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve 'auto' degrees against the world size and check they multiply to it."""
+        degrees = {key: _as_degree(key, getattr(cfg, key)) for key in DEGREE_KEYS}
+        autos = [k for k, v in degrees.items() if v is None]
+        fixed = 1
+        for v in degrees.values():
+            fixed *= v or 1
+        if len(autos) > 1:
+            raise ConfigError(
+                f"parallel: {' and '.join('parallel.' + k for k in autos)} are all 'auto'; at most one degree may be 'auto'"
+            )
+        if autos:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"parallel.{autos[0]}=auto: the other degrees multiply to {fixed}, which does not divide "
+                    f"the world size {world_size}; pick degrees whose product divides it"
+                )
+            degrees[autos[0]] = world_size // fixed
+        product = 1
+        for v in degrees.values():
+            product *= v  # type: ignore[operator]
+        if product != world_size:
+            desc = "*".join(f"{k}={degrees[k]}" for k in DEGREE_KEYS if degrees[k] != 1) or "all 1"
+            raise ConfigError(
+                f"parallel degrees {desc} multiply to {product} but the world size "
+                f"(launch.nnodes * launch.nproc_per_node) is {world_size}; make them equal, or set one degree to 'auto'"
+            )
+        ep = _as_degree("ep", cfg.ep)
+        data_ranks = degrees["dp"] * degrees["sharding"]  # type: ignore[operator]
+        if ep is None:
+            ep = data_ranks
+        return cls(world_size=world_size, ep=ep, **degrees)  # type: ignore[arg-type]
+
+    # ---- derived sizes ---------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples (replicated x sharded data parallel)."""
+        return self.dp * self.sharding
+
+    @property
+    def enabled(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_ORDER if getattr(self, name) > 1}
+
+    def validate(self, cfg: ParallelConfig, model: ModelConfig) -> None:
+        """Check the degrees against the model and the batch sizes."""
+        kv = model.num_kv_heads or model.num_heads
+        if model.num_heads % self.tp:
+            raise ConfigError(
+                f"parallel.tp={self.tp} does not divide model.num_heads={model.num_heads}; "
+                f"use a tp that divides {model.num_heads}"
+            )
+        if kv % self.tp:
+            raise ConfigError(
+                f"parallel.tp={self.tp} does not divide model.num_kv_heads={kv}; use a tp that divides {kv}"
+            )
+        stages = self.pp * cfg.vpp
+        if stages > model.num_layers:
+            raise ConfigError(
+                f"parallel.pp={self.pp} x parallel.vpp={cfg.vpp} = {stages} stages exceed model.num_layers="
+                f"{model.num_layers}; use at most {model.num_layers} stages"
+            )
+        if self.pp > 1 and model.num_layers % stages:
+            raise ConfigError(
+                f"model.num_layers={model.num_layers} is not divisible by parallel.pp*parallel.vpp={stages}; "
+                "pick pp and vpp whose product divides the layer count"
+            )
+        if cfg.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"parallel.vpp={cfg.vpp} needs parallel.pp > 1; set parallel.vpp=1 or raise pp")
+        if cfg.micro_batch_size < 1:
+            raise ConfigError(f"parallel.micro_batch_size={cfg.micro_batch_size} must be at least 1")
+        per_step = cfg.micro_batch_size * self.data_parallel_size
+        if cfg.global_batch_size % per_step:
+            raise ConfigError(
+                f"parallel.global_batch_size={cfg.global_batch_size} is not divisible by "
+                f"parallel.micro_batch_size={cfg.micro_batch_size} x data-parallel size {self.data_parallel_size}"
+                f" = {per_step}; use a multiple of {per_step}"
+            )
+        if cfg.sharding_stage not in (1, 2, 3):
+            raise ConfigError(f"parallel.sharding_stage={cfg.sharding_stage} is not a stage; use 1, 2 or 3")
+        if cfg.sp and self.tp == 1:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along tp ranks)")
+        schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+        if cfg.pp_schedule not in schedules:
+            raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule!r} is not a schedule; use one of {', '.join(schedules)}")
+        if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble") and self.pp > 1 and cfg.vpp < 2:
+            raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.vpp >= 2 virtual stages per rank")
+
+    def accumulation(self, cfg: ParallelConfig) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return cfg.global_batch_size // (cfg.micro_batch_size * self.data_parallel_size)
+
+    @cached_property
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        names = tuple(n for n in MESH_ORDER if getattr(self, n) > 1) or ("dp",)
+        return names, tuple(getattr(self, n) for n in names)

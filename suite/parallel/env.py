@@ -1,0 +1,66 @@
+"""Who this process is in the job (from the launcher's environment) and the process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(requested: str, env: DistEnv) -> torch.device:
+    """cuda:<local_rank> when a GPU is there (or asked for), else cpu."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def init_process_group(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 600) -> None:
+    """nccl on GPUs, gloo on CPU, unless the recipe forces one."""
+    if not env.distributed or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

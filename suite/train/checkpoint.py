@@ -1,0 +1,202 @@
+"""Checkpoints that cannot be half-written, readable by every parallel layout.
+
+Layout of `<run.dir>/checkpoints/step_<N>/`:
+    model + optimizer   torch.distributed.checkpoint (DCP) files: any layout saves, any layout loads
+    trainer_state.pt    step, data position (tensors and ints only: loads with weights_only=True)
+    rng_rank<r>.pt      each rank's RNG state, for bitwise resume
+    config.yaml         the resolved config of the run that wrote it
+    manifest.json       every file with size and sha256, written last
+The folder is written under a temporary name and renamed into place; `checkpoints/latest` names
+the newest complete checkpoint and changes only after the rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from suite.config.errors import ConfigError
+
+STEP_PREFIX = "step_"
+MANIFEST = "manifest.json"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, step: int) -> None:
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+
+
+def verify(folder: Path) -> str | None:
+    """None when every file the manifest lists is there with its size and checksum; else why not."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return f"{folder} has no {MANIFEST} (an interrupted save?)"
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError):
+        return f"{manifest} is not a valid manifest"
+    for name, info in listed.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != info["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {info['bytes']}"
+        if _sha256(path) != info["sha256"]:
+            return f"{path} does not match its checksum"
+    return None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete-looking checkpoint folders, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def latest_checkpoint(run_dir: Path, log=print) -> Path | None:
+    """The newest checkpoint that verifies; a broken one is reported in one line and skipped."""
+    for folder in reversed(list_checkpoints(run_dir)):
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        log(f"skipping checkpoint {folder.name}: {problem}")
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run folder (its newest good checkpoint) or a checkpoint folder."""
+    path = Path(path).expanduser()
+    if (path / MANIFEST).is_file():
+        return path
+    if checkpoint_root(path).is_dir():
+        found = latest_checkpoint(path)
+        if found is not None:
+            return found
+    raise ConfigError(
+        f"ckpt='{path}' is neither a run folder with a checkpoint nor a checkpoint folder "
+        "(expected <run.dir> or <run.dir>/checkpoints/step_<N>)"
+    )
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    root = checkpoint_root(run_dir)
+    final = root / f"{STEP_PREFIX}{step}"
+    tmp = root / f".tmp-{STEP_PREFIX}{step}"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    torch.save(
+        {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        tmp / f"rng_rank{_rank()}.pt",
+    )
+    _barrier()
+    if _rank() == 0:
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        write_manifest(tmp, step)
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, root / "latest")
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Collective: load model (+ optimizer) into whatever layout they have now; returns trainer state."""
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        load_model_weights(folder, model)
+    rng_file = folder / f"rng_rank{_rank()}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return torch.load(folder / "trainer_state.pt", weights_only=True)
+
+
+def load_model_weights(folder: Path, model: nn.Module) -> None:
+    """Model weights only (generation, export, finetuning from a pretrained run)."""
+    model_sd = get_model_state_dict(model)
+    dcp.load({"model": model_sd}, checkpoint_id=str(folder))
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))

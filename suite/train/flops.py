@@ -1,0 +1,82 @@
+"""The MFU denominator: tabled peaks for known GPUs, a measured matmul ceiling elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets.
+GPU_PEAKS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measure_matmul_peak(device: torch.device, precision: str, size: int = 1024, seconds: float = 1.0) -> float:
+    """Best sustained FLOP/s of a square matmul: the ceiling a training step can approach."""
+    dtype = DTYPES[precision]
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("SUITE_CACHE", Path.home() / ".cache" / "suite")) / "peak_flops.json"
+
+
+def peak_flops(device: torch.device, precision: str, override: float | None = None) -> float:
+    """Peak FLOP/s of one device: the recipe's value, the data sheet, or a cached measurement."""
+    if override:
+        return float(override)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAKS.items():
+            if key in name:
+                return peaks[precision]
+    key = f"{platform.processor() or platform.machine()}|{device.type}|{torch.get_num_threads()}|{precision}"
+    cache = _cache_file()
+    try:
+        table = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure_matmul_peak(device, precision)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    return float(table[key])
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocator peak on GPU, peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -1,0 +1,115 @@
+"""Where metrics go: the console (rich progress bar), metrics.jsonl, and wandb (offline by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+class JsonlWriter:
+    """Append-only metrics file; on resume it drops records past the resumed step."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None and path.exists():
+            path.unlink()
+        self.file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def scrub_secrets(config: dict[str, Any]) -> dict[str, Any]:
+    """Drop values whose key looks like a credential before a config leaves the process."""
+    clean: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            clean[key] = scrub_secrets(value)
+        elif any(word in key.lower() for word in SECRET_WORDS) and isinstance(value, str) and value:
+            clean[key] = "***"
+        else:
+            clean[key] = value
+    return clean
+
+
+class MetricsLogger:
+    """Rank 0's view of training: progress bar, one console line per log step, JSONL, wandb."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], log_cfg, total_steps: int, start_step: int,
+                 resumed: bool):
+        self.console = Console(stderr=False)
+        self.jsonl = JsonlWriter(run_dir / "metrics.jsonl", start_step if resumed else None)
+        self.progress = None
+        if log_cfg.progress:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self.progress.start()
+        self.wandb_run = None
+        if log_cfg.wandb and log_cfg.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=log_cfg.wandb_project, dir=str(run_dir), mode=log_cfg.wandb_mode,
+                config=scrub_secrets(config), name=run_dir.name, resume="allow", id=_wandb_id(run_dir),
+            )
+
+    def print(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.print(" | ".join(_fmt(k, v) for k, v in record.items()))
+
+    def advance(self, step: int, loss: float | None) -> None:
+        if self.progress is not None:
+            status = f"loss {loss:.4f}" if loss is not None else ""
+            self.progress.update(self.task, completed=step, status=status)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable run id per run folder, so a resumed run continues the same wandb run."""
+    id_file = run_dir / ".wandb_id"
+    if id_file.exists():
+        return id_file.read_text().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    return run_id
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        if key in ("lr",):
+            return f"{key} {value:.2e}"
+        if key in ("tokens_per_s",):
+            return f"{key} {value:,.0f}"
+        return f"{key} {value:.4f}"
+    return f"{key} {value}"

@@ -1,0 +1,33 @@
+"""AdamW with Megatron's parameter groups: no weight decay on biases, norms and 1-D tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from suite.config.schema import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, fused where the device supports it (CUDA), foreach otherwise."""
+    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    kwargs = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        **kwargs,
+    )

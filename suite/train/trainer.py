@@ -1,0 +1,212 @@
+"""The training loop shared by pretraining (and, later, finetuning).
+
+recipe -> validated config -> mesh -> model on meta -> parallelize -> materialise -> loader ->
+micro-batches -> loss -> clip -> optimizer -> metrics -> loggers -> atomic checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+from suite.data import TokenBatches, ensure_prepared
+from suite.models import build_model, flops_per_token, materialize
+from suite.parallel.dims import ParallelDims
+from suite.parallel.env import DistEnv, barrier, init_process_group, pick_device
+from suite.parallel.parallelize import ParallelModel, parallelize
+from suite.train import checkpoint as ckpt
+from suite.train.flops import memory_gb, peak_flops
+from suite.train.loggers import MetricsLogger
+from suite.train.optim import build_optimizer
+from suite.train.schedule import lr_at
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss in fp32; targets of -100 (masked tokens) contribute nothing."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+class Trainer:
+    def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
+        self.cfg = cfg
+        self.dims = dims
+        self.resolved_yaml = resolved_yaml
+        self.env = DistEnv.from_environ()
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        self.device = pick_device(cfg.train.device, self.env)
+        init_process_group(self.env, self.device, cfg.launch.backend)
+        self.run_dir = Path(cfg.run.dir).expanduser()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.train.seed)
+
+        self.data_dir = ensure_prepared(cfg.data, progress=self.env.is_main)
+        meta = json.loads((self.data_dir / "meta.json").read_text())
+        if meta["vocab_size"] > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']} "
+                f"tokens in {self.data_dir}; set model.vocab_size>={meta['vocab_size']}"
+            )
+
+        model = build_model(cfg.model, "meta")
+        self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
+        self.model = self.parallel.model
+        if self.parallel.materialized is False:
+            materialize(self.model, self.device, cfg.train.seed)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+        dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else nullcontext
+        )
+        self.loader = TokenBatches(
+            self.data_dir, "train", cfg.data.seq_len, cfg.parallel.micro_batch_size,
+            cfg.parallel.global_batch_size, self.parallel.dp_rank, dims.data_parallel_size, cfg.train.seed,
+        )
+        self.val_loader = TokenBatches(
+            self.data_dir, "val", cfg.data.seq_len, cfg.parallel.micro_batch_size,
+            cfg.parallel.micro_batch_size * dims.data_parallel_size, self.parallel.dp_rank,
+            dims.data_parallel_size, cfg.train.seed,
+        )
+        self.step = 0
+        self.resumed = False
+        if cfg.train.resume:
+            self._maybe_resume()
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_flops(self.device, cfg.train.precision, cfg.train.peak_flops)
+
+    # ---- state -----------------------------------------------------------------------------
+    def _log(self, text: str) -> None:
+        if self.env.is_main:
+            print(text, flush=True)
+
+    def _maybe_resume(self) -> None:
+        folder = ckpt.latest_checkpoint(self.run_dir, log=self._log)
+        if folder is None:
+            return
+        state = ckpt.load_checkpoint(folder, self.model, self.optimizer)
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["data"])
+        self.resumed = True
+        self._log(f"resumed from {folder} at step {self.step}")
+
+    def save(self) -> Path:
+        state = {"step": self.step, "data": self.loader.state_dict()}
+        folder = ckpt.save_checkpoint(
+            self.run_dir, self.step, self.model, self.optimizer, state, self.resolved_yaml
+        )
+        return folder
+
+    # ---- one step --------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad_norm)."""
+        self.model.train()
+        lr = lr_at(self.step, self.cfg.optim, self.cfg.sched, self.cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self.parallel.forward_backward(micro_batches, self._loss_fn, self.autocast, self.scaler)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
+        return self.parallel.evaluate(batches, self._loss_fn, self.autocast)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg = self.cfg
+        logger = None
+        if self.env.is_main:
+            (self.run_dir / "config.yaml").write_text(self.resolved_yaml)
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (self.data_dir / name).is_file():
+                    shutil.copyfile(self.data_dir / name, self.run_dir / name)
+            config_dict = OmegaConf.to_container(OmegaConf.create(self.resolved_yaml))
+            logger = MetricsLogger(self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed)
+            n_params = self.parallel.num_params
+            logger.print(
+                f"[bold]suite pretrain[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
+                f"world {self.env.world_size} ({', '.join(f'{k}={v}' for k, v in self.dims.enabled.items()) or 'single process'}), "
+                f"{cfg.train.precision}, run dir {self.run_dir}"
+            )
+        last_loss = None
+        summary: dict = {}
+        tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
+        try:
+            if self.step == 0 and not self.resumed:
+                val = self.evaluate()
+                summary["first_val_loss"] = val
+                if logger:
+                    logger.log({"step": 0, "val_loss": val})
+            window_start, window_steps = time.perf_counter(), 0
+            while self.step < cfg.train.max_steps:
+                batches = self.loader.next_step()
+                loss, grad_norm = self.train_step(batches)
+                self.step += 1
+                window_steps += 1
+                record = None
+                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = tokens_per_step * window_steps / elapsed
+                    last_loss = float(loss)
+                    record = {
+                        "step": self.step,
+                        "loss": last_loss,
+                        "lr": lr_at(self.step - 1, cfg.optim, cfg.sched, cfg.train.max_steps),
+                        "grad_norm": float(grad_norm),
+                        "tokens_per_s": tokens_per_s,
+                        "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size),
+                        "mem_gb": memory_gb(self.device),
+                    }
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
+                    val = self.evaluate()
+                    summary["last_val_loss"] = val
+                    record = (record or {"step": self.step}) | {"val_loss": val}
+                    window_start = time.perf_counter()  # keep eval time out of tokens/s
+                if record and logger:
+                    logger.log(record)
+                if logger:
+                    logger.advance(self.step, last_loss)
+                if self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps:
+                    folder = self.save()
+                    if logger:
+                        logger.print(f"saved checkpoint {folder}")
+                    window_start = time.perf_counter()
+        except KeyboardInterrupt:
+            if logger:
+                logger.close()
+                logger = None
+            done = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
+            where = f"last checkpoint: {done}" if done else "no checkpoint yet"
+            self._log(f"interrupted at step {self.step}; {where}; run the same command again to resume")
+            raise SystemExit(130) from None
+        finally:
+            if logger:
+                logger.close()
+        barrier()
+        summary |= {"step": self.step, "final_loss": last_loss, "run_dir": str(self.run_dir)}
+        if self.env.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            print(f"wrote {self.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/, summary.json)", flush=True)
+        return summary

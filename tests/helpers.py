@@ -1,0 +1,78 @@
+"""Shared test helpers: run the real CLI in a subprocess, read what a run wrote, compare weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=512",
+    "model.max_seq_len=64", "data.seq_len=32", "log.wandb=false", "log.progress=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def suite_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
+    env.update(extra)
+    return env
+
+
+def run_suite(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None,
+              check: bool = False) -> subprocess.CompletedProcess:
+    """`suite <args>` as a user types it (python -m suite, so no PATH assumptions)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "suite", *args], cwd=cwd or REPO, capture_output=True, text=True,
+        timeout=timeout, env=env or suite_env(),
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"suite {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's model weights as plain full tensors, whatever layout wrote them."""
+    from suite.config.compose import load_saved_config
+    from suite.models import build_model, materialize
+    from suite.train.checkpoint import load_model_weights, resolve_checkpoint
+
+    folder = resolve_checkpoint(run_dir)
+    cfg = load_saved_config(folder / "config.yaml")
+    model = materialize(build_model(cfg.model), "cpu", seed=0)
+    load_model_weights(folder, model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close_losses(ref: dict[int, float], got: dict[int, float], rtol: float = 1e-4) -> None:
+    assert ref.keys() == got.keys(), (sorted(ref), sorted(got))
+    for step in ref:
+        assert abs(ref[step] - got[step]) <= rtol * abs(ref[step]), (step, ref[step], got[step])
+
+
+def assert_close_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: float = 1e-4) -> None:
+    """Per tensor: ||ref - got|| / ||ref|| <= tol."""
+    assert ref.keys() == got.keys()
+    for name in ref:
+        diff = (ref[name].float() - got[name].float()).norm() / ref[name].float().norm().clamp_min(1e-12)
+        assert diff <= tol, (name, float(diff))
