@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,13 @@ SENTENCES = [
 
 
 def write_tiny_corpus(folder: Path, num_docs: int = 400) -> Path:
-    """A deterministic few-hundred-KB corpus of short documents."""
+    """A deterministic corpus (JSON lines, one document each) of short documents."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "corpus.txt"
+    path = folder / "corpus.jsonl"
     lines = []
     for i in range(num_docs):
         doc = " ".join(SENTENCES[(i * 7 + j) % len(SENTENCES)] for j in range(6 + i % 5))
-        lines.append(f"Document {i}: {doc}")
+        lines.append(json.dumps({"text": f"Document {i}: {doc}"}))
     path.write_text("\n".join(lines) + "\n")
     return path
 

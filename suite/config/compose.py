@@ -71,6 +71,20 @@ def _schema_field(key: str) -> tuple[bool, list[str]]:
     return True, []
 
 
+def _schema_type(key: str) -> str | None:
+    """The declared type of a dotted key, for error messages ('int', 'Optional[float]', ...)."""
+    node: Any = SuiteConfig
+    hint: Any = None
+    for part in key.split("."):
+        if not (isinstance(node, type) and is_dataclass(node)):
+            return None
+        hint = get_type_hints(node).get(part)
+        if hint is None:
+            return None
+        node = hint
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
 def _split_override(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise ConfigError(
@@ -121,8 +135,8 @@ def _explain(exc: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None) or "?"
         msg = str(getattr(cause, "msg", cause)).splitlines()[0]
-        expected = getattr(cause, "ref_type", None)
-        return f"{key}: {msg}" + (f" (expected {expected})" if expected else "")
+        expected = _schema_type(key)
+        return f"{key}: {msg}" + (f"; use a value of type {expected}" if expected else "")
     return str(exc).splitlines()[0]
 
 

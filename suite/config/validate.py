@@ -81,12 +81,12 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive, e.g. optim.lr=3e-4")
-    if needs_data and cfg.data.path is not None and not cfg.data.sources:
-        if not Path(cfg.data.path).expanduser().is_dir():
-            raise ConfigError(
-                f"data.path='{cfg.data.path}' does not exist; run `suite prepare data.path={cfg.data.path} ...` "
-                "first, or drop data.path to use the embedded corpus"
-            )
+    data_path = cfg.data.path
+    if needs_data and data_path is not None and not cfg.data.sources and not Path(data_path).expanduser().is_dir():
+        raise ConfigError(
+            f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path} ...` "
+            "first, or drop data.path to use the embedded corpus"
+        )
     dims = ParallelDims.from_config(cfg.parallel, world_size(cfg))
     dims.validate(cfg.parallel, cfg.model)
     return dims

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from suite.config.errors import ConfigError
+
+# DCP warns on every single-process save/load that it is "assuming the intent"; that intent is ours.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 SECRET_WORDS = ("key", "token", "secret", "password")
 
@@ -72,7 +79,7 @@ class MetricsLogger:
             )
 
     def print(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(text, highlight=False, soft_wrap=True)
 
     def log(self, record: dict[str, Any]) -> None:
         self.jsonl.write(record)

@@ -1,0 +1,46 @@
+"""One named DeviceMesh for the whole job, built from the frozen ParallelDims.
+
+Every axis is always present, size 1 included, so code can name an axis without asking whether it
+is enabled: ``mesh["tp"]``, ``mesh["dp", "sharding"]``. Axis order, outermost first:
+
+    pp        pipeline stages      (spans nodes: point-to-point traffic only)
+    dp        replicated data parallel
+    sharding  sharded data parallel (ZeRO / FSDP)
+    cp        context parallel     (reserved; must be 1 today)
+    tp        tensor parallel      (innermost: neighbouring ranks, i.e. GPUs of one node)
+
+``dp`` and ``sharding`` are also flattened into one axis named ``data``: the ranks that see
+different samples. The data loader's rank and the loss average use it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("pp", "dp", "sharding", "cp", "tp")
+DATA_AXIS = "data"
+
+
+def build_mesh(dims, device_type: str) -> DeviceMesh:
+    """The job's mesh over ``dims.world_size`` ranks (collective: every rank calls it)."""
+    shape = tuple(getattr(dims, axis) for axis in MESH_AXES)
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised process group (suite.parallel.env.init_process_group)")
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    mesh["dp", "sharding"]._flatten(DATA_AXIS)
+    return mesh
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """1-D mesh of the data-parallel ranks (dp x sharding flattened) of this rank's replica slot."""
+    return mesh[DATA_AXIS]
+
+
+def data_rank(mesh: DeviceMesh) -> int:
+    """This rank's coordinate among the ranks that see different samples: dp_coord * sharding + sharding_coord."""
+    return mesh.get_local_rank(DATA_AXIS)
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    return mesh.size(mesh.mesh_dim_names.index(axis))

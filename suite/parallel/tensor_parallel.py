@@ -1,0 +1,150 @@
+"""Tensor (+ sequence) parallelism with DTensor `parallelize_module` plans, Megatron-style.
+
+Per block, for both families (GPT and Llama share module names):
+
+    attention.wq / wk / wv      ColwiseParallel   heads split across tp ranks (the model's
+                                                   `.view(b, s, -1, head_dim)` sees local heads)
+    attention.wo                RowwiseParallel   partial sums reduced (all-reduce, or
+                                                   reduce-scatter along the sequence with sp)
+    feed_forward.w1 / w3        ColwiseParallel
+    feed_forward.w2             RowwiseParallel
+
+Around the blocks:
+
+    tok_embeddings              RowwiseParallel   vocabulary-parallel embedding: each rank holds
+                                                   vocab/tp rows, the lookups are summed
+    pos_embeddings (gpt)        ReplicatedTable   every rank holds the (small) table; with sp its
+                                                   output is cut to this rank's sequence slice
+    output                      ColwiseParallel   vocabulary-parallel head; logits stay sharded on
+                                                   the vocab dim (a DTensor) for `loss_parallel`, so
+                                                   the full [b, s, vocab] logits never exist
+
+With ``sp`` (sequence parallel) the activations between blocks are sharded along the sequence:
+norms run as SequenceParallel on their slice, the attention / MLP inputs are all-gathered
+(PrepareModuleInput Shard(1) -> Replicate) and the row-parallel outputs are reduce-scattered back
+to Shard(1). Without ``sp`` norms stay plain replicated modules.
+
+Tied embeddings (gpt): vocabulary-parallel embedding and head both shard the [vocab, hidden]
+weight on dim 0 with the same mesh, so after the plans are applied the head is re-tied to the
+embedding's DTensor parameter: one parameter, one gradient, one optimizer state, as in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+class ReplicatedTable(ParallelStyle):
+    """Replicate a lookup table's parameters on the tp mesh; optionally shard its output.
+
+    For learned position embeddings under sequence parallelism: every tp rank looks up all
+    positions, then keeps its own contiguous sequence slice (no communication forward; the
+    backward all-gathers the slices' gradients so the replicated table's gradient is complete).
+    """
+
+    def __init__(self, shard_output_sequence: bool):
+        super().__init__()
+        self.shard_output_sequence = shard_output_sequence
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard = self.shard_output_sequence
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
+                for t in inputs
+            )
+
+        def output_fn(mod, output, mesh):
+            if shard:
+                # [s, h] or [b, s, h]: the sequence is the second-to-last dim
+                output = output.redistribute(mesh, [Shard(output.ndim - 2)])
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+
+def block_plan(sp: bool, family: str) -> dict[str, ParallelStyle]:
+    del family  # both families use the same module names; GQA / SwiGLU need no special casing
+    if not sp:
+        return {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+    return {
+        "attention_norm": SequenceParallel(),
+        # Attention.forward(x, rope, mask, cache): only x is an activation to gather
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """Rewrite `model` (a Transformer or a pipeline part of one) in place for tp = tp_mesh.size().
+
+    Works on any subset of the modules (a pipeline stage may lack embeddings or the head).
+    The head's output is a vocab-sharded DTensor: run the loss under `loss_parallel()`.
+    """
+    family = model.cfg.family
+    seq = Shard(1) if sp else Replicate()
+    top: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "pos_embeddings", None) is not None and sp:
+        top["pos_embeddings"] = ReplicatedTable(shard_output_sequence=True)
+    if getattr(model, "norm", None) is not None and sp:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    plan = block_plan(sp, family)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if _has(block, k)})
+    retie_embeddings(model)
+
+
+def retie_embeddings(model: nn.Module) -> None:
+    """Point the head at the embedding's (now DTensor) weight again when the recipe ties them."""
+    if not model.cfg.tie_embeddings:
+        return
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if emb is None or out is None:
+        return
+    if isinstance(emb.weight, DTensor) and isinstance(out.weight, DTensor):
+        assert emb.weight.placements == out.weight.placements, (emb.weight.placements, out.weight.placements)
+    out.weight = emb.weight
+
+
+def _has(module: nn.Module, dotted: str) -> bool:
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+    return True

@@ -1,0 +1,95 @@
+"""Recipes compose, defaults come from the schema, and bad input becomes one clear ConfigError."""
+
+from __future__ import annotations
+
+import pytest
+
+from suite.config.compose import SHIPPED_RECIPES, compose_config, known_options, to_object
+from suite.config.errors import ConfigError
+from suite.config.validate import validate
+
+GROUPS = sorted(p.name for p in SHIPPED_RECIPES.iterdir() if p.is_dir() and not p.name.startswith("_"))
+EVERY_OPTION = [(g, p.stem) for g in GROUPS for p in sorted((SHIPPED_RECIPES / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize(("group", "option"), EVERY_OPTION, ids=[f"{g}={o}" for g, o in EVERY_OPTION])
+def test_every_recipe_file_composes(group, option):
+    cfg = compose_config([f"{group}={option}"])
+    assert cfg.model.num_layers >= 1
+
+
+@pytest.mark.parametrize(("group", "option"), EVERY_OPTION, ids=[f"{g}={o}" for g, o in EVERY_OPTION])
+def test_every_recipe_file_starts_with_its_launch_command(group, option):
+    lines = (SHIPPED_RECIPES / group / f"{option}.yaml").read_text().splitlines()
+    comments = [line for line in lines[:4] if line.startswith("#")]
+    assert any("suite " in line for line in comments), f"{group}/{option}.yaml lacks a launch command comment"
+
+
+def test_defaults_are_gpt_tiny_on_the_embedded_corpus():
+    cfg = to_object(compose_config([]))
+    assert cfg.model.name == "gpt-tiny" and cfg.data.path is None
+    assert cfg.run.dir == "runs/gpt-tiny"
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "hidden", "layers", "heads"),
+    [("gpt345m", 1024, 24, 16), ("gpt1.3b", 2048, 24, 16), ("gpt6.7b", 4096, 32, 32),
+     ("gpt13b", 5120, 40, 40), ("gpt175b", 12288, 96, 96)],
+)
+def test_standard_gpt_sizes(recipe, hidden, layers, heads):
+    cfg = to_object(compose_config([f"recipe={recipe}", "data.path=/nonexistent"]))
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads) == (hidden, layers, heads)
+    dims = validate(cfg, needs_data=False)
+    assert dims.world_size == cfg.launch.nnodes * cfg.launch.nproc_per_node
+
+
+def test_overrides_after_recipe_win():
+    cfg = to_object(compose_config(["recipe=gpt13b", "model.num_layers=2", "train.max_steps=7"]))
+    assert cfg.model.num_layers == 2 and cfg.train.max_steps == 7 and cfg.model.hidden_size == 5120
+
+
+def test_recipe_from_a_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("# @package _global_\ndefaults:\n  - override /model: llama-tiny\ntrain:\n  max_steps: 3\n")
+    cfg = to_object(compose_config([f"recipe={path}"]))
+    assert cfg.model.family == "llama" and cfg.train.max_steps == 3 and cfg.recipe_name == "mine"
+
+
+def test_user_recipes_folder_searched_first(tmp_path, monkeypatch):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "gpt-tiny.yaml").write_text("# @package _global_\ntrain:\n  max_steps: 11\n")
+    monkeypatch.setenv("SUITE_RECIPES", str(tmp_path))
+    assert "gpt-tiny" in known_options("recipe")
+    assert to_object(compose_config(["recipe=gpt-tiny"])).train.max_steps == 11
+
+
+BAD_INPUTS = [
+    (["recipe=gpt14b"], "not a known recipe"),
+    (["model=gpt-huge"], "not a known model"),
+    (["model.num_layer=3"], "did you mean 'model.num_layers'"),
+    (["trian.max_steps=3"], "unknown key 'trian.max_steps'"),
+    (["train.max_steps=abc"], "train.max_steps"),
+    (["model.num_heads=3"], "not divisible by model.num_heads=3"),
+    (["parallel.tp=3", "launch.nproc_per_node=3"], "does not divide model.num_heads=4"),
+    (["parallel.tp=2"], "world size"),
+    (["parallel.global_batch_size=12", "parallel.micro_batch_size=8"], "not divisible by parallel.micro_batch_size"),
+    (["data.path=/does/not/exist"], "data.path='/does/not/exist' does not exist"),
+    (["train.precision=fp8"], "train.precision='fp8' is not supported"),
+    (["data.seq_len=4096"], "exceeds model.max_seq_len"),
+    (["parallel.pp=8", "launch.nproc_per_node=8"], "exceed model.num_layers"),
+    (["parallel.sp=true"], "parallel.sp=true needs parallel.tp > 1"),
+    (["parallel.dp=auto", "parallel.sharding=auto"], "at most one degree may be 'auto'"),
+    (["parallel.sharding_stage=4", "parallel.sharding=2", "launch.nproc_per_node=2"], "sharding_stage=4"),
+    (["max_steps"], "is not an override"),
+    (["recompute.granularity=some"], "recompute.granularity='some' is not supported"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_line(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(to_object(compose_config(overrides)))
+    message = str(info.value)
+    assert expected in message, message
+    assert "\n" not in message
