@@ -119,3 +119,24 @@ def test_config_show_list_and_cp(tmp_path):
     dest.write_text(dest.read_text().replace("max_steps: 300000", "max_steps: 5"))
     mine = run_suite("config", "show", f"recipe={dest}", "--json", check=True).stdout
     assert json.loads(mine)["train"]["max_steps"] == 5
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, tiny_data, precision):
+    run_dir = tmp_path / precision
+    args = pretrain_args(run_dir, tiny_data, "train.max_steps=10", f"train.precision={precision}")
+    run_suite(*args, check=True)
+    losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)  # finite, logged
+    assert losses[-1] < 7.0  # ln(512) = 6.24 at init; training must not diverge
+
+
+def test_wandb_runs_offline_without_a_key(tmp_path, tiny_data):
+    run_dir = tmp_path / "wandb"
+    env = suite_env()
+    env.pop("WANDB_API_KEY", None)
+    env.pop("WANDB_MODE", None)
+    args = [a for a in pretrain_args(run_dir, tiny_data, "train.max_steps=5") if a != "log.wandb=false"]
+    run_suite(*args, "log.wandb=true", env=env, check=True)
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert offline_runs, "wandb wrote no offline run"
