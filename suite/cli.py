@@ -24,6 +24,7 @@ verbs:
   pretrain   train a language model from scratch (default: gpt-tiny on the embedded corpus)
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
+  export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
   config     show / list / cp recipes: suite config show recipe=gpt13b
 
 Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
@@ -57,13 +58,19 @@ Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenize
 Samples text with a KV cache. `prompt=` is short for generate.prompt.
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
       generate.seed""",
+    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16]
+
+Writes a Hugging Face folder (safetensors, config.json, generation_config.json, tokenizer files)
+that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no custom code:
+gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias).
+`format=` and `out=` are short for export.format and export.out (default <run.dir>/export-hf).""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
                                                  suite pretrain recipe=DEST.yaml""",
 }
 
-SHORTCUTS = {"prompt": "generate.prompt"}
+SHORTCUTS = {"prompt": "generate.prompt", "format": "export.format", "out": "export.out"}
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
@@ -136,6 +143,27 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
     return 0
 
 
+def cmd_export(overrides: list[str], flags: set[str]) -> int:
+    _, cfg = _compose(overrides)
+    if not cfg.ckpt:
+        raise ConfigError("ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny")
+    validate(cfg, needs_data=False)
+    import torch
+
+    from suite.export.hf import export_hf
+    from suite.infer.generate import load_for_inference
+
+    model, tokenizer, folder = load_for_inference(cfg.ckpt, "cpu")
+    out = Path(cfg.export.out) if cfg.export.out else folder.parent.parent / f"export-{cfg.export.format}"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
+    export_hf(model, model.cfg, out, tokenizer, dtype)
+    if "--json" in flags:
+        print(json.dumps({"out": str(out), "format": cfg.export.format}))
+    else:
+        print(f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_config(overrides: list[str], flags: set[str]) -> int:
     if not overrides:
         raise ConfigError("config needs a subcommand: show, list or cp (see `suite config --help`)")
@@ -179,6 +207,7 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
     "prepare": cmd_prepare,
     "generate": cmd_generate,
+    "export": cmd_export,
     "config": cmd_config,
 }
 

@@ -153,6 +153,13 @@ class GenerateConfig:
 
 
 @dataclass
+class ExportConfig:
+    format: str = "hf"  # hf: a save_pretrained folder (safetensors + config + tokenizer)
+    out: Optional[str] = None  # None: <run.dir>/export-<format>
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/${model.name}"
     name: Optional[str] = None
@@ -172,6 +179,7 @@ class SuiteConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
     recipe_name: str = "default"
 

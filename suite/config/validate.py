@@ -18,6 +18,8 @@ CHOICES = {
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
     "compress.method": ("none",),
+    "export.format": ("hf",),
+    "export.dtype": ("fp32", "bf16", "fp16"),
 }
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.vocab_size", "model.max_seq_len",
@@ -89,4 +91,5 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         )
     dims = ParallelDims.from_config(cfg.parallel, world_size(cfg))
     dims.validate(cfg.parallel, cfg.model)
+    dims.validate_run(cfg)
     return dims

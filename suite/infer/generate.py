@@ -17,6 +17,14 @@ def load_for_inference(ckpt: str | Path, device: str = "cpu") -> tuple[Transform
     """Model (weights from the newest good checkpoint), tokenizer and the checkpoint folder."""
     from suite.data import load_tokenizer
 
+    if str(ckpt).startswith("hf:"):
+        from suite.export.hf import load_hf_model
+
+        folder = Path(str(ckpt)[3:]).expanduser()
+        model, tokenizer = load_hf_model(folder, device)
+        if tokenizer is None:
+            raise ConfigError(f"ckpt='{ckpt}': the folder has no tokenizer files to encode the prompt")
+        return model, tokenizer, folder
     folder = resolve_checkpoint(ckpt)
     cfg = load_saved_config(folder / "config.yaml")
     model = materialize(build_model(cfg.model), device, seed=0)

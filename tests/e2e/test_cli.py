@@ -58,6 +58,24 @@ def test_generate_prints_text(trained_run):
     assert json.loads(greedy.stdout)["text"] == json.loads(again.stdout)["text"]
 
 
+def test_export_loads_in_transformers_and_generates_alike(trained_run, tmp_path):
+    out = tmp_path / "hf"
+    run_suite("export", f"ckpt={trained_run}", "format=hf", f"out={out}", check=True)
+    code = (
+        "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}); t = AutoTokenizer.from_pretrained({str(out)!r});"
+        "ids = t('The module', return_tensors='pt').input_ids;"
+        "g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False);"
+        "print(t.decode(g[0, ids.shape[1]:]))"
+    )
+    hf_text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    ours = run_suite("generate", f"ckpt={trained_run}", "prompt=The module", "generate.temperature=0",
+                     "generate.max_new_tokens=8", "--json", check=True)
+    from_hf = run_suite("generate", f"ckpt=hf:{out}", "prompt=The module", "generate.temperature=0",
+                        "generate.max_new_tokens=8", "--json", check=True)
+    assert json.loads(ours.stdout)["text"] == json.loads(from_hf.stdout)["text"] == hf_text.rstrip("\n")
+
+
 def test_killed_run_resumes_bitwise(tmp_path, tiny_data, trained_run):
     """SIGKILL after the step-10 checkpoint, run the same command again: same final loss, bitwise."""
     run_dir = tmp_path / "killed"
@@ -103,7 +121,7 @@ def test_bad_input_exits_2_with_one_line(args, expected):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("verb", ["pretrain", "prepare", "generate", "config"])
+@pytest.mark.parametrize("verb", ["pretrain", "prepare", "generate", "export", "config"])
 def test_every_verb_has_help(verb):
     proc = run_suite(verb, "--help", check=True)
     assert proc.stdout.startswith("usage: suite")

@@ -1,0 +1,1 @@
+"""Export to Hugging Face folders and import from them."""

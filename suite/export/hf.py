@@ -1,0 +1,226 @@
+"""Exact weight conversion between suite models and Hugging Face transformers classes.
+
+gpt family   <-> GPT2LMHeadModel (Conv1D weights are [in, out]: transposed; q/k/v fused as c_attn)
+llama family <-> LlamaForCausalLM (Qwen2ForCausalLM when the run uses qkv bias); Mistral and
+                 Qwen2 checkpoints import into the llama family too.
+Config files are written through transformers' own config classes, never by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig
+from suite.models.transformer import ffn_size, kv_heads
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED = ("gpt2", *LLAMA_LIKE)
+
+
+# ---- suite -> HF -------------------------------------------------------------------------------
+def hf_config(cfg: ModelConfig, eos_id: int | None = None, pad_id: int | None = None):
+    """The transformers config object that describes the same architecture."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    special = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    if cfg.family == "gpt":
+        return GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=ffn_size(cfg), activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=cfg.tie_embeddings, **special,
+        )
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**dict(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=ffn_size(cfg),
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=kv_heads(cfg),
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", **special,
+    )
+    if cfg.qkv_bias:
+        return Qwen2Config(**common)
+    return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename (and for GPT-2, fuse and transpose) suite weights into the HF layout."""
+    out: dict[str, torch.Tensor] = {}
+    if cfg.family == "gpt":
+        out["transformer.wte.weight"] = sd["tok_embeddings.weight"]
+        out["transformer.wpe.weight"] = sd["pos_embeddings.weight"]
+        for i in range(cfg.num_layers):
+            p, q = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                out[q + theirs + ".weight"] = sd[p + ours + ".weight"]
+                out[q + theirs + ".bias"] = sd[p + ours + ".bias"]
+            att = p + "attention."
+            out[q + "attn.c_attn.weight"] = torch.cat([sd[att + n + ".weight"] for n in ("wq", "wk", "wv")]).t()
+            out[q + "attn.c_attn.bias"] = torch.cat([sd[att + n + ".bias"] for n in ("wq", "wk", "wv")])
+            out[q + "attn.c_proj.weight"] = sd[att + "wo.weight"].t()
+            out[q + "attn.c_proj.bias"] = sd[att + "wo.bias"]
+            out[q + "mlp.c_fc.weight"] = sd[p + "feed_forward.w1.weight"].t()
+            out[q + "mlp.c_fc.bias"] = sd[p + "feed_forward.w1.bias"]
+            out[q + "mlp.c_proj.weight"] = sd[p + "feed_forward.w2.weight"].t()
+            out[q + "mlp.c_proj.bias"] = sd[p + "feed_forward.w2.bias"]
+        out["transformer.ln_f.weight"] = sd["norm.weight"]
+        out["transformer.ln_f.bias"] = sd["norm.bias"]
+        out["lm_head.weight"] = sd["output.weight"]
+    else:
+        for ours, theirs in _llama_names(cfg):
+            out[theirs] = sd[ours]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _llama_names(cfg: ModelConfig) -> list[tuple[str, str]]:
+    names = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"),
+             ("output.weight", "lm_head.weight")]
+    proj = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+    mlp = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    for i in range(cfg.num_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        names += [(p + "attention_norm.weight", q + "input_layernorm.weight"),
+                  (p + "ffn_norm.weight", q + "post_attention_layernorm.weight")]
+        for ours, theirs in proj.items():
+            names.append((f"{p}attention.{ours}.weight", f"{q}self_attn.{theirs}.weight"))
+            if cfg.qkv_bias and ours != "wo":
+                names.append((f"{p}attention.{ours}.bias", f"{q}self_attn.{theirs}.bias"))
+        for ours, theirs in mlp.items():
+            names.append((f"{p}feed_forward.{ours}.weight", f"{q}mlp.{theirs}.weight"))
+    return names
+
+
+# ---- HF -> suite -------------------------------------------------------------------------------
+def model_config_from_hf(folder: Path) -> ModelConfig:
+    """Read config.json through transformers (no remote code) into a suite ModelConfig."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"ckpt='hf:{folder}' has no config.json; give a folder written by save_pretrained")
+    hf = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    if hf.model_type not in SUPPORTED:
+        raise ConfigError(
+            f"ckpt='hf:{folder}' is a '{hf.model_type}' model; importable architectures: {', '.join(SUPPORTED)}"
+        )
+    if hf.model_type == "gpt2":
+        if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ConfigError(f"hf:{folder}: activation '{hf.activation_function}' is not supported; use gelu_new")
+        return ModelConfig(
+            name=folder.name, family="gpt", num_layers=hf.n_layer, hidden_size=hf.n_embd, num_heads=hf.n_head,
+            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, vocab_size=hf.vocab_size, max_seq_len=hf.n_positions,
+            norm_eps=hf.layer_norm_epsilon, tie_embeddings=bool(hf.tie_word_embeddings),
+        )
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise ConfigError(f"hf:{folder}: head_dim {head_dim} x heads != hidden size; not supported")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    if hf.model_type == "llama" and getattr(hf, "attention_bias", False):
+        raise ConfigError(f"hf:{folder}: Llama with attention_bias (bias on o_proj too) is not supported")
+    return ModelConfig(
+        name=folder.name, family="llama", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+        num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings, norm_eps=hf.rms_norm_eps,
+        rope_theta=theta, rope_scaling=scaling, qkv_bias=qkv_bias, tie_embeddings=bool(hf.tie_word_embeddings),
+    )
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a save_pretrained folder: safetensors (sharded or not), else a weights-only .bin."""
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        sd: dict[str, torch.Tensor] = {}
+        for path in files:
+            sd.update(load_file(str(path)))
+        return sd
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for path in bins:
+            sd.update(torch.load(path, map_location="cpu", weights_only=True))
+        return sd
+    raise ConfigError(f"hf:{folder}: no *.safetensors or pytorch_model*.bin weights found")
+
+
+def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of to_hf_state_dict (HF names -> suite names)."""
+    sd: dict[str, torch.Tensor] = {}
+    if cfg.family == "gpt":
+        h, kv = cfg.hidden_size, kv_heads(cfg) * (cfg.hidden_size // cfg.num_heads)
+        get = {k.removeprefix("transformer."): v for k, v in hf_sd.items()}
+        sd["tok_embeddings.weight"] = get["wte.weight"]
+        sd["pos_embeddings.weight"] = get["wpe.weight"]
+        for i in range(cfg.num_layers):
+            p, q = f"layers.{i}.", f"h.{i}."
+            for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                sd[p + ours + ".weight"] = get[q + theirs + ".weight"]
+                sd[p + ours + ".bias"] = get[q + theirs + ".bias"]
+            wq, wk, wv = get[q + "attn.c_attn.weight"].t().split([h, kv, kv])
+            bq, bk, bv = get[q + "attn.c_attn.bias"].split([h, kv, kv])
+            for name, w, b in (("wq", wq, bq), ("wk", wk, bk), ("wv", wv, bv)):
+                sd[f"{p}attention.{name}.weight"], sd[f"{p}attention.{name}.bias"] = w, b
+            sd[p + "attention.wo.weight"] = get[q + "attn.c_proj.weight"].t()
+            sd[p + "attention.wo.bias"] = get[q + "attn.c_proj.bias"]
+            sd[p + "feed_forward.w1.weight"] = get[q + "mlp.c_fc.weight"].t()
+            sd[p + "feed_forward.w1.bias"] = get[q + "mlp.c_fc.bias"]
+            sd[p + "feed_forward.w2.weight"] = get[q + "mlp.c_proj.weight"].t()
+            sd[p + "feed_forward.w2.bias"] = get[q + "mlp.c_proj.bias"]
+        sd["norm.weight"], sd["norm.bias"] = get["ln_f.weight"], get["ln_f.bias"]
+        sd["output.weight"] = hf_sd.get("lm_head.weight", get["wte.weight"])
+    else:
+        for ours, theirs in _llama_names(cfg):
+            if theirs == "lm_head.weight" and theirs not in hf_sd:
+                sd[ours] = hf_sd["model.embed_tokens.weight"]  # tied: saved once
+            else:
+                sd[ours] = hf_sd[theirs]
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def load_hf_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A suite Transformer holding an HF checkpoint's weights (plus the tokenizer, when present)."""
+    from suite.models import build_model, materialize
+
+    folder = Path(folder).expanduser()
+    cfg = model_config_from_hf(folder)
+    model = materialize(build_model(cfg), device, seed=0)
+    weights = from_hf_state_dict(cfg, read_hf_weights(folder))
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "output.weight")]
+    if missing or unexpected:
+        raise ConfigError(f"hf:{folder}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    return model.eval(), tokenizer
+
+
+def export_hf(model, cfg: ModelConfig, out: Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load with no custom code."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    config = hf_config(cfg, eos, pad)
+    config.dtype = dtype
+    hf_sd = to_hf_state_dict(cfg, {k: v.detach().cpu() for k, v in model.state_dict().items()})
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    hf_model.load_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, strict=False, assign=True)
+    hf_model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "suite_export.json").write_text(json.dumps({"family": cfg.family, "name": cfg.name}, indent=1))
+    return out
