@@ -1,16 +1,37 @@
-"""Entry point of a launched worker: read the parent's frozen config and run the verb."""
+"""Entry point of a launched worker: read the parent's frozen config and run the verb.
+
+The elastic launcher starts `python -m suite.worker <verb> <config.yaml>` once per rank. Failures
+are recorded in the launcher's per-rank error file (so the parent can name the rank and the cause
+in one line); a ConfigError exits 2 without a traceback, anything else prints its traceback here,
+on this rank's console, and exits 1. Workers end with os._exit once their output is flushed (see
+`_exit`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import traceback
 from pathlib import Path
 
-from suite.config.compose import load_saved_config
-from suite.config.validate import validate
+from suite.config.errors import ConfigError
 
 
-def main(argv: list[str]) -> int:
-    verb, config_path = argv[0], Path(argv[1])
+def _record(exc: BaseException) -> None:
+    """Write the elastic error file the parent reads (no-op outside the launcher)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    with contextlib.suppress(Exception):  # reporting must never mask the real failure
+        ErrorHandler().record_exception(exc)
+
+
+def run(verb: str, config_path: Path) -> int:
+    from suite.config.compose import load_saved_config
+    from suite.config.validate import validate
+
     resolved_yaml = config_path.read_text()
     cfg = load_saved_config(config_path)
     dims = validate(cfg)
@@ -19,8 +40,45 @@ def main(argv: list[str]) -> int:
 
         Trainer(cfg, dims, resolved_yaml).train()
         return 0
-    raise SystemExit(f"error: verb {verb!r} does not run under the launcher")
+    raise ConfigError(f"verb {verb!r} does not run under the launcher")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(
+            "usage: python -m suite.worker <verb> <config.yaml> (started by the suite launcher)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        code = run(argv[0], Path(argv[1]))
+        from suite.parallel.env import destroy_process_group
+
+        destroy_process_group()
+        return code
+    except ConfigError as exc:
+        _record(exc)  # the parent prints it once, as one line
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:
+        traceback.print_exc()  # on this rank's console
+        _record(exc)
+        return 1
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter finalisation: gloo's worker threads may still hold async work
+    whose tensors would need the GIL while Python tears down, which aborts the process (SIGABRT)
+    after a run that succeeded. Everything the run writes is flushed and closed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _exit(main(sys.argv[1:]))

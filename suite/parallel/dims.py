@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from suite.config.errors import ConfigError
-from suite.config.schema import ModelConfig, ParallelConfig
+import torch
 
-# Mesh dimension order, outermost first: pp spans nodes, tp stays inside a node.
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig, ParallelConfig, SuiteConfig
+from suite.models.transformer import ffn_size
+
+# Mesh dimension order, outermost first: pp spans nodes, tp stays inside a node (suite.parallel.mesh).
 MESH_ORDER = ("pp", "dp", "sharding", "cp", "tp")
 DEGREE_KEYS = ("dp", "sharding", "tp", "pp", "cp")
 
@@ -19,7 +22,9 @@ def _as_degree(key: str, value: object) -> int | None:
     try:
         degree = int(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ConfigError(f"parallel.{key}={value!r} is not a degree; use a positive integer or 'auto'") from None
+        raise ConfigError(
+            f"parallel.{key}={value!r} is not a degree; use a positive integer or 'auto'"
+        ) from None
     if degree < 1:
         raise ConfigError(f"parallel.{key}={degree} must be at least 1 (or 'auto')")
     return degree
@@ -116,12 +121,91 @@ class ParallelDims:
         if cfg.sharding_stage not in (1, 2, 3):
             raise ConfigError(f"parallel.sharding_stage={cfg.sharding_stage} is not a stage; use 1, 2 or 3")
         if cfg.sp and self.tp == 1:
-            raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along tp ranks)")
+            raise ConfigError(
+                "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along tp ranks)"
+            )
         schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
         if cfg.pp_schedule not in schedules:
-            raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule!r} is not a schedule; use one of {', '.join(schedules)}")
+            raise ConfigError(
+                f"parallel.pp_schedule={cfg.pp_schedule!r} is not a schedule; use one of {', '.join(schedules)}"
+            )
         if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble") and self.pp > 1 and cfg.vpp < 2:
-            raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.vpp >= 2 virtual stages per rank")
+            raise ConfigError(
+                f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.vpp >= 2 virtual stages per rank"
+            )
+
+    def validate_run(self, cfg: SuiteConfig) -> None:
+        """Checks that need more than the parallel and model groups (sequence, precision, launch)."""
+        model, pcfg = cfg.model, cfg.parallel
+        if self.cp > 1:
+            raise ConfigError(
+                f"parallel.cp={self.cp}: context parallelism is not implemented yet; use parallel.cp=1"
+            )
+        if self.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={self.ep}: expert parallelism needs a mixture-of-experts model and "
+                f"model.family={model.family} has no experts; use parallel.ep=1"
+            )
+        if self.tp > 1:
+            for key, size in (
+                ("model.vocab_size", model.vocab_size),
+                ("the MLP width (model.ffn_hidden_size)", ffn_size(model)),
+            ):
+                if size % self.tp:
+                    raise ConfigError(
+                        f"parallel.tp={self.tp} does not divide {key}={size}; tensor parallelism splits it evenly, "
+                        f"use a tp that divides {size} (or pad it to a multiple of {self.tp})"
+                    )
+        if pcfg.sp and cfg.data.seq_len % self.tp:
+            raise ConfigError(
+                f"parallel.sp=true splits the sequence across parallel.tp={self.tp} ranks but data.seq_len="
+                f"{cfg.data.seq_len} is not divisible by {self.tp}; use a multiple of {self.tp}"
+            )
+        if pcfg.offload and (self.sharding == 1 or pcfg.sharding_stage == 1):
+            raise ConfigError(
+                "parallel.offload=true offloads sharded parameters, gradients and optimizer state (FSDP); "
+                f"it needs parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
+                f"stage {pcfg.sharding_stage})"
+            )
+        if self.world_size > 1 and cfg.train.precision == "fp16":
+            raise ConfigError(
+                "train.precision=fp16 (loss scaling) is single-process only; multi-process runs use "
+                "train.precision=bf16 or fp32"
+            )
+        if self.pp > 1:
+            from suite.parallel.pipeline import check_pipeline
+
+            check_pipeline(pcfg, self, cfg.train.precision, cfg.train.compile)
+        launch = cfg.launch
+        if not 0 <= launch.node_rank < launch.nnodes:
+            raise ConfigError(
+                f"launch.node_rank={launch.node_rank} is not in [0, launch.nnodes={launch.nnodes}); "
+                "number the nodes 0..nnodes-1"
+            )
+        if launch.max_restarts < 0:
+            raise ConfigError(f"launch.max_restarts={launch.max_restarts} must be >= 0")
+        if self.world_size == 1:
+            return
+        wants_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+        if launch.backend == "nccl" and not wants_gpu:
+            raise ConfigError(
+                "launch.backend=nccl needs GPUs (train.device=cuda); use launch.backend=gloo or auto on CPU"
+            )
+        if cfg.train.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no GPU is visible; use train.device=auto or cpu")
+        if wants_gpu:
+            per_node = self.world_size // launch.nnodes
+            if per_node > torch.cuda.device_count():
+                raise ConfigError(
+                    f"launch.nproc_per_node={per_node} exceeds the {torch.cuda.device_count()} GPUs of this node; "
+                    f"use at most {torch.cuda.device_count()} processes per node"
+                )
+
+    def build_mesh(self, device_type: str):
+        """The job's named DeviceMesh (collective; needs the process group)."""
+        from suite.parallel.mesh import build_mesh
+
+        return build_mesh(self, device_type)
 
     def accumulation(self, cfg: ParallelConfig) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""

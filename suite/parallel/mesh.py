@@ -22,24 +22,30 @@ MESH_AXES = ("pp", "dp", "sharding", "cp", "tp")
 DATA_AXIS = "data"
 
 
+_DATA_MESHES: dict[int, DeviceMesh] = {}
+
+
 def build_mesh(dims, device_type: str) -> DeviceMesh:
     """The job's mesh over ``dims.world_size`` ranks (collective: every rank calls it)."""
     shape = tuple(getattr(dims, axis) for axis in MESH_AXES)
     if not dist.is_initialized():
-        raise RuntimeError("build_mesh needs an initialised process group (suite.parallel.env.init_process_group)")
+        raise RuntimeError(
+            "build_mesh needs an initialised process group (suite.parallel.env.init_process_group)"
+        )
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    mesh["dp", "sharding"]._flatten(DATA_AXIS)
+    # torch wants flattened axes kept by their creator rather than sliced from the root again
+    _DATA_MESHES[id(mesh)] = mesh["dp", "sharding"]._flatten(DATA_AXIS)
     return mesh
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """1-D mesh of the data-parallel ranks (dp x sharding flattened) of this rank's replica slot."""
-    return mesh[DATA_AXIS]
+    """1-D mesh of the data-parallel ranks (dp x sharding flattened) that hold this rank's model slice."""
+    return _DATA_MESHES[id(mesh)]
 
 
 def data_rank(mesh: DeviceMesh) -> int:
     """This rank's coordinate among the ranks that see different samples: dp_coord * sharding + sharding_coord."""
-    return mesh.get_local_rank(DATA_AXIS)
+    return data_mesh(mesh).get_local_rank()
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:

@@ -1,66 +1,279 @@
 """`parallelize`: the one place where a plain model becomes a parallel one.
 
 It returns a ParallelModel, which owns how a step's micro-batches run (plain loop, or a pipeline
-schedule), how gradients are clipped (norms across shards and stages) and how evaluation runs,
-so the trainer's loop reads the same for every layout.
+schedule), how gradients are clipped (norms across shards and stages), how evaluation runs and
+which optimizer wraps the parameters, so the trainer's loop reads the same for every layout.
+
+Order of application (each step sees the previous one's result; the model starts on `meta`):
+
+    1. tensor parallel (+ sequence parallel)   DTensor plans, suite.parallel.tensor_parallel
+    2. activation recompute                    suite.parallel.recompute.apply_recompute
+    3. torch.compile per block                 train.compile (in place: names stay the same)
+    4. data parallel                           replicate / ZeRO-1 / FSDP2 stage 2-3 / HSDP (+offload)
+    5. materialise                             allocate shards, seeded init = the one-process values
+   (pp > 1: suite.parallel.pipeline.build_pipeline first cuts the model into this rank's stage
+    part(s) and runs 1-5 on each part through the `parallelize_part` callback.)
+
+TP comes first because FSDP shards the TP-local tensors (2-D DTensors); recompute and compile wrap
+the TP-rewritten blocks; FSDP is last among the rewrites so its hooks sit outside the recomputed
+and compiled regions and gather the parameters once per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from suite.config.schema import SuiteConfig
+from suite.config.errors import ConfigError
+from suite.config.schema import OptimConfig, SuiteConfig
+from suite.parallel import memory
 from suite.parallel.dims import ParallelDims
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor of a (possibly DTensor) scalar loss."""
+    loss = loss.detach()
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # DTensor (tp > 1)
+
+
 @dataclass
 class ParallelModel:
+    """The model as this rank runs it, plus how to run a step on it.
+
+    Single process: `mesh` is None and every method is the plain PyTorch loop. Distributed: the
+    mesh names the axes; `data_group` averages the logged loss; `loss_parallel` runs the loss (and
+    its backward) under DTensor's vocab-parallel cross-entropy; `dp_kind` says which data-parallel
+    wrapper is on the model (none, replicate, zero1, fsdp, hsdp).
+    Subclasses (the pipeline) override forward_backward / evaluate / clip_grad_norm.
+    """
+
     model: nn.Module
     dims: ParallelDims
     dp_rank: int = 0
     materialized: bool = False
     num_params: int = 0
     extras: dict = field(default_factory=dict)
+    mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when distributed
+    loss_parallel: bool = False
+    dp_kind: str = "none"
+    optim_device: torch.device | None = None
 
-    def forward_backward(self, micro_batches: list[torch.Tensor], loss_fn: LossFn, autocast, scaler) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns the mean loss (detached)."""
-        device = next(self.model.parameters()).device
+    # ---- communication helpers -----------------------------------------------------------------
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        if self.mesh is None or self.dims.data_parallel_size == 1:
+            return None
+        from suite.parallel.mesh import data_mesh
+
+        return data_mesh(self.mesh).get_group()
+
+    def data_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a per-rank scalar over the data-parallel ranks (gloo has no AVG: sum, divide)."""
+        group = self.data_group
+        if group is None:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, group=group)
+        return value / self.dims.data_parallel_size
+
+    def loss_context(self):
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def _device(self) -> torch.device:
+        param = next(self.model.parameters())
+        return getattr(param, "_local_tensor", param).device
+
+    def input_device(self) -> torch.device:
+        """Where batches go (offloaded FSDP keeps sharded params on the CPU, compute on the device)."""
+        return self.extras.get("compute_device") or self._device()
+
+    # ---- one optimizer step's work -------------------------------------------------------------
+    def forward_backward(
+        self, micro_batches: list[torch.Tensor], loss_fn: LossFn, autocast, scaler
+    ) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; returns the global-batch mean loss (detached)."""
+        device = self.input_device()
         total = torch.zeros((), device=device)
-        for batch in micro_batches:
+        count = len(micro_batches)
+        for i, batch in enumerate(micro_batches):
+            last = i == count - 1
+            if self.dp_kind != "none":
+                from suite.parallel.data_parallel import set_gradient_sync
+
+                set_gradient_sync(self.model, self.dp_kind, last)
             batch = batch.to(device, non_blocking=True)
-            with autocast():
-                logits = self.model(batch[:, :-1])
-                loss = loss_fn(logits, batch[:, 1:]) / len(micro_batches)
-            scaler.scale(loss).backward()
-            total += loss.detach()
-        return total
+            with self.loss_context():
+                with autocast():
+                    logits = self.model(batch[:, :-1])
+                    loss = loss_fn(logits, batch[:, 1:]) / count
+                if last:
+                    self._note_bytes("params", memory.parameter_bytes(self.model))
+                scaler.scale(loss).backward()
+            total += _local_value(loss)
+        self._note_bytes("params", memory.parameter_bytes(self.model))
+        self._note_bytes("grads", memory.gradient_bytes(self.model))
+        return self.data_mean(total)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if self.mesh is None:
+            if max_norm > 0:
+                return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        from suite.parallel.data_parallel import clip_grad_norm_
+
+        return clip_grad_norm_(params, max_norm)
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor], loss_fn: LossFn, autocast) -> float:
-        device = next(self.model.parameters()).device
+        device = self.input_device()
         losses = []
         for batch in batches:
             batch = batch.to(device)
-            with autocast():
-                losses.append(loss_fn(self.model(batch[:, :-1]), batch[:, 1:]).float())
-        return float(torch.stack(losses).mean())
+            with self.loss_context(), autocast():
+                losses.append(_local_value(loss_fn(self.model(batch[:, :-1]), batch[:, 1:])).float())
+        mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        return float(self.data_mean(mean))
+
+    # ---- optimizer and accounting --------------------------------------------------------------
+    def build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
+        """AdamW over this rank's parameters (ZeRO-1: over its slice of them)."""
+        from suite.train.optim import build_optimizer
+
+        device = self.optim_device or self._device()
+        optimizer = build_optimizer(self.model, cfg, device)
+        if self.dp_kind == "zero1":
+            from suite.parallel.data_parallel import ZeroOneOptimizer
+
+            return ZeroOneOptimizer(self.model, optimizer, self.mesh)  # type: ignore[return-value]
+        return optimizer
+
+    def _note_bytes(self, kind: str, value: int) -> None:
+        peaks = self.extras.setdefault("state_bytes", {})
+        peaks[kind] = max(peaks.get(kind, 0), value)
+
+    def note_optimizer(self, optimizer) -> None:
+        """Record optimizer-state bytes (call after a step, when the state exists)."""
+        self._note_bytes("optim", memory.optimizer_bytes(optimizer))
+        self._note_bytes("params", memory.parameter_bytes(self.model))
+
+    def state_bytes(self) -> dict[str, int]:
+        """Peak bytes of parameters, gradients and optimizer state this rank held during a step.
+
+        Collective when distributed: the maximum over ranks, so rank 0 can report it.
+        """
+        peaks = dict(self.extras.get("state_bytes", {}))
+        keys = ("params", "grads", "optim")
+        values = torch.tensor([float(peaks.get(k, 0)) for k in keys], dtype=torch.float64)
+        if self.mesh is not None:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        out = {k: int(v) for k, v in zip(keys, values.tolist())}
+        out["total"] = sum(out.values())
+        return out
 
 
-def parallelize(model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> ParallelModel:
-    """Apply the recipe's parallelism to a meta-device model (single process: compile only)."""
-    if cfg.train.compile:
-        for block in model.layers.values():
-            block.compile()  # in place: parameter names (and so checkpoints) stay the same
-    return ParallelModel(model=model, dims=dims, num_params=model.num_params())
+def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
+    try:
+        from suite.parallel.recompute import apply_recompute
+    except ImportError:  # pragma: no cover - the recompute module lands separately
+        if cfg.recompute.granularity != "none":
+            raise ConfigError(
+                f"recompute.granularity={cfg.recompute.granularity} is not available in this build; "
+                "use recompute=none"
+            ) from None
+        return
+    apply_recompute(model, cfg.recompute)
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    for block in model.layers.values():
+        block.compile()  # in place: parameter names (and so checkpoints) stay the same
+
+
+def make_part_parallelizer(
+    cfg: SuiteConfig, dims: ParallelDims, mesh, device: torch.device
+) -> tuple[Callable[[nn.Module], nn.Module], dict]:
+    """The callback that turns one meta-device model part into this rank's runnable, initialised part.
+
+    Returns (callback, info); info gets `dp_kind`, `optim_device` and `compute_device` once the
+    callback has run (the same for every part).
+    """
+    from suite.parallel import data_parallel as dpar
+
+    info: dict = {}
+    pcfg = cfg.parallel
+
+    def parallelize_part(part: nn.Module) -> nn.Module:
+        if dims.tp > 1:
+            from suite.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(part, mesh["tp"], pcfg.sp)
+        _apply_recompute(part, cfg)
+        if cfg.train.compile:
+            _compile_blocks(part)
+        kind = dpar.apply_data_parallel(
+            part, mesh, dims, pcfg.sharding_stage, cfg.train.precision, pcfg.offload, device
+        )
+        # offloaded FSDP keeps the sharded parameters (and so the optimizer) on the CPU
+        home = torch.device("cpu") if pcfg.offload else device
+        dpar.materialize_parallel(part, home, cfg.train.seed, buffer_device=device)
+        if kind == "none" and dims.tp > 1:  # after materialising: hooks live on the final parameters
+            from suite.parallel.tensor_parallel import keep_gradient_layouts
+
+            keep_gradient_layouts(part)
+        info.update(dp_kind=kind, optim_device=home, compute_device=device)
+        return part
+
+    return parallelize_part, info
+
+
+def parallelize(
+    model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device
+) -> ParallelModel:
+    """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order)."""
+    num_params = model.num_params()
+    if dims.world_size == 1:
+        _apply_recompute(model, cfg)
+        if cfg.train.compile:
+            _compile_blocks(model)
+        return ParallelModel(model=model, dims=dims, num_params=num_params)
+
+    if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
+        got = dist.get_world_size() if dist.is_initialized() else 1
+        raise ConfigError(
+            f"this job has {got} processes but the config asks for {dims.world_size} "
+            "(launch.nnodes x launch.nproc_per_node); start it with `suite pretrain ... launch.nproc_per_node=N` "
+            "or make the launch keys match torchrun's"
+        )
+    mesh = dims.build_mesh(device.type)
+    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device)
+    if dims.pp > 1:
+        from suite.parallel.pipeline import build_pipeline
+
+        return build_pipeline(model, cfg, dims, mesh, device, parallelize_part)
+    model = parallelize_part(model)
+    from suite.parallel.mesh import data_rank
+
+    return ParallelModel(
+        model=model,
+        dims=dims,
+        dp_rank=data_rank(mesh),
+        materialized=True,
+        num_params=num_params,
+        mesh=mesh,
+        loss_parallel=dims.tp > 1,
+        dp_kind=info["dp_kind"],
+        optim_device=info["optim_device"],
+        extras={"compute_device": info["compute_device"]},
+    )

@@ -13,7 +13,7 @@ Around the blocks:
 
     tok_embeddings              RowwiseParallel   vocabulary-parallel embedding: each rank holds
                                                    vocab/tp rows, the lookups are summed
-    pos_embeddings (gpt)        ReplicatedTable   every rank holds the (small) table; with sp its
+    pos_embeddings (gpt)        Replicated        every rank holds the (small) table; with sp its
                                                    output is cut to this rank's sequence slice
     output                      ColwiseParallel   vocabulary-parallel head; logits stay sharded on
                                                    the vocab dim (a DTensor) for `loss_parallel`, so
@@ -22,7 +22,8 @@ Around the blocks:
 With ``sp`` (sequence parallel) the activations between blocks are sharded along the sequence:
 norms run as SequenceParallel on their slice, the attention / MLP inputs are all-gathered
 (PrepareModuleInput Shard(1) -> Replicate) and the row-parallel outputs are reduce-scattered back
-to Shard(1). Without ``sp`` norms stay plain replicated modules.
+to Shard(1). Without ``sp`` norms run on the full sequence with Replicate parameters. Either way
+every parameter is a DTensor on the tp mesh.
 
 Tied embeddings (gpt): vocabulary-parallel embedding and head both shard the [vocab, hidden]
 weight on dim 0 with the same mesh, so after the plans are applied the head is re-tied to the
@@ -45,15 +46,18 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 
-class ReplicatedTable(ParallelStyle):
-    """Replicate a lookup table's parameters on the tp mesh; optionally shard its output.
+class Replicated(ParallelStyle):
+    """Every tp rank holds the module's parameters whole (Replicate DTensors); plain tensors in and out.
 
-    For learned position embeddings under sequence parallelism: every tp rank looks up all
-    positions, then keeps its own contiguous sequence slice (no communication forward; the
-    backward all-gathers the slices' gradients so the replicated table's gradient is complete).
+    Used for what tensor parallelism does not split, so that every parameter of the model is a
+    DTensor on the tp mesh (one layout family for the optimizer, FSDP and the gradient norm):
+    norms without sequence parallelism, and the learned position table. With
+    `shard_output_sequence` the output keeps only this rank's contiguous sequence slice (position
+    embeddings under sp: no communication forward; backward all-gathers the slices' gradients,
+    so the replicated table's gradient is complete on every rank).
     """
 
-    def __init__(self, shard_output_sequence: bool):
+    def __init__(self, shard_output_sequence: bool = False):
         super().__init__()
         self.shard_output_sequence = shard_output_sequence
 
@@ -62,7 +66,9 @@ class ReplicatedTable(ParallelStyle):
 
         def input_fn(mod, inputs, mesh):
             return tuple(
-                DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                if isinstance(t, torch.Tensor)
+                else t
                 for t in inputs
             )
 
@@ -79,6 +85,8 @@ def block_plan(sp: bool, family: str) -> dict[str, ParallelStyle]:
     del family  # both families use the same module names; GQA / SwiGLU need no special casing
     if not sp:
         return {
+            "attention_norm": Replicated(),
+            "ffn_norm": Replicated(),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -116,10 +124,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
     top: dict[str, ParallelStyle] = {}
     if getattr(model, "tok_embeddings", None) is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if getattr(model, "pos_embeddings", None) is not None and sp:
-        top["pos_embeddings"] = ReplicatedTable(shard_output_sequence=True)
-    if getattr(model, "norm", None) is not None and sp:
-        top["norm"] = SequenceParallel()
+    if getattr(model, "pos_embeddings", None) is not None:
+        top["pos_embeddings"] = Replicated(shard_output_sequence=sp)
+    if getattr(model, "norm", None) is not None:
+        top["norm"] = SequenceParallel() if sp else Replicated()
     if getattr(model, "output", None) is not None:
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if top:
@@ -140,6 +148,27 @@ def retie_embeddings(model: nn.Module) -> None:
     if isinstance(emb.weight, DTensor) and isinstance(out.weight, DTensor):
         assert emb.weight.placements == out.weight.placements, (emb.weight.placements, out.weight.placements)
     out.weight = emb.weight
+
+
+def keep_gradient_layouts(model: nn.Module) -> None:
+    """Give each DTensor gradient its parameter's layout as soon as it is accumulated.
+
+    DTensor's embedding backward returns the vocabulary-parallel table's gradient replicated (the
+    full [vocab, hidden] on every tp rank); slicing it back to Shard(0) is local and keeps the
+    gradient (and the optimizer's view of it) at 1/tp. FSDP2 and `replicate` do this themselves;
+    this is for tensor parallelism without a data-parallel wrapper.
+    """
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    seen: set[int] = set()
+    for param in model.parameters():
+        if isinstance(param, DTensor) and id(param) not in seen and param.requires_grad:
+            seen.add(id(param))
+            param.register_post_accumulate_grad_hook(hook)
 
 
 def _has(module: nn.Module, dotted: str) -> bool:

@@ -153,11 +153,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    state = _training_state(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp))
     torch.save(
         {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
@@ -179,11 +175,50 @@ def save_checkpoint(
     return final
 
 
+def _training_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    """What DCP saves: FQN-keyed model and optimizer state, DTensors in their global layout.
+
+    Any layout's state has the same keys, so DCP reshards on load (saved at sharding=4, resumed at
+    tp=2 x dp=2). An optimizer with `dcp_state_dict` (ZeRO-1) provides its own, in the same format.
+    """
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    if hasattr(optimizer, "dcp_state_dict"):
+        optim_sd = _merge_param_groups(optimizer.dcp_state_dict())
+        return {"model": get_model_state_dict(model), "optim": optim_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": _merge_param_groups(optim_sd)}
+
+
+def _merge_param_groups(optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """Make `param_groups` (parameter FQN lists: saved once, by one rank) the same on every rank.
+
+    (pipeline) Pipeline stages hold different parameters, so each rank's groups list only its own
+    FQNs; DCP would keep one rank's lists and the others could not find their hyper-parameters on
+    load. The union over ranks lists every FQN. A no-op when all ranks hold the same parameters.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1 or "param_groups" not in optim_sd:
+        return optim_sd
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [list(g["params"]) for g in optim_sd["param_groups"]])
+    groups = []
+    for i, group in enumerate(optim_sd["param_groups"]):
+        merged = dict.fromkeys(name for lists in gathered if i < len(lists) for name in lists[i])
+        groups.append({**group, "params": list(merged)})
+    return {**optim_sd, "param_groups": groups}
+
+
 def load_checkpoint(
     folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
     """Collective: load model (+ optimizer) into whatever layout they have now; returns trainer state."""
-    if optimizer is not None:
+    if optimizer is not None and hasattr(optimizer, "dcp_state_dict"):
+        # an optimizer that owns its sharded state (ZeRO-1): same keys as get_state_dict writes
+        state = {"model": get_model_state_dict(model), "optim": optimizer.dcp_state_dict(for_loading=True)}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_model_state_dict(model, state["model"])
+        optimizer.dcp_load_state_dict(state["optim"])
+    elif optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(folder))

@@ -26,7 +26,6 @@ from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger
-from suite.train.optim import build_optimizer
 from suite.train.schedule import lr_at
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +63,7 @@ class Trainer:
         self.model = self.parallel.model
         if self.parallel.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.optimizer = self.parallel.build_optimizer(cfg.optim)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
         dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
         self.autocast = (
@@ -120,6 +119,7 @@ class Trainer:
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.parallel.note_optimizer(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
 
@@ -206,6 +206,8 @@ class Trainer:
                 logger.close()
         barrier()
         summary |= {"step": self.step, "final_loss": last_loss, "run_dir": str(self.run_dir)}
+        # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
+        summary["state_bytes"] = self.parallel.state_bytes()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(f"wrote {self.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/, summary.json)", flush=True)

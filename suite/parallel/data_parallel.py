@@ -1,0 +1,414 @@
+"""Data parallelism on PyTorch's FSDP2 engine: replication, ZeRO stages 1-3, HSDP, offload.
+
+What each setting means on every rank (P = parameter bytes, N = sharding degree):
+
+    dp only                 `replicate` (FSDP2's DDP): full params, full grads all-reduced, full
+                            optimizer state.
+    sharding, stage 1       ZeRO-1: `replicate` over all data ranks (full params, full grads
+                            all-reduced) + ZeroOneOptimizer: each rank keeps the optimizer state of
+                            its 1/N row slice of every parameter, updates that slice, and the slices
+                            are all-gathered back into the full parameters after the step.
+    sharding, stage 2       FSDP2 `fully_shard(reshard_after_forward=False)`: params sharded at rest,
+                            gathered in forward and kept until backward; grads reduce-scattered
+                            (sharded); optimizer state sharded.
+    sharding, stage 3       FSDP2 `fully_shard(reshard_after_forward=True)`: params re-sharded after
+                            each block's forward and gathered again in backward.
+    dp > 1 and sharding > 1 HSDP: the same, on the 2-D (dp, sharding) mesh: sharded inside a group of
+                            N ranks, replicated across the dp groups (FSDP2's 2-D mesh).
+    offload                 FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state live
+                            on the CPU, the optimizer steps there. On a CPU-only machine this is the
+                            same code path with nothing to move (state already is on the CPU).
+
+Gradients are averaged over the data ranks by the engine, and each micro-batch loss is the mean
+over its tokens divided by the number of micro-batches, so the gradient is that of the mean loss
+over the global batch: the same as one process.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from suite.parallel.mesh import data_mesh
+
+WRAPPER_SEGMENTS = re.compile(
+    r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module|module)(?=\.|$)"
+)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as one process (and every checkpoint) calls it: wrapper segments removed."""
+    return WRAPPER_SEGMENTS.sub("", name).lstrip(".")
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def data_parallel_kind(dims, stage: int) -> str:
+    """none | replicate | zero1 | fsdp | hsdp."""
+    if dims.data_parallel_size == 1:
+        return "none"
+    if dims.sharding == 1:
+        return "replicate"
+    if stage == 1:
+        return "zero1"
+    return "hsdp" if dims.dp > 1 else "fsdp"
+
+
+def apply_data_parallel(
+    model: nn.Module, mesh: DeviceMesh, dims, stage: int, precision: str, offload: bool, device: torch.device
+) -> str:
+    """Wrap `model` (a Transformer or a pipeline part) per block, then the rest; returns the kind."""
+    kind = data_parallel_kind(dims, stage)
+    if kind == "none":
+        return kind
+    mp = mixed_precision(precision)
+    off = offload_policy(offload, device)
+    blocks = list(model.layers.values())
+    if kind in ("replicate", "zero1"):
+        # zero1 replicates over every data rank; the optimizer does the sharding
+        data = mesh["dp"] if kind == "replicate" else data_mesh(mesh)
+        for block in blocks:
+            replicate(block, mesh=data, mp_policy=mp, offload_policy=off)
+        replicate(model, mesh=data, mp_policy=mp, offload_policy=off)
+        return kind
+    shard_mesh = mesh["dp", "sharding"] if kind == "hsdp" else mesh["sharding"]
+    after_forward = stage == 3
+    for block in blocks:
+        fully_shard(
+            block, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=mp, offload_policy=off
+        )
+    # the root group (embeddings, final norm, head): at stage 3 it is re-sharded after forward too
+    # (FSDP2's default would keep the root gathered), so no parameter stays whole between passes
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=mp, offload_policy=off)
+    return kind
+
+
+def set_gradient_sync(model: nn.Module, kind: str, last_micro_batch: bool) -> None:
+    """Communicate gradients once per optimizer step where that saves traffic and no memory.
+
+    replicate / zero1: skip the all-reduce until the last micro-batch (like DDP's no_sync).
+    hsdp: reduce-scatter every micro-batch (grads stay sharded), all-reduce across dp once.
+    fsdp: reduce-scatter every micro-batch (keeping unsharded grads would cost memory).
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    if kind in ("replicate", "zero1"):
+        model.set_requires_gradient_sync(last_micro_batch)
+    elif kind == "hsdp":
+        model.set_requires_all_reduce(last_micro_batch)
+
+
+# ---- seeded init of sharded parameters ------------------------------------------------------------
+class _OneParameter:
+    """Lets Transformer.init_weights fill one full tensor: the same values one process gets."""
+
+    def __init__(self, cfg, name: str, tensor: torch.Tensor):
+        self.cfg, self._item, self.rope_inv_freq = cfg, (name, tensor), None
+
+    def named_parameters(self):
+        yield self._item
+
+
+def full_init(model_cfg, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter `name`, computed on the CPU."""
+    from suite.models.transformer import Transformer
+
+    tensor = torch.empty(shape)
+    Transformer.init_weights(_OneParameter(model_cfg, name, tensor), seed)
+    return tensor
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` laid out as `like` (a DTensor or a plain tensor)."""
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+@torch.no_grad()
+def materialize_parallel(
+    model: nn.Module, device: torch.device, seed: int, buffer_device: torch.device | None = None
+) -> nn.Module:
+    """Allocate a parallelized meta model on `device` and give every shard its single-process value.
+
+    Each parameter's full value is computed from (seed, name) one tensor at a time on the CPU, and
+    only this rank's piece is kept, so peak extra memory is one full parameter. Buffers (the RoPE
+    table) go to `buffer_device`, the compute device, when the parameters live elsewhere (offload).
+    """
+    from suite.models.transformer import rope_inv_freq
+
+    cfg = model.cfg
+    model.to_empty(device=device)
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if cfg.tie_embeddings and emb is not None and out is not None and out.weight is not emb.weight:
+        if isinstance(model, FSDPModule):
+            raise RuntimeError("tied embeddings came apart while materialising an FSDP model")
+        out.weight = emb.weight
+    for name, param in model.named_parameters():
+        full = full_init(cfg, canonical_name(name), param.shape, seed)
+        target = param.to_local() if isinstance(param, DTensor) else param
+        target.copy_(local_part(full, param).to(target.dtype))
+    if getattr(model, "rope_inv_freq", None) is not None:
+        model.rope_inv_freq.copy_(rope_inv_freq(cfg).to(model.rope_inv_freq.device))
+    if buffer_device is not None and buffer_device != device:
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(buffer_device)
+    return model
+
+
+# ---- ZeRO-1: optimizer state sharded, parameters and gradients replicated --------------------------
+def _row_slice(rows: int, parts: int, index: int) -> tuple[int, int, int]:
+    """(offset, length, padded chunk) of piece `index` of `rows` split like torch.chunk."""
+    chunk = math.ceil(rows / parts) if rows else 0
+    offset = min(index * chunk, rows)
+    return offset, max(0, min(chunk, rows - offset)), chunk
+
+
+class ZeroOneOptimizer:
+    """An optimizer whose state covers only this rank's 1/N row slice of every parameter.
+
+    Wraps an already built optimizer (from suite.train.optim) over the model's parameters and
+    re-points it at DTensor views of this rank's rows (Shard(0) over the `sharding` mesh axis,
+    replicated over `dp`, composed with the tensor-parallel placement), so the update writes
+    straight into the replicated parameters. After the step the slices are all-gathered.
+
+    Checkpoints: `dcp_state_dict()` has the same keys as DCP's `get_state_dict` for any layout
+    (FQN-keyed, DTensor values with their global layout), so a ZeRO-1 run resumes a stage-3 run's
+    checkpoint and the other way round.
+    """
+
+    def __init__(
+        self, model: nn.Module, inner: torch.optim.Optimizer, mesh: DeviceMesh, bucket_mb: float = 64
+    ):
+        self.model = model
+        self.inner = inner
+        self.group = mesh.get_group("sharding")
+        self.parts = mesh.size(mesh.mesh_dim_names.index("sharding"))
+        self.index = mesh.get_local_rank("sharding")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.entries: list[dict] = []
+        shard_of: dict[int, nn.Parameter] = {}
+        for name, param in model.named_parameters():
+            entry = self._make_shard(canonical_name(name), param, mesh)
+            self.entries.append(entry)
+            shard_of[id(param)] = entry["shard"]
+        for group in inner.param_groups:
+            group["params"] = [shard_of[id(p)] for p in group["params"]]
+        if inner.state:
+            raise RuntimeError("ZeroOneOptimizer needs a fresh optimizer (no state yet)")
+
+    def _make_shard(self, fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> dict:
+        local = param._local_tensor if isinstance(param, DTensor) else param.data
+        tp_placements: tuple = ()
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            tp_placements = tuple(p for n, p in zip(names, param.placements) if n == "tp")
+        offset, length, chunk = _row_slice(local.shape[0], self.parts, self.index)
+        view = local.narrow(0, offset, length)
+        if tp_placements:
+            tp_size = mesh.size(mesh.mesh_dim_names.index("tp"))
+            split = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
+            row = _StridedShard(0, split_factor=tp_size) if split else Shard(0)
+            spec_mesh, placements = mesh["dp", "sharding", "tp"], (Replicate(), row, *tp_placements)
+        else:
+            spec_mesh, placements = mesh["dp", "sharding"], (Replicate(), Shard(0))
+        shard = nn.Parameter(
+            DTensor.from_local(
+                view, spec_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+            ),
+            requires_grad=param.requires_grad,
+        )
+        return {
+            "fqn": fqn,
+            "param": param,
+            "local": local,
+            "shard": shard,
+            "offset": offset,
+            "length": length,
+            "chunk": chunk,
+            "mesh": spec_mesh,
+            "placements": placements,
+        }
+
+    # ---- the Optimizer surface the trainer uses -------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+        for e in self.entries:
+            e["shard"].grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError("ZeroOneOptimizer.step does not take a closure")
+        for e in self.entries:
+            grad = e["param"].grad
+            if grad is None:
+                e["shard"].grad = None
+                continue
+            g = grad._local_tensor if isinstance(grad, DTensor) else grad
+            e["shard"].grad = DTensor.from_local(
+                g.narrow(0, e["offset"], e["length"]),
+                e["mesh"],
+                e["placements"],
+                run_check=False,
+                shape=e["param"].shape,
+                stride=e["param"].stride(),
+            )
+        self.inner.step()
+        self._gather_slices()
+
+    def _gather_slices(self) -> None:
+        """All-gather every rank's updated rows into the full parameters, in size-capped buckets."""
+        by_dtype: dict[torch.dtype, list[dict]] = defaultdict(list)
+        for e in self.entries:
+            by_dtype[e["local"].dtype].append(e)
+        for entries in by_dtype.values():
+            bucket, size = [], 0
+            for e in entries:
+                bucket.append(e)
+                size += e["chunk"] * _row_numel(e["local"]) * e["local"].element_size()
+                if size >= self.bucket_bytes:
+                    self._gather_bucket(bucket)
+                    bucket, size = [], 0
+            if bucket:
+                self._gather_bucket(bucket)
+
+    def _gather_bucket(self, bucket: list[dict]) -> None:
+        sizes = [e["chunk"] * _row_numel(e["local"]) for e in bucket]
+        total = sum(sizes)
+        ref = bucket[0]["local"]
+        send = ref.new_zeros(total)
+        offsets, at = [], 0
+        for e, n in zip(bucket, sizes):
+            offsets.append(at)
+            rows = e["local"].narrow(0, e["offset"], e["length"])
+            send[at : at + rows.numel()].copy_(rows.reshape(-1))
+            at += n
+        recv = ref.new_empty(self.parts * total)
+        dist.all_gather_into_tensor(recv, send, group=self.group)
+        recv = recv.view(self.parts, total)
+        for e, n, at in zip(bucket, sizes, offsets):
+            local = e["local"]
+            full = recv[:, at : at + n].reshape(self.parts * e["chunk"], *local.shape[1:])
+            local.copy_(full[: local.shape[0]])
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def _init_state(self) -> None:
+        for e in self.entries:
+            shard = e["shard"]
+            if shard not in self.inner.state or not self.inner.state[shard]:
+                self.inner.state[shard] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(shard.detach()),
+                    "exp_avg_sq": torch.zeros_like(shard.detach()),
+                }
+
+    def dcp_state_dict(self, for_loading: bool = False) -> dict:
+        """FQN-keyed state like `get_optimizer_state_dict` (loaded in place by dcp.load)."""
+        if for_loading:
+            self._init_state()
+        fqn_of = {id(e["shard"]): e["fqn"] for e in self.entries}
+        state = {fqn_of[id(s)]: dict(st) for s, st in self.inner.state.items() if st}
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} | {"params": [fqn_of[id(p)] for p in g["params"]]}
+            for g in self.inner.param_groups
+        ]
+        if for_loading:
+            return {"state": state}
+        return {"state": state, "param_groups": groups}
+
+    def dcp_load_state_dict(self, state: dict) -> None:
+        """After dcp.load filled the tensors of `dcp_state_dict(for_loading=True)` in place."""
+        by_fqn = {e["fqn"]: e["shard"] for e in self.entries}
+        for fqn, st in state["state"].items():
+            target = self.inner.state[by_fqn[fqn]]
+            for key, value in st.items():
+                if target.get(key) is not value:
+                    target[key] = value
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return t[0].numel() if t.dim() > 0 and t.shape[0] else (math.prod(t.shape[1:]) if t.dim() else 1)
+
+
+# ---- gradient norm and clipping across shards -------------------------------------------------------
+def _spec_key(t: torch.Tensor):
+    if isinstance(t, DTensor):
+        return ("dtensor", t.device_mesh, t.placements, t.device)
+    return ("plain", t.device)
+
+
+def total_grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global 2-norm of all gradients: each distinct gradient element counted once.
+
+    DTensor gradients are grouped by layout; each group's norm is resolved over its mesh
+    (summing shard contributions, counting replicas once). `extra_group` (the pipeline axis)
+    sums contributions of parameters that live on different ranks entirely.
+    """
+    groups: dict = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[_spec_key(p.grad)].append(p.grad)
+    device = next(iter(groups))[-1] if groups else torch.device("cpu")
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float().to(device) ** 2
+    if extra_group is not None and dist.get_world_size(extra_group) > 1:
+        dist.all_reduce(total_sq, group=extra_group)
+    return total_sq.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """DTensor-aware `clip_grad_norm_`; returns the total norm (before clipping)."""
+    params = [p for p in params if p.grad is not None]
+    total = total_grad_norm(params, extra_group)
+    if max_norm > 0:
+        groups: dict = defaultdict(list)
+        for p in params:
+            groups[_spec_key(p.grad)].append(p)
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(
+                members, max_norm, total.to(members[0].grad.device), foreach=True
+            )
+    return total

@@ -1,0 +1,89 @@
+"""Shared runs for the distributed tests: each layout is trained once per session, on demand.
+
+Every run is the real CLI (`suite pretrain ... launch.nproc_per_node=N`), 10 steps of a tiny model
+on the tiny corpus, global batch 16, checkpoints at steps 5 and 10, so that equivalence, memory
+and resume tests can share runs instead of training the same layout twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import TINY_MODEL, run_suite
+
+STEPS = 10
+GLOBAL_BATCH = 16
+COMMON = [
+    "train.log_every=1",
+    "train.save_every=5",
+    "train.eval_every=10",
+    "train.eval_batches=2",
+    f"parallel.global_batch_size={GLOBAL_BATCH}",
+    "parallel.micro_batch_size=4",
+]
+# A Llama-family tiny model: RoPE, RMSNorm, SwiGLU, grouped-query attention (4 heads, 2 KV heads).
+LLAMA = ["recipe=llama-tiny", "model.num_kv_heads=2", "model.ffn_hidden_size=128"]
+
+# name -> (processes, overrides). Micro-batch 4 everywhere: 4 micro-batches per step in one
+# process, 2 per rank with 2 data-parallel ranks, 1 with 4.
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "single": (1, []),
+    "dp2": (2, ["parallel.dp=2"]),
+    "sharding2-stage1": (2, ["parallel.sharding=2", "parallel.sharding_stage=1"]),
+    "sharding2-stage2": (2, ["parallel.sharding=2", "parallel.sharding_stage=2"]),
+    "sharding2-stage3": (2, ["parallel.sharding=2", "parallel.sharding_stage=3"]),
+    "sharding2-offload": (2, ["parallel.sharding=2", "parallel.sharding_stage=3", "parallel.offload=true"]),
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
+    "dp2-tp2": (4, ["parallel.dp=2", "parallel.tp=2"]),
+    "sharding2-tp2": (4, ["parallel.sharding=2", "parallel.tp=2", "parallel.sp=true"]),
+    "sharding4-stage3": (4, ["parallel.sharding=4", "parallel.sharding_stage=3"]),
+    # micro-batch 2: two micro-batches per rank, so HSDP's once-per-step all-reduce across dp is exercised
+    "hsdp": (
+        4,
+        ["parallel.dp=2", "parallel.sharding=2", "parallel.sharding_stage=3", "parallel.micro_batch_size=2"],
+    ),
+    "llama-single": (1, LLAMA),
+    "llama-tp2": (2, [*LLAMA, "parallel.tp=2"]),
+    "llama-tp2-sp": (2, [*LLAMA, "parallel.tp=2", "parallel.sp=true"]),
+}
+
+
+def pretrain(
+    run_dir: Path, data: Path, nproc: int, *overrides: str, steps: int = STEPS, timeout: float = 420
+) -> Path:
+    """One real `suite pretrain` on `nproc` local processes; fails the test with its output on error."""
+    run_suite(
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={data}",
+        f"run.dir={run_dir}",
+        *COMMON,
+        f"train.max_steps={steps}",
+        *overrides,
+        f"launch.nproc_per_node={nproc}",
+        timeout=timeout,
+        check=True,
+    )
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def layout_run(tiny_data, tmp_path_factory):
+    """layout_run(name) -> run dir of that layout's 10-step run (trained on first request)."""
+    root = tmp_path_factory.mktemp("layouts")
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            nproc, overrides = LAYOUTS[name]
+            done[name] = pretrain(root / name, tiny_data, nproc, *overrides)
+        return done[name]
+
+    return get
+
+
+def reference_name(name: str) -> str:
+    return "llama-single" if name.startswith("llama") else "single"

@@ -1,0 +1,204 @@
+"""The launcher: impossible layouts stop before any process starts, two loopback "nodes" train
+together, and a dying worker ends the job with one error line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from suite.cli import main as cli_main
+from suite.parallel.launcher import rendezvous_endpoint
+from tests.distributed.conftest import COMMON
+from tests.helpers import REPO, TINY_MODEL, assert_close_losses, free_port, run_suite, suite_env, train_losses
+
+# (overrides, words the one-line error must contain)
+BAD_LAYOUTS = [
+    (["parallel.tp=3", "launch.nproc_per_node=2"], ["multiply to 3", "world size"]),
+    (["parallel.tp=8", "launch.nproc_per_node=8"], ["parallel.tp=8", "num_heads=4"]),
+    (["parallel.tp=2", "model.num_kv_heads=1", "launch.nproc_per_node=2"], ["num_kv_heads=1"]),
+    (["parallel.pp=4", "launch.nproc_per_node=4"], ["exceed model.num_layers=2"]),
+    (
+        [
+            "parallel.dp=2",
+            "parallel.global_batch_size=6",
+            "parallel.micro_batch_size=4",
+            "launch.nproc_per_node=2",
+        ],
+        ["global_batch_size=6"],
+    ),
+    (["parallel.sp=true"], ["parallel.sp=true needs parallel.tp > 1"]),
+    (["parallel.sharding=2", "parallel.sharding_stage=4", "launch.nproc_per_node=2"], ["sharding_stage=4"]),
+    (
+        [
+            "parallel.sharding=2",
+            "parallel.sharding_stage=1",
+            "parallel.offload=true",
+            "launch.nproc_per_node=2",
+        ],
+        ["parallel.offload=true", "stage 2 or 3"],
+    ),
+    (["parallel.dp=2", "parallel.offload=true", "launch.nproc_per_node=2"], ["parallel.offload=true"]),
+    (["parallel.dp=auto", "parallel.sharding=auto", "launch.nproc_per_node=2"], ["at most one degree"]),
+    (["parallel.cp=2", "launch.nproc_per_node=2"], ["parallel.cp=2"]),
+    (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], ["parallel.ep=2"]),
+    (["parallel.tp=2", "model.vocab_size=511", "launch.nproc_per_node=2"], ["model.vocab_size=511"]),
+    (["parallel.tp=2", "model.ffn_hidden_size=255", "launch.nproc_per_node=2"], ["ffn_hidden_size", "255"]),
+    (
+        ["parallel.tp=2", "parallel.sp=true", "data.seq_len=31", "launch.nproc_per_node=2"],
+        ["data.seq_len=31"],
+    ),
+    (["parallel.vpp=2", "launch.nproc_per_node=1"], ["parallel.vpp=2 needs parallel.pp > 1"]),
+    (["parallel.dp=2", "train.precision=fp16", "launch.nproc_per_node=2"], ["fp16"]),
+    (
+        ["parallel.dp=2", "launch.nnodes=2", "launch.node_rank=2", "launch.nproc_per_node=1"],
+        ["launch.node_rank=2"],
+    ),
+    (["parallel.dp=2", "launch.backend=nccl", "train.device=cpu", "launch.nproc_per_node=2"], ["nccl"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD_LAYOUTS, ids=[" ".join(o[:2]) for o, _ in BAD_LAYOUTS])
+def test_impossible_layout_is_one_line_before_launch(overrides, words, tiny_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = cli_main(["pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={run_dir}", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for word in words:
+        assert word in err, (word, err)
+    assert not run_dir.exists()  # nothing was launched, nothing written
+
+
+def test_impossible_layout_exits_2_from_the_shell(tiny_data, tmp_path):
+    proc = run_suite(
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={tiny_data}",
+        f"run.dir={tmp_path / 'run'}",
+        "parallel.tp=3",
+        "launch.nproc_per_node=2",
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: parallel degrees tp=3")
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_node_default_endpoint_gets_a_free_port():
+    from suite.config.schema import LaunchConfig
+
+    assert rendezvous_endpoint(LaunchConfig(nproc_per_node=2)) == "127.0.0.1:0"
+    assert rendezvous_endpoint(LaunchConfig(nnodes=2, rdzv_endpoint="10.0.0.1:29400")) == "10.0.0.1:29400"
+    assert (
+        rendezvous_endpoint(LaunchConfig(nproc_per_node=2, rdzv_endpoint="127.0.0.1:4242"))
+        == "127.0.0.1:4242"
+    )
+
+
+def _popen(args: list[str], log: Path) -> subprocess.Popen:
+    handle = log.open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "suite", *args],
+        cwd=REPO,
+        env=suite_env(),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+def test_two_loopback_nodes_train_like_one_process(layout_run, tiny_data, tmp_path):
+    """Two `suite pretrain ... launch.nnodes=2 launch.node_rank=0/1` commands, as on two machines."""
+    port = free_port()
+    run_dir = tmp_path / "two-nodes"
+    base = [
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={tiny_data}",
+        f"run.dir={run_dir}",
+        *COMMON,
+        "train.max_steps=10",
+        "parallel.dp=2",
+        "launch.nnodes=2",
+        "launch.nproc_per_node=1",
+        f"launch.rdzv_endpoint=127.0.0.1:{port}",
+    ]
+    nodes = [_popen([*base, f"launch.node_rank={r}"], tmp_path / f"node{r}.log") for r in (0, 1)]
+    try:
+        codes = [node.wait(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    logs = "\n".join((tmp_path / f"node{r}.log").read_text() for r in (0, 1))
+    assert codes == [0, 0], logs
+    assert_close_losses(train_losses(layout_run("single")), train_losses(run_dir), rtol=1e-4)
+
+
+def _worker_pids(parent: int) -> dict[int, int]:
+    """{global rank: pid} of the suite workers whose parent is `parent`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != parent or b"suite.worker" not in cmdline:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(entry.name)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
+    run_dir = tmp_path / "dies"
+    log = tmp_path / "job.log"
+    job = _popen(
+        [
+            "pretrain",
+            *TINY_MODEL,
+            f"data.path={tiny_data}",
+            f"run.dir={run_dir}",
+            *COMMON,
+            "train.max_steps=100000",
+            "train.save_every=100000",
+            "train.eval_every=100000",
+            "parallel.dp=2",
+            "launch.nproc_per_node=2",
+        ],
+        log,
+    )
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and job.poll() is None:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file() and '"loss"' in metrics.read_text():
+                break
+            time.sleep(0.5)
+        workers = _worker_pids(job.pid)
+        assert 1 in workers, (workers, log.read_text())
+        os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would
+        code = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    out = log.read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code != 0, out
+    assert errors == [errors[0]] and "rank 1" in errors[0] and "SIGKILL" in errors[0], out
