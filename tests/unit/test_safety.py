@@ -39,9 +39,9 @@ def test_no_pickle_or_remote_code():
         text = path.read_text()
         tree = ast.parse(text, filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.keyword) and node.arg == "trust_remote_code":
-                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
-                    offenders.append(f"{path.relative_to(REPO)}:{node.value.lineno} trust_remote_code")
+            remote = isinstance(node, ast.keyword) and node.arg == "trust_remote_code"
+            if remote and not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                offenders.append(f"{path.relative_to(REPO)}:{node.value.lineno} trust_remote_code")
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 if any(n in ("pickle", "dill", "cloudpickle") for n in names):
