@@ -64,7 +64,13 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, int) or exc.code is None:
+            return exc.code or 0
+        # a run that stops with a one-line message (non-finite steps, full disk): the parent prints it
+        _record(exc)
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            print(exc.code, file=sys.stderr, flush=True)
+        return 1
     except BaseException as exc:
         traceback.print_exc()  # on this rank's console
         _record(exc)

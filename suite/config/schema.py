@@ -140,6 +140,15 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda
     num_threads: Optional[int] = None
+    # reliability (docs/reliability.md)
+    keep_last: int = 3  # checkpoints kept (newest first); 0 keeps all
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever; 0: off
+    max_bad_steps: int = 3  # non-finite loss/grad-norm steps in a row before the run stops
+    collective_timeout_s: float = 600.0  # process-group timeout: a hung collective fails after this
+    # fault-injection aids for tests; inert at their defaults
+    inject_nan_steps: list[int] = field(default_factory=list)  # steps whose loss is made NaN
+    fault_kill_rank: Optional[int] = None  # this rank SIGKILLs itself at fault_kill_step (first attempt only)
+    fault_kill_step: Optional[int] = None
 
 
 @dataclass

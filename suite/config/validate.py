@@ -83,6 +83,16 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive, e.g. optim.lr=3e-4")
+    t = cfg.train
+    for key in ("keep_last", "keep_every"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 turns it off)")
+    if t.max_bad_steps < 1:
+        raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be a positive integer")
+    if t.collective_timeout_s <= 0:
+        raise ConfigError(f"train.collective_timeout_s={t.collective_timeout_s} must be positive, e.g. 600")
+    if (t.fault_kill_rank is None) != (t.fault_kill_step is None):
+        raise ConfigError("train.fault_kill_rank and train.fault_kill_step go together; set both or neither")
     data_path = cfg.data.path
     if needs_data and data_path is not None and not cfg.data.sources and not Path(data_path).expanduser().is_dir():
         raise ConfigError(

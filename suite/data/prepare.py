@@ -36,6 +36,7 @@ except ImportError:  # Windows: no advisory locks; concurrent first runs just bo
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
+CHECKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json")
 # The tokenizer learns merges from at most this much text (a shuffled sample of the training mix):
 # more barely changes the merges but costs time and memory on big corpora.
 TOKENIZER_SAMPLE_MB = 64.0
@@ -82,6 +83,8 @@ def prepare(cfg: Any, out_dir: Path, progress: bool = True) -> Path:
             "val_fraction": float(cfg.val_fraction),
             "tokenizer": str(cfg.tokenizer) if cfg.tokenizer else "trained",
             "sources": sources_meta,
+            # sizes + sha256 of the files training reads, checked by verify_prepared() on every open
+            "files": {name: _file_record(tmp / name) for name in CHECKED_FILES if (tmp / name).is_file()},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         _install(tmp, out_dir)
@@ -233,6 +236,39 @@ def _install(tmp: Path, out_dir: Path) -> None:
     os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def verify_prepared(folder: str | Path) -> None:
+    """Check the shards and tokenizer of a prepared folder against meta.json's sizes and sha256.
+
+    One ConfigError line naming the first bad file. Sizes are always checked, checksums too: the
+    files are read once per open (a few MB for the default corpus; for big shards this costs one
+    sequential read per run start). Folders prepared before checksums existed are not checked.
+    """
+    folder = Path(folder).expanduser()
+    listed = read_meta(folder).get("files") or {}
+    hint = f"it is truncated or corrupt; run `suite prepare` again to rebuild {folder}"
+    for name, info in listed.items():
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(f"data file '{path}' is missing; run `suite prepare` again to rebuild {folder}")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise ConfigError(f"data file '{path}' has {size} bytes, meta.json says {info['bytes']}; {hint}")
+        if _sha256(path) != info["sha256"]:
+            raise ConfigError(f"data file '{path}' does not match its sha256 in meta.json; {hint}")
 
 
 def is_prepared(folder: Path) -> bool:

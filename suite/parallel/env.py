@@ -53,7 +53,26 @@ def init_process_group(env: DistEnv, device: torch.device, backend: str = "auto"
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
+        **_restart_store(env, timeout_s),
     )
+
+
+def _restart_store(env: DistEnv, timeout_s: float) -> dict:
+    """After an elastic restart, a store namespace of this attempt's own.
+
+    torch's elastic agent keeps one shared store server across restarts and hands every attempt the
+    same keys, so the restarted workers read the previous attempt's (dead) gloo addresses and fail
+    to connect. A per-attempt PrefixStore over the same server avoids that. First attempts (and
+    runs not started by the elastic agent) use the default env:// rendezvous.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return {"store": dist.PrefixStore(f"suite/attempt_{attempt}", store)}
 
 
 def barrier() -> None:

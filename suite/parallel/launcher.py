@@ -83,11 +83,15 @@ def _first_failure(exc) -> tuple[int, int, str]:
     message = str(message or "").strip()
     if message.startswith("To enable traceback"):
         message = ""
-    return rank, first.exitcode, message.splitlines()[0] if message else ""
+    message = message.splitlines()[0] if message else ""
+    for prefix in ("RunStopped: ", "SystemExit: ", "error: "):  # a worker's own one-line stop message
+        message = message.removeprefix(prefix)
+    return rank, first.exitcode, message
 
 
 def launch(verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Path) -> None:
     """Start nproc_per_node workers on this node (one node of nnodes) and wait for them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
@@ -133,6 +137,11 @@ def launch(verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Pat
         where = f"rank {rank} exited with code {code}" if rank >= 0 else "a worker failed"
         detail = f": {message}" if message else " (see that rank's output above)"
         raise SystemExit(f"error: {verb} failed, {where}{detail}") from None
+    except SignalException as exc:
+        # SIGTERM/SIGINT to this process: the agent has passed it to the workers (they checkpoint the
+        # current step and exit, see the trainer) and waited for them
+        code = 128 + int(exc.sigval)
+        raise SystemExit(code) from None
     except Exception as exc:  # rendezvous timeouts and the like: still one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SystemExit(

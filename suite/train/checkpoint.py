@@ -12,6 +12,7 @@ the newest complete checkpoint and changes only after the rename.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
+ENOSPC_ENV = "SUITE_FAULT_ENOSPC_STEP"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -155,6 +157,7 @@ def save_checkpoint(
     _barrier()
     state = _training_state(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp))
+    _maybe_inject_enospc(step, tmp)
     torch.save(
         {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         tmp / f"rng_rank{_rank()}.pt",
@@ -173,6 +176,36 @@ def save_checkpoint(
         os.replace(latest_tmp, root / "latest")
     _barrier()
     return final
+
+
+def _maybe_inject_enospc(step: int, tmp: Path) -> None:
+    """Fault-injection aid for tests: `SUITE_FAULT_ENOSPC_STEP=N` makes the save of step N fail as a
+    full disk would, after the model files are written. Inert when the variable is unset."""
+    if os.environ.get(ENOSPC_ENV) == str(step):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC_ENV})", str(tmp))
+
+
+def apply_retention(run_dir: Path, keep_last: int, keep_every: int) -> list[Path]:
+    """Delete old checkpoints (rank 0, after a successful save); returns what was deleted.
+
+    Kept: the `keep_last` newest (all when 0), every step that is a multiple of `keep_every` (when
+    > 0), and always the newest checkpoint that verifies, whatever the two settings say. Stale
+    `.tmp-step_*` folders (saves that never finished) are removed too.
+    """
+    found = list_checkpoints(run_dir)
+    keep = set(found[-keep_last:] if keep_last > 0 else found)
+    if keep_every > 0:
+        keep |= {p for p in found if int(p.name[len(STEP_PREFIX) :]) % keep_every == 0}
+    doomed = [p for p in found if p not in keep]
+    if doomed:
+        newest_good = latest_checkpoint(run_dir, log=lambda _: None)
+        doomed = [p for p in doomed if p != newest_good]
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    root = checkpoint_root(run_dir)
+    for stale in root.glob(f".tmp-{STEP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return doomed
 
 
 def _training_state(model: nn.Module, optimizer) -> dict[str, Any]:

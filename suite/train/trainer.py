@@ -7,18 +7,25 @@ micro-batches -> loss -> clip -> optimizer -> metrics -> loggers -> atomic check
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared
+from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group, pick_device
@@ -27,6 +34,24 @@ from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger
 from suite.train.schedule import lr_at
+
+SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError itself, or the first one DCP wrapped into a CheckpointException (any rank's)."""
+    if isinstance(exc, OSError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
+class RunStopped(SystemExit):
+    """The run stops with one `error: ...` line (exit 1): no traceback, the message says why."""
+
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,12 +70,13 @@ class Trainer:
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         self.device = pick_device(cfg.train.device, self.env)
-        init_process_group(self.env, self.device, cfg.launch.backend)
+        init_process_group(self.env, self.device, cfg.launch.backend, cfg.train.collective_timeout_s)
         self.run_dir = Path(cfg.run.dir).expanduser()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.train.seed)
 
         self.data_dir = ensure_prepared(cfg.data, progress=self.env.is_main)
+        verify_prepared(self.data_dir)  # sizes + sha256 of shards and tokenizer: one-line error if corrupt
         meta = json.loads((self.data_dir / "meta.json").read_text())
         if meta["vocab_size"] > cfg.model.vocab_size:
             raise ConfigError(
@@ -79,6 +105,9 @@ class Trainer:
             dims.data_parallel_size, cfg.train.seed,
         )
         self.step = 0
+        self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
+        self.bad_in_a_row = 0
+        self._sigterm = False
         self.resumed = False
         if cfg.train.resume:
             self._maybe_resume()
@@ -96,32 +125,105 @@ class Trainer:
             return
         state = ckpt.load_checkpoint(folder, self.model, self.optimizer)
         self.step = int(state["step"])
+        self.bad_steps = int(state.get("bad_steps", 0))
         self.loader.load_state_dict(state["data"])
         self.resumed = True
         self._log(f"resumed from {folder} at step {self.step}")
 
     def save(self) -> Path:
-        state = {"step": self.step, "data": self.loader.state_dict()}
-        folder = ckpt.save_checkpoint(
-            self.run_dir, self.step, self.model, self.optimizer, state, self.resolved_yaml
-        )
+        """Write a checkpoint (collective), then apply retention on rank 0.
+
+        A failing write (full disk: ENOSPC, quota, I/O error) removes the temporary folder, leaves
+        every earlier checkpoint untouched and stops the run with one line.
+        """
+        state = {"step": self.step, "data": self.loader.state_dict(), "bad_steps": self.bad_steps}
+        try:
+            folder = ckpt.save_checkpoint(
+                self.run_dir, self.step, self.model, self.optimizer, state, self.resolved_yaml
+            )
+        except (OSError, CheckpointException) as exc:
+            err = os_error_in(exc)
+            if err is None:
+                raise
+            tmp = ckpt.checkpoint_root(self.run_dir) / f".tmp-{ckpt.STEP_PREFIX}{self.step}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            where = err.filename or tmp
+            good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
+            raise RunStopped(
+                f"error: could not write the checkpoint of step {self.step} to {where}: "
+                f"{err.strerror or err}; last good checkpoint: {good or 'none'}; free space and run the "
+                "same command again to resume"
+            ) from None
+        if self.env.is_main:
+            ckpt.apply_retention(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every)
         return folder
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank (collective when distributed)."""
+        if not dist.is_initialized():
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True
+
     # ---- one step --------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad_norm)."""
+    def train_step(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad_norm, ok).
+
+        A non-finite loss or gradient norm (ok=False) skips the optimizer step: gradients are zeroed,
+        nothing is updated. Every rank decides alike (loss and norm are global; the flag is all-reduced).
+        With fp16 the grad scaler already skips overflowing steps, so only the loss counts there.
+        """
         self.model.train()
         lr = lr_at(self.step, self.cfg.optim, self.cfg.sched, self.cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss = self.parallel.forward_backward(micro_batches, self._loss_fn, self.autocast, self.scaler)
+        if self.step + 1 in self.cfg.train.inject_nan_steps:  # testing aid; empty by default
+            loss = loss * float("nan")
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
-        self.scaler.step(self.optimizer)
+        finite = math.isfinite(float(loss))
+        if self.cfg.train.precision != "fp16":
+            finite = finite and math.isfinite(float(grad_norm))
+        ok = not self._any_rank(not finite)
+        if ok:
+            self.scaler.step(self.optimizer)
+            self.parallel.note_optimizer(self.optimizer)
         self.scaler.update()
-        self.parallel.note_optimizer(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm
+        return loss, grad_norm, ok
+
+    def _bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, logger) -> None:
+        """Count and report a skipped step; stop after train.max_bad_steps in a row."""
+        self.bad_steps += 1
+        self.bad_in_a_row += 1
+        limit = self.cfg.train.max_bad_steps
+        self._log(
+            f"step {self.step}: loss {float(loss):.4g}, grad norm {float(grad_norm):.4g}: not finite; "
+            f"optimizer step skipped ({self.bad_in_a_row} in a row, {self.bad_steps} in total)"
+        )
+        if self.bad_in_a_row >= limit:
+            good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
+            raise RunStopped(
+                f"error: stopping at step {self.step}: {self.bad_in_a_row} non-finite steps in a row "
+                f"(train.max_bad_steps={limit}); last good checkpoint: {good or 'none'}"
+            )
+
+    def _maybe_fault_kill(self) -> None:
+        """Fault-injection aid for tests: train.fault_kill_rank SIGKILLs itself before step
+        train.fault_kill_step, on the first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset)."""
+        t = self.cfg.train
+        if (
+            t.fault_kill_step is not None
+            and self.step + 1 == t.fault_kill_step
+            and self.env.rank == t.fault_kill_rank
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, targets)
@@ -151,6 +253,8 @@ class Trainer:
             )
         last_loss = None
         summary: dict = {}
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main_thread else None
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
         try:
             if self.step == 0 and not self.resumed:
@@ -161,9 +265,14 @@ class Trainer:
             window_start, window_steps = time.perf_counter(), 0
             while self.step < cfg.train.max_steps:
                 batches = self.loader.next_step()
-                loss, grad_norm = self.train_step(batches)
-                self.step += 1
+                self._maybe_fault_kill()
+                loss, grad_norm, ok = self.train_step(batches)
+                self.step += 1  # a skipped step still counts: the bad batch is not retried
                 window_steps += 1
+                if ok:
+                    self.bad_in_a_row = 0
+                else:
+                    self._bad_step(loss, grad_norm, logger)
                 record = None
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
                     elapsed = time.perf_counter() - window_start
@@ -177,6 +286,7 @@ class Trainer:
                         "tokens_per_s": tokens_per_s,
                         "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size),
                         "mem_gb": memory_gb(self.device),
+                        "bad_steps": self.bad_steps,
                     }
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
@@ -188,11 +298,23 @@ class Trainer:
                     logger.log(record)
                 if logger:
                     logger.advance(self.step, last_loss)
+                saved = None
                 if self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps:
-                    folder = self.save()
+                    saved = self.save()
                     if logger:
-                        logger.print(f"saved checkpoint {folder}")
+                        logger.print(f"saved checkpoint {saved}")
                     window_start = time.perf_counter()
+                if self.step < cfg.train.max_steps and self._any_rank(self._sigterm):
+                    # preemption (Slurm sends SIGTERM first): checkpoint this step, then leave
+                    saved = saved or self.save()
+                    if logger:
+                        logger.close()
+                        logger = None
+                    self._log(
+                        f"stopped by SIGTERM at step {self.step}; saved checkpoint {saved}; "
+                        "run the same command again to resume"
+                    )
+                    raise SystemExit(SIGTERM_EXIT)
         except KeyboardInterrupt:
             if logger:
                 logger.close()
@@ -204,8 +326,12 @@ class Trainer:
         finally:
             if logger:
                 logger.close()
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, previous_handler)
         barrier()
-        summary |= {"step": self.step, "final_loss": last_loss, "run_dir": str(self.run_dir)}
+        summary |= {
+            "step": self.step, "final_loss": last_loss, "bad_steps": self.bad_steps, "run_dir": str(self.run_dir),
+        }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
         if self.env.is_main:
