@@ -69,7 +69,9 @@ def _core_forward(self, q, k, v, mask=None):
 def _replace_forward(module: nn.Module, fn: Callable) -> None:
     # A bound method on the instance: deepcopy rebinds it to the copy, hooks still run around it.
     if "forward" in module.__dict__:
-        raise RuntimeError(f"{type(module).__name__} already has an instance-level forward; apply recompute first")
+        raise RuntimeError(
+            f"{type(module).__name__} already has an instance-level forward; apply recompute first"
+        )
     module.forward = types.MethodType(fn, module)
 
 

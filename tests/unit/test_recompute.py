@@ -17,8 +17,15 @@ GRANULARITIES = ("full", "full_attn", "core_attn")
 FAMILIES = {
     "gpt": ModelConfig(num_layers=3, hidden_size=32, num_heads=4, vocab_size=97, max_seq_len=16),
     "llama": ModelConfig(
-        family="llama", num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=2, vocab_size=97,
-        max_seq_len=16, tie_embeddings=False, ffn_hidden_size=48,
+        family="llama",
+        num_layers=3,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=97,
+        max_seq_len=16,
+        tie_embeddings=False,
+        ffn_hidden_size=48,
     ),
 }
 
@@ -128,7 +135,9 @@ def test_skip_and_num_layers_select_global_layer_ids():
     assert recomputed_layers([0, 1, 2, 3], RecomputeConfig("full")) == [0, 1, 2, 3]
     assert recomputed_layers([0, 1, 2, 3], RecomputeConfig("full", skip_layers=1)) == [1, 2, 3]
     assert recomputed_layers([0, 1, 2, 3], RecomputeConfig("full", num_layers=2, skip_layers=1)) == [1, 2]
-    assert recomputed_layers([2, 3], RecomputeConfig("core_attn", num_layers=1, skip_layers=1)) == []  # a pp stage
+    assert (
+        recomputed_layers([2, 3], RecomputeConfig("core_attn", num_layers=1, skip_layers=1)) == []
+    )  # a pp stage
     assert recomputed_layers([2, 3], RecomputeConfig("core_attn", skip_layers=3)) == [3]
 
     cfg = FAMILIES["gpt"]

@@ -1,0 +1,481 @@
+"""Pipeline parallelism: split the layer stack into stages and run them with torch.distributed.pipelining.
+
+    build_pipeline(model, cfg, dims, mesh, device, parallelize_part) -> PipelineParallelModel
+
+1. The meta-device model's layers are cut into pp*vpp contiguous stages balanced by parameter
+   count (the first stage also pays for the token/position embeddings, the last for the final
+   norm and the output head). Each stage part is a deep copy of the meta model with the other
+   layers deleted: `layers` is a ModuleDict, so a part's parameters keep the plain model's names
+   (`layers.5.attention.wq.weight`) and DCP checkpoints move between layouts. Parts without the
+   embedding take the previous stage's hidden states; parts without the head return them.
+2. `parallelize_part(part)` applies TP / recompute / FSDP and materialises each part.
+3. Stage parts are placed "looped": rank r of the pp group holds stages r, r+pp, r+2pp, ...
+   (one stage per rank for gpipe and 1f1b, vpp for interleaved_1f1b and zero_bubble).
+4. Tied embeddings (gpt): the first stage's embedding and the last stage's output head are two
+   copies of one weight. They start equal (the first stage's values are broadcast) and stay equal
+   because their gradients are summed across the two stages before the optimizer step
+   (Megatron's embedding group), which is exactly the gradient of the shared weight.
+
+The schedule's loss is the per-micro-batch mean loss and the schedule divides gradients by the
+number of micro-batches (scale_grads), so gradients are those of the mean loss over the step's
+micro-batches, as in the single-process loop; data-parallel wrappers average across replicas.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ParallelConfig, SuiteConfig
+from suite.parallel import data_parallel as dpar
+from suite.parallel import memory
+from suite.parallel.dims import ParallelDims
+from suite.parallel.mesh import data_rank
+from suite.parallel.parallelize import LossFn, ParallelModel
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+# ---- validation ------------------------------------------------------------------------------
+def check_pipeline(
+    cfg: ParallelConfig, dims: ParallelDims, precision: str = "fp32", compile_blocks: bool = False
+) -> None:
+    """One-line errors for pipeline settings the schedules cannot run (call before any process starts)."""
+    if dims.pp == 1:
+        return
+    schedule = cfg.pp_schedule
+    if schedule not in SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule!r} is not a schedule; use one of {', '.join(SCHEDULES)}"
+        )
+    if schedule in MULTI_STAGE and cfg.vpp < 2:
+        raise ConfigError(f"parallel.pp_schedule={schedule} needs parallel.vpp >= 2 virtual stages per rank")
+    if schedule not in MULTI_STAGE and cfg.vpp != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} runs one stage per rank but parallel.vpp={cfg.vpp}; "
+            "set parallel.vpp=1 or use parallel.pp_schedule=interleaved_1f1b"
+        )
+    n = dims.accumulation(cfg)
+    per_step = f"global_batch_size/(micro_batch_size*data-parallel size) = {n} micro-batches per step"
+    if schedule == "1f1b" and n < dims.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=1f1b needs at least parallel.pp={dims.pp} micro-batches per step, got {per_step}; "
+            "raise parallel.global_batch_size or lower parallel.micro_batch_size"
+        )
+    if schedule in MULTI_STAGE and n % max(1, n // dims.pp):
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} needs the micro-batches per step to split into equal rounds of "
+            f"parallel.pp={dims.pp}, got {per_step}; use a multiple of {dims.pp}"
+        )
+    if schedule == "zero_bubble" and compile_blocks:
+        raise ConfigError(
+            "parallel.pp_schedule=zero_bubble splits backward into input and weight passes, which "
+            "torch.compile'd blocks do not support; set train.compile=false or use interleaved_1f1b"
+        )
+    if precision == "fp16":
+        raise ConfigError(
+            "train.precision=fp16 with parallel.pp > 1 is not supported (the loss scaler's overflow check is "
+            "per stage); use train.precision=bf16"
+        )
+
+
+# ---- splitting ---------------------------------------------------------------------------------
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def split_layers(
+    layer_costs: list[int], first_extra: int, last_extra: int, num_stages: int
+) -> list[list[int]]:
+    """Contiguous layer ranges, one per stage (each at least one layer), minimising the largest
+    stage cost, where the first stage also costs `first_extra` and the last `last_extra`.
+    Ties go to the most even layer counts."""
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ConfigError(
+            f"cannot split {n} layers into {num_stages} pipeline stages; use at most {n} stages"
+        )
+    prefix = [0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, lo: int, hi: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
+        return prefix[hi] - prefix[lo] + extra
+
+    even = n / num_stages
+    # best[s][i]: (max cost, unevenness) for the first i layers in s+1 stages; cut[s][i]: start of stage s.
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for i in range(1, n + 1):
+        best[0][i] = (cost(0, 0, i), (i - even) ** 2)
+    for s in range(1, num_stages):
+        for i in range(s + 1, n + 1):
+            for j in range(s, i):
+                prev = best[s - 1][j]
+                cand = (max(prev[0], cost(s, j, i)), prev[1] + (i - j - even) ** 2)
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    bounds, hi = [], n
+    for s in range(num_stages - 1, 0, -1):
+        lo = cut[s][hi]
+        bounds.append((lo, hi))
+        hi = lo
+    bounds.append((0, hi))
+    return [list(range(lo, hi)) for lo, hi in reversed(bounds)]
+
+
+def plan_stages(model: nn.Module, num_stages: int) -> list[list[int]]:
+    """Global layer ids of each stage for `model` (a plain Transformer, meta or not)."""
+    ids = sorted(int(k) for k in model.layers)
+    costs = [_numel(model.layers[str(i)]) for i in ids]
+    first = _numel(model.tok_embeddings) + _numel(model.pos_embeddings)
+    last = _numel(model.norm) + _numel(model.output)  # a tied head is a separate copy on the last stage
+    return [[ids[i] for i in stage] for stage in split_layers(costs, first, last, num_stages)]
+
+
+def _hidden_input(module: nn.Module, args: tuple, kwargs: dict):
+    """Stages after the first receive hidden states positionally: route them to `hidden=`."""
+    if args:
+        kwargs = {**kwargs, "hidden": args[0]}
+        args = (None, *args[1:])
+    return args, kwargs
+
+
+def make_stage_part(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """A deep copy of (meta) `model` holding only `layer_ids`, with the embeddings only if `first`
+    and norm + head only if `last`. Parameter names stay those of the plain model."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    for key in list(part.layers):
+        if key not in keep:
+            del part.layers[key]
+    if not first:
+        part.tok_embeddings = None
+        part.pos_embeddings = None
+        part.register_forward_pre_hook(_hidden_input, with_kwargs=True)
+    if not last:
+        part.norm = None
+        part.output = None
+    return part
+
+
+class PipelineModules(nn.Module):
+    """This rank's stage parts seen as one module with the plain model's names.
+
+    `named_parameters()`, `state_dict()` and DCP's get_state_dict see `tok_embeddings.weight`,
+    `layers.<i>....`, `output.weight` exactly as the single-process model has them, so the trainer's
+    optimizer and checkpoint code work unchanged. It shares the parts' submodules; it is not called.
+
+    With tied embeddings, a rank that holds the head but not the embedding also registers the head's
+    weight as `tok_embeddings.weight` (as the tied plain model does): its optimizer state is keyed
+    like the plain model's, so checkpoints move between pipeline and non-pipeline layouts both ways.
+    """
+
+    def __init__(self, parts: list[nn.Module], tied: bool = False):
+        super().__init__()
+        object.__setattr__(self, "parts", parts)  # not a submodule: its names would add a prefix
+        layers: dict[str, nn.Module] = {}
+        children: dict[str, nn.Module] = {}
+        for part in parts:
+            layers.update(part.layers.items())
+            for name, child in part._modules.items():
+                if child is not None and name != "layers":
+                    children.setdefault(name, child)
+        if tied and "tok_embeddings" not in children and "output" in children:
+            alias = nn.Module()
+            alias.weight = children["output"].weight
+            children["tok_embeddings"] = alias
+        for name in parts[0]._modules:  # the plain model's order: names and parameters list alike
+            if name == "layers":
+                self.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
+            elif name in children:
+                setattr(self, name, children[name])
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for part in self.parts:
+            part.train(mode)
+        return self
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "a pipeline-parallel model runs through its schedule: use ParallelModel.forward_backward"
+        )
+
+
+# ---- process groups ----------------------------------------------------------------------------
+def _tied_group(mesh: DeviceMesh, pp: int) -> tuple[dist.ProcessGroup | None, int]:
+    """The group of the first- and last-stage ranks that share this rank's other coordinates, and
+    the global rank of its first-stage member ((None, -1) for ranks in neither)."""
+    dim = mesh.mesh_dim_names.index("pp")
+    rows = mesh.mesh.movedim(dim, -1).reshape(-1, pp).tolist()
+    me = dist.get_rank()
+    if pp == 2:
+        row = next(r for r in rows if me in r)
+        return mesh.get_group("pp"), row[0]
+    found: tuple[dist.ProcessGroup | None, int] = (None, -1)
+    for row in rows:  # every rank creates every pair's group, in the same order
+        group = dist.new_group([row[0], row[-1]])
+        if me in (row[0], row[-1]):
+            found = (group, row[0])
+    return found
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's storage of `t` (a DTensor's local shard), for in-place collectives."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor of a (possibly DTensor, under loss_parallel) scalar loss."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (
+        ("dtensor", t.device_mesh, t.placements, t.device) if isinstance(t, DTensor) else ("plain", t.device)
+    )
+
+
+# ---- the model -----------------------------------------------------------------------------------
+class PipelineParallelModel(ParallelModel):
+    """A ParallelModel whose step runs a torch.distributed.pipelining schedule over stage parts.
+
+    `model` is the PipelineModules view (for the optimizer, checkpoints, train/eval); `parts` are
+    the Transformer parts this rank runs, `stage_ids` their stage indices.
+    """
+
+    def __init__(
+        self,
+        *,
+        parts: list[nn.Module],
+        stage_ids: list[int],
+        schedule_name: str,
+        n_microbatches: int,
+        tied: bool,
+        device: torch.device,
+        **fields,
+    ):
+        super().__init__(model=PipelineModules(parts, tied), materialized=True, **fields)
+        self.parts = parts
+        self.stage_ids = stage_ids
+        self.num_stages = self.dims.pp * len(parts)
+        self.schedule_name = schedule_name
+        self.device = device
+        self.n_microbatches = n_microbatches
+        self.pp_group = self.mesh.get_group("pp")
+        self.last_rank = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.dims.pp)
+        self.has_first = 0 in stage_ids
+        self.has_last = self.num_stages - 1 in stage_ids
+        self._loss_fn: Callable | None = None
+        self.stages = [
+            PipelineStage(part, idx, self.num_stages, device, group=self.pp_group)
+            for part, idx in zip(parts, stage_ids)
+        ]
+        cls = SCHEDULES[schedule_name]
+        arg = self.stages if schedule_name in MULTI_STAGE else self.stages[0]
+        self.schedule = cls(arg, n_microbatches=n_microbatches, loss_fn=self._schedule_loss, scale_grads=True)
+        self.tied_group, self.tied_src = _tied_group(self.mesh, self.dims.pp) if tied else (None, -1)
+        self.tied_param = None
+        if self.tied_group is not None:
+            holder = parts[0] if self.has_first else parts[-1]
+            self.tied_param = holder.tok_embeddings.weight if self.has_first else holder.output.weight
+        self.extras["pp_stage_layers"] = {
+            i: sorted(int(k) for k in p.layers) for i, p in zip(stage_ids, parts)
+        }
+
+    # ---- tied embedding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_tied_weights(self) -> None:
+        """Make the last stage's head equal to the first stage's embedding (after init)."""
+        if self.tied_param is not None:
+            dist.broadcast(_local(self.tied_param.data), src=self.tied_src, group=self.tied_group)
+
+    def _reduce_tied_grads(self) -> None:
+        """Sum the embedding's and the head's gradients: both become the shared weight's gradient."""
+        if self.tied_param is None:
+            return
+        param = self.tied_param
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            # e.g. a vocab-parallel embedding's gradient comes back Replicate: lay it out like the
+            # head's (local slicing, no communication) so the two stages' shards line up
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+        dist.all_reduce(_local(param.grad), group=self.tied_group)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target)
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone()
+        dist.broadcast(value, src=self.last_rank, group=self.pp_group)
+        return value
+
+    def forward_backward(
+        self, micro_batches: list[torch.Tensor], loss_fn: LossFn, autocast, scaler
+    ) -> torch.Tensor:
+        """One schedule step over the micro-batches; the data-parallel mean loss on every rank."""
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(
+                f"the pipeline schedule was built for {self.n_microbatches} micro-batches per step, "
+                f"got {len(micro_batches)}"
+            )
+        batch = torch.cat(micro_batches).to(self.input_device(), non_blocking=True)
+        tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        self._loss_fn = lambda out, tgt: scaler.scale(loss_fn(out, tgt))
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        with self.loss_context(), autocast():  # the last stage's loss backward runs inside step()
+            self.schedule.step(
+                *args, target=targets if self.has_last else None, losses=losses, return_outputs=False
+            )
+        self._reduce_tied_grads()
+        self._note_bytes("params", memory.parameter_bytes(self.model))
+        self._note_bytes("grads", memory.gradient_bytes(self.model))
+        if self.has_last:
+            loss = torch.stack([_value(x).float() for x in losses]).mean()
+            if scaler.is_enabled():
+                loss = loss / scaler.get_scale()
+        else:
+            loss = torch.zeros((), device=self.input_device())
+        return self.data_mean(self._from_last_stage(loss))
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global 2-norm over every stage and shard (a tied weight counted once), then clip."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        counted = [p for p in params if p is not self.tied_param or self.has_first]
+        total = dpar.total_grad_norm(counted, extra_group=self.pp_group)
+        if max_norm > 0:
+            with torch.no_grad():
+                groups: dict = {}
+                for p in params:
+                    groups.setdefault(_layout(p.grad), []).append(p)
+                for members in groups.values():
+                    torch.nn.utils.clip_grads_with_norm_(
+                        members, max_norm, total.to(members[0].grad.device), foreach=True
+                    )
+        return total
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, stage % self.dims.pp)
+
+    def _send(self, t: torch.Tensor, dst_stage: int) -> None:
+        if isinstance(t, DTensor):
+            raise NotImplementedError(
+                "pipeline evaluate: DTensor activations between stages are not supported"
+            )
+        header = torch.tensor(
+            [t.dim(), *t.shape, _DTYPES.index(t.dtype)] + [0] * (6 - t.dim()), dtype=torch.long
+        )
+        dist.send(header.to(t.device), dst=self._peer(dst_stage), group=self.pp_group)
+        dist.send(t.contiguous(), dst=self._peer(dst_stage), group=self.pp_group)
+
+    def _recv(self, src_stage: int, device: torch.device) -> torch.Tensor:
+        header = torch.zeros(8, dtype=torch.long, device=device)
+        dist.recv(header, src=self._peer(src_stage), group=self.pp_group)
+        ndim = int(header[0])
+        shape, dtype = header[1 : 1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=self._peer(src_stage), group=self.pp_group)
+        return t
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor], loss_fn: LossFn, autocast) -> float:
+        """Forward only, batch by batch through the stages (no schedule: any number of batches);
+        the mean loss on every rank."""
+        device = self.input_device()
+        by_stage = dict(zip(self.stage_ids, self.parts))
+        total = torch.zeros((), device=device)
+        for batch in batches:
+            batch = batch.to(device)
+            hidden = None
+            for s in range(self.num_stages):
+                part = by_stage.get(s)
+                if part is None:
+                    continue
+                if s > 0 and (s - 1) not in by_stage:
+                    hidden = self._recv(s - 1, device)
+                with self.loss_context(), autocast():
+                    out = part(batch[:, :-1]) if s == 0 else part(hidden)
+                    if s == self.num_stages - 1:
+                        total += _value(loss_fn(out, batch[:, 1:])).float()
+                hidden = out
+                if s + 1 < self.num_stages and (s + 1) not in by_stage:
+                    self._send(out, s + 1)
+        mean = total / max(1, len(batches))
+        return float(self.data_mean(self._from_last_stage(mean)))
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+# ---- entry point ---------------------------------------------------------------------------------
+def build_pipeline(
+    model: nn.Module,
+    cfg: SuiteConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    device: torch.device,
+    parallelize_part: Callable[[nn.Module], nn.Module],
+) -> PipelineParallelModel:
+    """Split the meta-device `model` into this rank's stage parts, parallelise and materialise each
+    with `parallelize_part`, and wrap them with the configured schedule.
+
+    `mesh` is the job's mesh (suite.parallel.mesh.build_mesh: every axis named, `data` flattened).
+    """
+    check_pipeline(cfg.parallel, dims, cfg.train.precision, cfg.train.compile)
+    pp = dims.pp
+    vpp = cfg.parallel.vpp if cfg.parallel.pp_schedule in MULTI_STAGE else 1
+    num_stages = pp * vpp
+    plan = plan_stages(model, num_stages)
+    pp_rank = mesh.get_local_rank("pp")
+    stage_ids = [pp_rank + k * pp for k in range(vpp)]  # looped placement
+    tied = bool(model.cfg.tie_embeddings) and model.output is not None and model.tok_embeddings is not None
+    parts = []
+    for idx in stage_ids:
+        part = make_stage_part(model, plan[idx], first=idx == 0, last=idx == num_stages - 1)
+        parts.append(parallelize_part(part) or part)
+    pm = PipelineParallelModel(
+        parts=parts,
+        stage_ids=stage_ids,
+        schedule_name=cfg.parallel.pp_schedule,
+        device=device,
+        n_microbatches=dims.accumulation(cfg.parallel),
+        tied=tied,
+        dims=dims,
+        dp_rank=data_rank(mesh),
+        num_params=model.num_params(),
+        mesh=mesh,
+        loss_parallel=dims.tp > 1,
+        dp_kind=dpar.data_parallel_kind(dims, cfg.parallel.sharding_stage),
+        optim_device=torch.device("cpu") if cfg.parallel.offload else device,
+        extras={"compute_device": device},
+    )
+    pm.sync_tied_weights()
+    return pm
