@@ -132,7 +132,9 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
 def cmd_generate(overrides: list[str], flags: set[str]) -> int:
     _, cfg = _compose(overrides)
     if not cfg.ckpt:
-        raise ConfigError("ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny")
+        raise ConfigError(
+            "ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny"
+        )
     from suite.infer.generate import generate_from_checkpoint
 
     text = generate_from_checkpoint(cfg.ckpt, cfg.generate, device=cfg.train.device)
@@ -146,7 +148,9 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     _, cfg = _compose(overrides)
     if not cfg.ckpt:
-        raise ConfigError("ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny")
+        raise ConfigError(
+            "ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny"
+        )
     validate(cfg, needs_data=False)
     import torch
 
@@ -187,13 +191,19 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
         names = [a.split("=", 1)[1] for a in rest if a.startswith("recipe=")]
         dests = [a for a in rest if "=" not in a]
         if len(names) != 1 or len(dests) != 1:
-            raise ConfigError("config cp needs recipe=NAME and a destination, e.g. suite config cp recipe=gpt13b ./my13b.yaml")
+            raise ConfigError(
+                "config cp needs recipe=NAME and a destination, e.g. suite config cp recipe=gpt13b ./my13b.yaml"
+            )
         options = known_options("recipe")
         if names[0] not in options:
             raise ConfigError(f"recipe='{names[0]}' is not a known recipe; known: {', '.join(options)}")
         from suite.config.compose import recipe_search_dirs
 
-        source = next(d / "recipe" / f"{names[0]}.yaml" for d in recipe_search_dirs() if (d / "recipe" / f"{names[0]}.yaml").is_file())
+        source = next(
+            d / "recipe" / f"{names[0]}.yaml"
+            for d in recipe_search_dirs()
+            if (d / "recipe" / f"{names[0]}.yaml").is_file()
+        )
         dest = Path(dests[0])
         if dest.is_dir():
             dest = dest / source.name
@@ -227,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     unknown = flags - {"--json", "--help"}
     if unknown:
-        print(f"error: unknown flag {sorted(unknown)[0]} for '{verb}'; flags are --help and --json, "
-              "everything else is key=value", file=sys.stderr)
+        print(
+            f"error: unknown flag {sorted(unknown)[0]} for '{verb}'; flags are --help and --json, "
+            "everything else is key=value",
+            file=sys.stderr,
+        )
         return 2
     try:
         return VERBS[verb](overrides, flags)

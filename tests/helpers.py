@@ -13,8 +13,14 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=512",
-    "model.max_seq_len=64", "data.seq_len=32", "log.wandb=false", "log.progress=false",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.vocab_size=512",
+    "model.max_seq_len=64",
+    "data.seq_len=32",
+    "log.wandb=false",
+    "log.progress=false",
 ]
 
 
@@ -31,12 +37,17 @@ def suite_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_suite(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None,
-              check: bool = False) -> subprocess.CompletedProcess:
+def run_suite(
+    *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
     """`suite <args>` as a user types it (python -m suite, so no PATH assumptions)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "suite", *args], cwd=cwd or REPO, capture_output=True, text=True,
-        timeout=timeout, env=env or suite_env(),
+        [sys.executable, "-m", "suite", *args],
+        cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or suite_env(),
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"suite {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -70,7 +81,9 @@ def assert_close_losses(ref: dict[int, float], got: dict[int, float], rtol: floa
         assert abs(ref[step] - got[step]) <= rtol * abs(ref[step]), (step, ref[step], got[step])
 
 
-def assert_close_weights(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: float = 1e-4) -> None:
+def assert_close_weights(
+    ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: float = 1e-4
+) -> None:
     """Per tensor: ||ref - got|| / ||ref|| <= tol."""
     assert ref.keys() == got.keys()
     for name in ref:

@@ -25,7 +25,18 @@ from suite.config.schema import SuiteConfig
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 ENTRY_DIR = SHIPPED_RECIPES / "_entry"
-GROUP_NAMES = ("recipe", "model", "parallel", "recompute", "compress", "data", "optim", "sched", "log", "launch")
+GROUP_NAMES = (
+    "recipe",
+    "model",
+    "parallel",
+    "recompute",
+    "compress",
+    "data",
+    "optim",
+    "sched",
+    "log",
+    "launch",
+)
 
 ConfigStore.instance().store(name="suite_schema", node=SuiteConfig)
 
@@ -99,8 +110,10 @@ def _materialise_recipe_file(value: str, workdir: Path) -> str:
     """`recipe=./my.yaml`: expose the file as recipe/<stem>.yaml in a private search folder."""
     path = Path(value).expanduser()
     if not path.is_file():
-        raise ConfigError(f"recipe='{value}': no such file; give an existing .yaml path or one of: "
-                          + ", ".join(known_options("recipe")))
+        raise ConfigError(
+            f"recipe='{value}': no such file; give an existing .yaml path or one of: "
+            + ", ".join(known_options("recipe"))
+        )
     target = workdir / "recipe"
     target.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, target / path.name)

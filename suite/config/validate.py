@@ -22,10 +22,22 @@ CHOICES = {
     "export.dtype": ("fp32", "bf16", "fp16"),
 }
 POSITIVE = (
-    "model.num_layers", "model.hidden_size", "model.num_heads", "model.vocab_size", "model.max_seq_len",
-    "data.seq_len", "data.vocab_size", "train.max_steps", "train.save_every", "train.log_every",
-    "train.eval_every", "train.eval_batches", "launch.nnodes", "parallel.micro_batch_size",
-    "parallel.global_batch_size", "generate.max_new_tokens",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_heads",
+    "model.vocab_size",
+    "model.max_seq_len",
+    "data.seq_len",
+    "data.vocab_size",
+    "train.max_steps",
+    "train.save_every",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "launch.nnodes",
+    "parallel.micro_batch_size",
+    "parallel.global_batch_size",
+    "generate.max_new_tokens",
 )
 
 
@@ -73,7 +85,9 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
             f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}; use a divisor of {m.num_heads}"
         )
     if m.family == "llama" and (m.hidden_size // m.num_heads) % 2:
-        raise ConfigError(f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even for RoPE")
+        raise ConfigError(
+            f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even for RoPE"
+        )
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
@@ -94,7 +108,12 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
     if (t.fault_kill_rank is None) != (t.fault_kill_step is None):
         raise ConfigError("train.fault_kill_rank and train.fault_kill_step go together; set both or neither")
     data_path = cfg.data.path
-    if needs_data and data_path is not None and not cfg.data.sources and not Path(data_path).expanduser().is_dir():
+    if (
+        needs_data
+        and data_path is not None
+        and not cfg.data.sources
+        and not Path(data_path).expanduser().is_dir()
+    ):
         raise ConfigError(
             f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path} ...` "
             "first, or drop data.path to use the embedded corpus"

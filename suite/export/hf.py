@@ -30,19 +30,36 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, pad_id: int | None = 
     special = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     if cfg.family == "gpt":
         return GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=ffn_size(cfg), activation_function="gelu_new",
-            layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            tie_word_embeddings=cfg.tie_embeddings, **special,
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.max_seq_len,
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=ffn_size(cfg),
+            activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=cfg.tie_embeddings,
+            **special,
         )
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         rope = {**dict(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=ffn_size(cfg),
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=kv_heads(cfg),
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
-        tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", **special,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=ffn_size(cfg),
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=kv_heads(cfg),
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu",
+        **special,
     )
     if cfg.qkv_bias:
         return Qwen2Config(**common)
@@ -61,7 +78,9 @@ def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str,
                 out[q + theirs + ".weight"] = sd[p + ours + ".weight"]
                 out[q + theirs + ".bias"] = sd[p + ours + ".bias"]
             att = p + "attention."
-            out[q + "attn.c_attn.weight"] = torch.cat([sd[att + n + ".weight"] for n in ("wq", "wk", "wv")]).t()
+            out[q + "attn.c_attn.weight"] = torch.cat(
+                [sd[att + n + ".weight"] for n in ("wq", "wk", "wv")]
+            ).t()
             out[q + "attn.c_attn.bias"] = torch.cat([sd[att + n + ".bias"] for n in ("wq", "wk", "wv")])
             out[q + "attn.c_proj.weight"] = sd[att + "wo.weight"].t()
             out[q + "attn.c_proj.bias"] = sd[att + "wo.bias"]
@@ -79,14 +98,19 @@ def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str,
 
 
 def _llama_names(cfg: ModelConfig) -> list[tuple[str, str]]:
-    names = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"),
-             ("output.weight", "lm_head.weight")]
+    names = [
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    ]
     proj = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
     mlp = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
     for i in range(cfg.num_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
-        names += [(p + "attention_norm.weight", q + "input_layernorm.weight"),
-                  (p + "ffn_norm.weight", q + "post_attention_layernorm.weight")]
+        names += [
+            (p + "attention_norm.weight", q + "input_layernorm.weight"),
+            (p + "ffn_norm.weight", q + "post_attention_layernorm.weight"),
+        ]
         for ours, theirs in proj.items():
             names.append((f"{p}attention.{ours}.weight", f"{q}self_attn.{theirs}.weight"))
             if cfg.qkv_bias and ours != "wo":
@@ -110,11 +134,20 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         )
     if hf.model_type == "gpt2":
         if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ConfigError(f"hf:{folder}: activation '{hf.activation_function}' is not supported; use gelu_new")
+            raise ConfigError(
+                f"hf:{folder}: activation '{hf.activation_function}' is not supported; use gelu_new"
+            )
         return ModelConfig(
-            name=folder.name, family="gpt", num_layers=hf.n_layer, hidden_size=hf.n_embd, num_heads=hf.n_head,
-            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, vocab_size=hf.vocab_size, max_seq_len=hf.n_positions,
-            norm_eps=hf.layer_norm_epsilon, tie_embeddings=bool(hf.tie_word_embeddings),
+            name=folder.name,
+            family="gpt",
+            num_layers=hf.n_layer,
+            hidden_size=hf.n_embd,
+            num_heads=hf.n_head,
+            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
+            vocab_size=hf.vocab_size,
+            max_seq_len=hf.n_positions,
+            norm_eps=hf.layer_norm_epsilon,
+            tie_embeddings=bool(hf.tie_word_embeddings),
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if head_dim * hf.num_attention_heads != hf.hidden_size:
@@ -126,10 +159,20 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     if hf.model_type == "llama" and getattr(hf, "attention_bias", False):
         raise ConfigError(f"hf:{folder}: Llama with attention_bias (bias on o_proj too) is not supported")
     return ModelConfig(
-        name=folder.name, family="llama", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-        num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, ffn_hidden_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings, norm_eps=hf.rms_norm_eps,
-        rope_theta=theta, rope_scaling=scaling, qkv_bias=qkv_bias, tie_embeddings=bool(hf.tie_word_embeddings),
+        name=folder.name,
+        family="llama",
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        ffn_hidden_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        max_seq_len=hf.max_position_embeddings,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=qkv_bias,
+        tie_embeddings=bool(hf.tie_word_embeddings),
     )
 
 
@@ -195,7 +238,9 @@ def load_hf_model(folder: str | Path, device: str | torch.device = "cpu", dtype:
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "output.weight")]
     if missing or unexpected:
-        raise ConfigError(f"hf:{folder}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ConfigError(
+            f"hf:{folder}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer

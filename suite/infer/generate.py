@@ -33,7 +33,9 @@ def load_for_inference(ckpt: str | Path, device: str = "cpu") -> tuple[Transform
     run_dir = folder.parent.parent
     tokenizer_dir = run_dir if (run_dir / "tokenizer.json").is_file() else None
     if tokenizer_dir is None:
-        raise ConfigError(f"ckpt='{ckpt}': no tokenizer.json in {run_dir}; was it written by `suite pretrain`?")
+        raise ConfigError(
+            f"ckpt='{ckpt}': no tokenizer.json in {run_dir}; was it written by `suite pretrain`?"
+        )
     return model, load_tokenizer(tokenizer_dir), folder
 
 
@@ -84,7 +86,7 @@ def generate_from_checkpoint(ckpt: str, cfg: GenerateConfig, device: str = "auto
     model, tokenizer, _ = load_for_inference(ckpt, device)
     prompt_ids = tokenizer.encode(cfg.prompt, add_special_tokens=False)
     if not prompt_ids:
-        raise ConfigError("generate.prompt is empty; pass prompt=\"some text\"")
+        raise ConfigError('generate.prompt is empty; pass prompt="some text"')
     ids = generate_tokens(model, prompt_ids, cfg, tokenizer.eos_token_id)
     if ids and ids[-1] == tokenizer.eos_token_id:
         ids = ids[:-1]

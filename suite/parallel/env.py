@@ -41,7 +41,9 @@ def pick_device(requested: str, env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
-def init_process_group(env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 600) -> None:
+def init_process_group(
+    env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 600
+) -> None:
     """nccl on GPUs, gloo on CPU, unless the recipe forces one."""
     if not env.distributed or dist.is_initialized():
         return
@@ -69,7 +71,10 @@ def _restart_store(env: DistEnv, timeout_s: float) -> dict:
     if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=False,
         timeout=timedelta(seconds=timeout_s),
     )
     return {"store": dist.PrefixStore(f"suite/attempt_{attempt}", store)}

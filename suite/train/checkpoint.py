@@ -110,7 +110,9 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()]
+    found = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()
+    ]
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
@@ -159,7 +161,10 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=str(tmp))
     _maybe_inject_enospc(step, tmp)
     torch.save(
-        {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        },
         tmp / f"rng_rank{_rank()}.pt",
     )
     _barrier()

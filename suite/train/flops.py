@@ -21,7 +21,9 @@ GPU_PEAKS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def measure_matmul_peak(device: torch.device, precision: str, size: int = 1024, seconds: float = 1.0) -> float:
+def measure_matmul_peak(
+    device: torch.device, precision: str, size: int = 1024, seconds: float = 1.0
+) -> float:
     """Best sustained FLOP/s of a square matmul: the ceiling a training step can approach."""
     dtype = DTYPES[precision]
     a = torch.randn(size, size, device=device).to(dtype)

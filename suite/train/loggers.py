@@ -26,7 +26,11 @@ class JsonlWriter:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= resume_step
+            ]
             path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None and path.exists():
             path.unlink()
@@ -56,15 +60,22 @@ def scrub_secrets(config: dict[str, Any]) -> dict[str, Any]:
 class MetricsLogger:
     """Rank 0's view of training: progress bar, one console line per log step, JSONL, wandb."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], log_cfg, total_steps: int, start_step: int,
-                 resumed: bool):
+    def __init__(
+        self, run_dir: Path, config: dict[str, Any], log_cfg, total_steps: int, start_step: int, resumed: bool
+    ):
         self.console = Console(stderr=False)
         self.jsonl = JsonlWriter(run_dir / "metrics.jsonl", start_step if resumed else None)
         self.progress = None
         if log_cfg.progress:
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
             )
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
             self.progress.start()
@@ -74,8 +85,13 @@ class MetricsLogger:
             import wandb
 
             self.wandb_run = wandb.init(
-                project=log_cfg.wandb_project, dir=str(run_dir), mode=log_cfg.wandb_mode,
-                config=scrub_secrets(config), name=run_dir.name, resume="allow", id=_wandb_id(run_dir),
+                project=log_cfg.wandb_project,
+                dir=str(run_dir),
+                mode=log_cfg.wandb_mode,
+                config=scrub_secrets(config),
+                name=run_dir.name,
+                resume="allow",
+                id=_wandb_id(run_dir),
             )
 
     def print(self, text: str) -> None:

@@ -96,13 +96,24 @@ class Trainer:
             (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else nullcontext
         )
         self.loader = TokenBatches(
-            self.data_dir, "train", cfg.data.seq_len, cfg.parallel.micro_batch_size,
-            cfg.parallel.global_batch_size, self.parallel.dp_rank, dims.data_parallel_size, cfg.train.seed,
+            self.data_dir,
+            "train",
+            cfg.data.seq_len,
+            cfg.parallel.micro_batch_size,
+            cfg.parallel.global_batch_size,
+            self.parallel.dp_rank,
+            dims.data_parallel_size,
+            cfg.train.seed,
         )
         self.val_loader = TokenBatches(
-            self.data_dir, "val", cfg.data.seq_len, cfg.parallel.micro_batch_size,
-            cfg.parallel.micro_batch_size * dims.data_parallel_size, self.parallel.dp_rank,
-            dims.data_parallel_size, cfg.train.seed,
+            self.data_dir,
+            "val",
+            cfg.data.seq_len,
+            cfg.parallel.micro_batch_size,
+            cfg.parallel.micro_batch_size * dims.data_parallel_size,
+            self.parallel.dp_rank,
+            dims.data_parallel_size,
+            cfg.train.seed,
         )
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
@@ -244,7 +255,9 @@ class Trainer:
                 if (self.data_dir / name).is_file():
                     shutil.copyfile(self.data_dir / name, self.run_dir / name)
             config_dict = OmegaConf.to_container(OmegaConf.create(self.resolved_yaml))
-            logger = MetricsLogger(self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed)
+            logger = MetricsLogger(
+                self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed
+            )
             n_params = self.parallel.num_params
             logger.print(
                 f"[bold]suite pretrain[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
@@ -330,11 +343,16 @@ class Trainer:
                 signal.signal(signal.SIGTERM, previous_handler)
         barrier()
         summary |= {
-            "step": self.step, "final_loss": last_loss, "bad_steps": self.bad_steps, "run_dir": str(self.run_dir),
+            "step": self.step,
+            "final_loss": last_loss,
+            "bad_steps": self.bad_steps,
+            "run_dir": str(self.run_dir),
         }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            print(f"wrote {self.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/, summary.json)", flush=True)
+            print(
+                f"wrote {self.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/, summary.json)", flush=True
+            )
         return summary

@@ -31,14 +31,24 @@ KILL_STEP = 7  # rank 2 dies before step 7: steps 6.. are lost, the restart resu
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["sharding4-stage3", "dp2-tp2"])
-def test_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(layout, layout_run, tiny_data,
-                                                                             tmp_path):
+def test_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
+    layout, layout_run, tiny_data, tmp_path
+):
     nproc, overrides = LAYOUTS[layout]
     run_dir = tmp_path / layout
     proc = run_suite(
-        "pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={run_dir}", *COMMON,
-        f"train.max_steps={STEPS}", *overrides, f"launch.nproc_per_node={nproc}", "launch.max_restarts=1",
-        "train.fault_kill_rank=2", f"train.fault_kill_step={KILL_STEP}", timeout=420,
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={tiny_data}",
+        f"run.dir={run_dir}",
+        *COMMON,
+        f"train.max_steps={STEPS}",
+        *overrides,
+        f"launch.nproc_per_node={nproc}",
+        "launch.max_restarts=1",
+        "train.fault_kill_rank=2",
+        f"train.fault_kill_step={KILL_STEP}",
+        timeout=420,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = re.findall(r"resumed from \S+step_(\d+) at step (\d+)", proc.stdout)
@@ -54,12 +64,26 @@ def test_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(lay
 def test_sigterm_to_a_launched_job_checkpoints_the_current_step(tiny_data, tmp_path):
     run_dir = tmp_path / "term"
     args = [
-        "pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={run_dir}", *COMMON,
-        "train.max_steps=100000", "train.save_every=100000", "train.eval_every=100000", "parallel.dp=2",
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={tiny_data}",
+        f"run.dir={run_dir}",
+        *COMMON,
+        "train.max_steps=100000",
+        "train.save_every=100000",
+        "train.eval_every=100000",
+        "parallel.dp=2",
         "launch.nproc_per_node=2",
     ]
-    job = subprocess.Popen([sys.executable, "-m", "suite", *args], cwd=REPO, env=suite_env(), text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "suite", *args],
+        cwd=REPO,
+        env=suite_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.time() + 300

@@ -18,9 +18,19 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb
 
 def pretrain_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
     return [
-        "pretrain", *TINY_MODEL, f"data.path={data}", f"run.dir={run_dir}", "train.max_steps=20",
-        "train.save_every=10", "train.log_every=5", "train.eval_every=10", "train.eval_batches=2",
-        "parallel.micro_batch_size=4", "parallel.global_batch_size=8", "optim.lr=3e-3", *extra,
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={data}",
+        f"run.dir={run_dir}",
+        "train.max_steps=20",
+        "train.save_every=10",
+        "train.log_every=5",
+        "train.eval_every=10",
+        "train.eval_batches=2",
+        "parallel.micro_batch_size=4",
+        "parallel.global_batch_size=8",
+        "optim.lr=3e-3",
+        *extra,
     ]
 
 
@@ -48,13 +58,28 @@ def test_pretrain_writes_the_run_folder(trained_run):
 
 
 def test_generate_prints_text(trained_run):
-    proc = run_suite("generate", f"ckpt={trained_run}", "prompt=The module", "generate.max_new_tokens=12",
-                     check=True)
+    proc = run_suite(
+        "generate", f"ckpt={trained_run}", "prompt=The module", "generate.max_new_tokens=12", check=True
+    )
     assert proc.stdout.startswith("The module") and len(proc.stdout.strip()) > len("The module")
-    greedy = run_suite("generate", f"ckpt={trained_run}", "prompt=The module", "generate.temperature=0",
-                       "generate.max_new_tokens=8", "--json", check=True)
-    again = run_suite("generate", f"ckpt={trained_run / 'checkpoints' / 'step_20'}", "prompt=The module",
-                      "generate.temperature=0", "generate.max_new_tokens=8", "--json", check=True)
+    greedy = run_suite(
+        "generate",
+        f"ckpt={trained_run}",
+        "prompt=The module",
+        "generate.temperature=0",
+        "generate.max_new_tokens=8",
+        "--json",
+        check=True,
+    )
+    again = run_suite(
+        "generate",
+        f"ckpt={trained_run / 'checkpoints' / 'step_20'}",
+        "prompt=The module",
+        "generate.temperature=0",
+        "generate.max_new_tokens=8",
+        "--json",
+        check=True,
+    )
     assert json.loads(greedy.stdout)["text"] == json.loads(again.stdout)["text"]
 
 
@@ -69,10 +94,24 @@ def test_export_loads_in_transformers_and_generates_alike(trained_run, tmp_path)
         "print(t.decode(g[0, ids.shape[1]:]))"
     )
     hf_text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    ours = run_suite("generate", f"ckpt={trained_run}", "prompt=The module", "generate.temperature=0",
-                     "generate.max_new_tokens=8", "--json", check=True)
-    from_hf = run_suite("generate", f"ckpt=hf:{out}", "prompt=The module", "generate.temperature=0",
-                        "generate.max_new_tokens=8", "--json", check=True)
+    ours = run_suite(
+        "generate",
+        f"ckpt={trained_run}",
+        "prompt=The module",
+        "generate.temperature=0",
+        "generate.max_new_tokens=8",
+        "--json",
+        check=True,
+    )
+    from_hf = run_suite(
+        "generate",
+        f"ckpt=hf:{out}",
+        "prompt=The module",
+        "generate.temperature=0",
+        "generate.max_new_tokens=8",
+        "--json",
+        check=True,
+    )
     assert json.loads(ours.stdout)["text"] == json.loads(from_hf.stdout)["text"] == hf_text.rstrip("\n")
 
 
@@ -80,8 +119,13 @@ def test_killed_run_resumes_bitwise(tmp_path, tiny_data, trained_run):
     """SIGKILL after the step-10 checkpoint, run the same command again: same final loss, bitwise."""
     run_dir = tmp_path / "killed"
     args = pretrain_args(run_dir, tiny_data, "train.max_steps=20")
-    proc = subprocess.Popen([sys.executable, "-m", "suite", *args], cwd=REPO, env=suite_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "suite", *args],
+        cwd=REPO,
+        env=suite_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     marker = run_dir / "checkpoints" / "step_10" / "manifest.json"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:

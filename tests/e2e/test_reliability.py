@@ -19,9 +19,17 @@ from tests.helpers import REPO, TINY_MODEL, final_weights, read_metrics, run_sui
 
 def args_for(run_dir: Path, data: Path, *extra: str) -> list[str]:
     return [
-        "pretrain", *TINY_MODEL, f"data.path={data}", f"run.dir={run_dir}", "train.log_every=1",
-        "train.eval_every=1000", "train.eval_batches=1", "parallel.micro_batch_size=4",
-        "parallel.global_batch_size=8", "optim.lr=3e-3", *extra,
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={data}",
+        f"run.dir={run_dir}",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "train.eval_batches=1",
+        "parallel.micro_batch_size=4",
+        "parallel.global_batch_size=8",
+        "optim.lr=3e-3",
+        *extra,
     ]
 
 
@@ -36,8 +44,15 @@ def steps_on_disk(run_dir: Path) -> list[str]:
 def test_nan_is_skipped_counted_and_retention_keeps_last_and_every(tmp_path, tiny_data):
     run_dir = tmp_path / "nan"
     proc = run_suite(
-        *args_for(run_dir, tiny_data, "train.max_steps=8", "train.save_every=1", "train.inject_nan_steps=[7]",
-                  "train.keep_last=2", "train.keep_every=3"),
+        *args_for(
+            run_dir,
+            tiny_data,
+            "train.max_steps=8",
+            "train.save_every=1",
+            "train.inject_nan_steps=[7]",
+            "train.keep_last=2",
+            "train.keep_every=3",
+        ),
         check=True,
     )
     skipped = [line for line in proc.stdout.splitlines() if "optimizer step skipped" in line]
@@ -56,8 +71,11 @@ def test_nan_is_skipped_counted_and_retention_keeps_last_and_every(tmp_path, tin
 
 def test_nans_in_a_row_stop_the_run_naming_step_and_checkpoint(tmp_path, tiny_data):
     run_dir = tmp_path / "nans"
-    proc = run_suite(*args_for(run_dir, tiny_data, "train.max_steps=10", "train.save_every=2",
-                               "train.inject_nan_steps=[3,4,5]"))
+    proc = run_suite(
+        *args_for(
+            run_dir, tiny_data, "train.max_steps=10", "train.save_every=2", "train.inject_nan_steps=[3,4,5]"
+        )
+    )
     assert proc.returncode == 1, proc.stderr
     lines = error_lines(proc)
     assert len(lines) == 1, proc.stderr
@@ -69,8 +87,14 @@ def test_nans_in_a_row_stop_the_run_naming_step_and_checkpoint(tmp_path, tiny_da
 def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, tiny_data):
     run_dir = tmp_path / "term"
     args = args_for(run_dir, tiny_data, "train.max_steps=100000", "train.save_every=100000")
-    proc = subprocess.Popen([sys.executable, "-m", "suite", *args], cwd=REPO, env=suite_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "suite", *args],
+        cwd=REPO,
+        env=suite_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:

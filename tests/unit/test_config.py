@@ -34,8 +34,13 @@ def test_defaults_are_gpt_tiny_on_the_embedded_corpus():
 
 @pytest.mark.parametrize(
     ("recipe", "hidden", "layers", "heads"),
-    [("gpt345m", 1024, 24, 16), ("gpt1.3b", 2048, 24, 16), ("gpt6.7b", 4096, 32, 32),
-     ("gpt13b", 5120, 40, 40), ("gpt175b", 12288, 96, 96)],
+    [
+        ("gpt345m", 1024, 24, 16),
+        ("gpt1.3b", 2048, 24, 16),
+        ("gpt6.7b", 4096, 32, 32),
+        ("gpt13b", 5120, 40, 40),
+        ("gpt175b", 12288, 96, 96),
+    ],
 )
 def test_standard_gpt_sizes(recipe, hidden, layers, heads):
     cfg = to_object(compose_config([f"recipe={recipe}", "data.path=/nonexistent"]))
@@ -51,7 +56,9 @@ def test_overrides_after_recipe_win():
 
 def test_recipe_from_a_file(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("# @package _global_\ndefaults:\n  - override /model: llama-tiny\ntrain:\n  max_steps: 3\n")
+    path.write_text(
+        "# @package _global_\ndefaults:\n  - override /model: llama-tiny\ntrain:\n  max_steps: 3\n"
+    )
     cfg = to_object(compose_config([f"recipe={path}"]))
     assert cfg.model.family == "llama" and cfg.train.max_steps == 3 and cfg.recipe_name == "mine"
 
@@ -73,7 +80,10 @@ BAD_INPUTS = [
     (["model.num_heads=3"], "not divisible by model.num_heads=3"),
     (["parallel.tp=3", "launch.nproc_per_node=3"], "does not divide model.num_heads=4"),
     (["parallel.tp=2"], "world size"),
-    (["parallel.global_batch_size=12", "parallel.micro_batch_size=8"], "not divisible by parallel.micro_batch_size"),
+    (
+        ["parallel.global_batch_size=12", "parallel.micro_batch_size=8"],
+        "not divisible by parallel.micro_batch_size",
+    ),
     (["data.path=/does/not/exist"], "data.path='/does/not/exist' does not exist"),
     (["train.precision=fp8"], "train.precision='fp8' is not supported"),
     (["data.seq_len=4096"], "exceeds model.max_seq_len"),

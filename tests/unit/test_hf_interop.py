@@ -22,15 +22,36 @@ from suite.export.hf import export_hf, load_hf_model
 from suite.infer.generate import generate_tokens
 from suite.models import build_model, materialize
 
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 HF_MODELS = {
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+    "gpt2": lambda: GPT2LMHeadModel(
+        GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    ),
     "llama-gqa": lambda: LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **SMALL)),
-    "llama3-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(
-        num_key_value_heads=2, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, **SMALL)),
-    "qwen2-qkv-bias": lambda: Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **SMALL)),
+    "llama3-rope-scaling": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            **SMALL,
+        )
+    ),
+    "qwen2-qkv-bias": lambda: Qwen2ForCausalLM(
+        Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **SMALL)
+    ),
     "mistral": lambda: MistralForCausalLM(MistralConfig(num_key_value_heads=1, sliding_window=None, **SMALL)),
 }
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -58,30 +79,45 @@ def test_import_matches_transformers_logits(tmp_path, name):
     greedy = GenerateConfig(temperature=0.0, max_new_tokens=10)
     prompt = TOKENS[0, :5].tolist()
     ids = torch.tensor([prompt])
-    reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                            pad_token_id=0)
+    reference = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0
+    )
     assert generate_tokens(ours, prompt, greedy) == reference[0, 5:].tolist()
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "llama-qkv-bias"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
-    cfg = ModelConfig(family=family.split("-")[0], num_layers=2, hidden_size=32, num_heads=4, vocab_size=96,
-                      max_seq_len=64, num_kv_heads=2 if family != "gpt" else None,
-                      qkv_bias=family.endswith("bias"), tie_embeddings=family == "gpt", ffn_hidden_size=80)
+    cfg = ModelConfig(
+        family=family.split("-")[0],
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=96,
+        max_seq_len=64,
+        num_kv_heads=2 if family != "gpt" else None,
+        qkv_bias=family.endswith("bias"),
+        tie_embeddings=family == "gpt",
+        ffn_hidden_size=80,
+    )
     model = materialize(build_model(cfg), "cpu", seed=3)
     _randomise(model)
     export_hf(model, cfg, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(TOKENS).logits, model(TOKENS), atol=1e-4, rtol=1e-4)
-    expected_class = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "llama-qkv-bias": "Qwen2ForCausalLM"}
+    expected_class = {
+        "gpt": "GPT2LMHeadModel",
+        "llama": "LlamaForCausalLM",
+        "llama-qkv-bias": "Qwen2ForCausalLM",
+    }
     assert type(hf).__name__ == expected_class[family]
 
 
 def test_unknown_architecture_is_refused(tmp_path):
     from transformers import BertConfig
 
-    BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-               intermediate_size=32).save_pretrained(tmp_path)
+    BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    ).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="'bert' model; importable architectures"):
         load_hf_model(tmp_path)
