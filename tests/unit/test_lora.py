@@ -1,0 +1,156 @@
+"""LoRA: identity at init, only adapters train, names preserved, merge exact, meta-device friendly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig
+from suite.finetune.lora import (
+    LoRALinear,
+    apply_lora,
+    count_trainable,
+    init_lora,
+    load_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+    merge_lora,
+    save_lora,
+)
+from suite.models import build_model, materialize
+
+TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def cfg_for(family: str) -> ModelConfig:
+    return ModelConfig(
+        family=family,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2 if family == "llama" else None,
+        vocab_size=128,
+        max_seq_len=32,
+    )
+
+
+def base(family: str = "gpt") -> torch.nn.Module:
+    return materialize(build_model(cfg_for(family)), "cpu", seed=7)
+
+
+def randomize_b(model: torch.nn.Module) -> None:
+    """Stand in for training: give every B a non-zero value."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_b.weight.copy_(torch.randn(m.lora_b.weight.shape, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_unchanged_at_init_and_only_adapters_train(family):
+    model = base(family)
+    with torch.no_grad():
+        ref = model(TOKENS)
+    plain_keys = set(model.state_dict())
+    apply_lora(model, rank=4, alpha=8, seed=3)
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), ref)  # B = 0: bit-identical
+    keys = set(model.state_dict())
+    lora_keys = keys - plain_keys
+    assert plain_keys <= keys  # every base weight keeps its name (layers.0.attention.wq.weight ...)
+    ffn = ("w1", "w2", "w3") if family == "llama" else ("w1", "w2")
+    assert lora_keys == {
+        f"layers.{i}.{part}.{t}.lora_{ab}.weight"
+        for i in range(2)
+        for ab in "ab"
+        for part, names in (("attention", ("wq", "wk", "wv", "wo")), ("feed_forward", ffn))
+        for t in names
+    }
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == lora_keys
+    loss = model(TOKENS).logsumexp(-1).mean()
+    loss.backward()
+    assert all((p.grad is None) != (n in lora_keys) for n, p in model.named_parameters())
+
+
+def test_trainable_ratio_under_five_percent_for_gpt_tiny_rank_8():
+    cfg = ModelConfig()  # gpt-tiny's architecture: 4 layers, 256 wide, vocab 8192
+    model = build_model(cfg)  # meta: counting needs no memory
+    before = count_trainable(model)
+    apply_lora(model, rank=8, alpha=16)
+    counts = count_trainable(model)
+    print(
+        f"gpt-tiny LoRA rank 8 on {', '.join(model.lora_spec.target_modules)}: {counts.trainable:,} of "
+        f"{counts.total:,} parameters trainable ({counts.ratio:.2%})"
+    )
+    assert counts.total == before.total + counts.trainable
+    assert counts.ratio < 0.05
+    assert counts.trainable == 4 * (4 * 8 * (256 + 256) + 2 * 8 * (256 + 1024))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_merge_gives_the_adapted_logits_and_plain_names(family):
+    model = base(family)
+    plain_keys = list(model.state_dict())
+    apply_lora(model, rank=4, alpha=16, dropout=0.1, seed=3)
+    randomize_b(model)
+    model.eval()
+    with torch.no_grad():
+        adapted = model(TOKENS)
+        assert not torch.allclose(adapted, base(family)(TOKENS))
+    merge_lora(model)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert list(model.state_dict()) == plain_keys
+    assert all(p.requires_grad for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), adapted, rtol=1e-5, atol=1e-5)
+    plain = base(family)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(TOKENS), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_device_then_materialize_matches_eager_application():
+    eager = apply_lora(base(), rank=4, alpha=8, seed=11)
+    meta = build_model(cfg_for("gpt"))
+    apply_lora(meta, rank=4, alpha=8)
+    assert all(p.is_meta for p in meta.parameters())
+    materialize(meta, "cpu", seed=7)  # random init touches every parameter, adapters included
+    init_lora(meta, seed=11)
+    for (n1, p1), (n2, p2) in zip(eager.state_dict().items(), meta.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    assert all(p.requires_grad == ("lora_" in n) for n, p in meta.named_parameters())
+    a = dict(meta.named_parameters())["layers.1.attention.wq.lora_a.weight"]
+    assert a.abs().max() <= 1 / 64**0.5 and a.std() > 0
+
+
+def test_adapter_state_round_trip(tmp_path):
+    model = apply_lora(base(), rank=4, alpha=8)
+    randomize_b(model)
+    sd = lora_state_dict(model)
+    assert sd and all(".lora_" in k for k in sd)
+    other = apply_lora(base(), rank=4, alpha=8, seed=99)
+    load_lora_state_dict(other, sd)
+    with torch.no_grad():
+        torch.testing.assert_close(other(TOKENS), model(TOKENS), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="do not match"):
+        load_lora_state_dict(apply_lora(base(), rank=4, target_modules=("wq",)), sd)
+    save_lora(model, tmp_path / "adapters")
+    fresh = load_lora(base(), tmp_path / "adapters")
+    assert fresh.lora_spec == model.lora_spec
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(TOKENS), model(TOKENS), rtol=0, atol=0)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ConfigError, match="target_modules"):
+        apply_lora(base(), target_modules=("wq", "query"))
+    with pytest.raises(ConfigError, match="tied"):
+        apply_lora(base(), target_modules=("output",))
+    with pytest.raises(ConfigError, match="rank"):
+        apply_lora(base(), rank=0)
+    model = apply_lora(base(), rank=2)
+    with pytest.raises(ValueError, match="already"):
+        apply_lora(model, rank=2)
