@@ -4,6 +4,7 @@
     python bench/throughput.py                      # what `make bench` runs
     python bench/throughput.py --quick              # a smoke run (gpt-tiny, 1 rep, 1 step)
     python bench/throughput.py --shapes llama-12x768 --precision bf16 --compile llama-12x768
+    python bench/throughput.py --quiet-wait 120   # on a shared machine: time only when it is idle
 
 For every shape and precision, each contender trains the same model shape on the same random token
 batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clipping, precision):
@@ -14,17 +15,20 @@ batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clip
 - `hf`: transformers' `GPT2LMHeadModel` / `LlamaForCausalLM` with `torch.optim.AdamW(foreach=True)`
   and a plain loop (autocast forward, fp32 cross-entropy as transformers' own loss does, backward,
   `clip_grad_norm_`, step, zero_grad).
-- `+compile` variants (`--compile SHAPES`): `train.compile=true` for the suite (each block compiled),
-  `torch.compile(model)` for transformers. Compile time is reported apart from throughput.
+- `+compile` variants (`--compile SHAPE[:PRECISION]`): `train.compile=true` for the suite (each block
+  compiled), `torch.compile(model)` for transformers. Compile time is reported apart from throughput.
 
-Every (contender, repetition) runs in a fresh subprocess, so peak memory (`ru_maxrss` above the
-process's own high-water mark after imports) is not contaminated by the other contender, and the
-contenders alternate within each repetition (order reversed every other repetition) so slow drift
-of the machine hits all of them alike. Each run warms up 2 steps, then times `--steps` steps; the
-table reports medians over `--reps` repetitions. MFU = tokens/s * (6*params + 12*layers*seq*width)
-/ the matmul ceiling that this script measures on the same machine and precision (best of square
-matmuls of several sizes, before and after the runs). The table is printed last and appended to
-docs/benchmarks.md with the date and the machine.
+Each contender runs in its own process (so its peak memory, `ru_maxrss` above the process's own
+high-water mark after imports, is its alone): it builds the model and warms up 2 steps while nothing
+else of ours runs, then waits. The parent hands the processes the baton in turn: each repetition
+times `--steps` steps of every contender, one after the other, order reversed every other
+repetition, so drift of the machine hits all contenders alike, and no process is timed while another
+one of ours computes. The table reports medians over `--reps` repetitions and each contender's CPU
+share during its windows: a window that got less than `--min-share` of the cores (other processes
+ran) is timed again, up to `--retries` times, and `--quiet-wait S` waits for idle CPUs before each
+window. MFU = tokens/s * (6*params + 12*layers*seq*width) / the matmul ceiling this script measures
+on the same machine and precision (best of square matmuls of several sizes, before and after the
+runs). The table is printed last and appended to docs/benchmarks.md with the date and the machine.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ import json
 import os
 import platform
 import resource
+import select
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,33 +61,46 @@ class Shape:
 
     recipe: str
     overrides: tuple[str, ...] = ()
-    steps: int = 4  # timed steps per run (default; --steps overrides)
-    note: str = ""
+    steps: int = 3  # timed steps per repetition (--steps overrides)
 
 
 SHAPES: dict[str, Shape] = {
     # Exactly the CPU default recipe: 4x256, 4 heads, vocab 8192, seq 256, micro 8 x 2 accumulation.
-    "gpt-tiny": Shape("gpt-tiny", steps=6, note="recipe gpt-tiny as shipped"),
+    "gpt-tiny": Shape("gpt-tiny", steps=3),
     # GPT-2 small-like: ~110M parameters (tied head), GELU 3072.
     "gpt-12x768": Shape(
         "gpt-tiny",
         (
-            "model.name=gpt-12x768", "model.num_layers=12", "model.hidden_size=768", "model.num_heads=12",
-            "model.vocab_size=32000", "model.max_seq_len=512", "data.seq_len=512",
-            "parallel.micro_batch_size=4", "parallel.global_batch_size=4",
+            "model.name=gpt-12x768",
+            "model.num_layers=12",
+            "model.hidden_size=768",
+            "model.num_heads=12",
+            "model.vocab_size=32000",
+            "model.max_seq_len=512",
+            "data.seq_len=512",
+            "parallel.micro_batch_size=4",
+            "parallel.global_batch_size=4",
         ),
-        steps=2,
+        steps=1,
     ),
     # Llama-family: ~134M parameters, SwiGLU 2048, untied head, no GQA.
     "llama-12x768": Shape(
         "llama-tiny",
         (
-            "model.name=llama-12x768", "model.num_layers=12", "model.hidden_size=768", "model.num_heads=12",
-            "model.num_kv_heads=12", "model.ffn_hidden_size=2048", "model.vocab_size=32000",
-            "model.max_seq_len=512", "model.tie_embeddings=false", "data.seq_len=512",
-            "parallel.micro_batch_size=4", "parallel.global_batch_size=4",
+            "model.name=llama-12x768",
+            "model.num_layers=12",
+            "model.hidden_size=768",
+            "model.num_heads=12",
+            "model.num_kv_heads=12",
+            "model.ffn_hidden_size=2048",
+            "model.vocab_size=32000",
+            "model.max_seq_len=512",
+            "model.tie_embeddings=false",
+            "data.seq_len=512",
+            "parallel.micro_batch_size=4",
+            "parallel.global_batch_size=4",
         ),
-        steps=2,
+        steps=1,
     ),
 }
 DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768")
@@ -94,8 +113,13 @@ def suite_config(shape: str, precision: str, compile_: bool):
     from suite.config.validate import validate
 
     spec = SHAPES[shape]
-    overrides = [f"recipe={spec.recipe}", *spec.overrides, f"train.precision={precision}",
-                 f"train.compile={str(compile_).lower()}", "train.device=cpu"]
+    overrides = [
+        f"recipe={spec.recipe}",
+        *spec.overrides,
+        f"train.precision={precision}",
+        f"train.compile={str(compile_).lower()}",
+        "train.device=cpu",
+    ]
     cfg = to_object(compose_config(overrides))
     dims = validate(cfg, needs_data=False)
     return cfg, dims
@@ -113,6 +137,7 @@ def build_suite_step(cfg, dims):
     import torch
 
     from suite.models import build_model, materialize
+    from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
     from suite.train.optim import build_optimizer
     from suite.train.trainer import AUTOCAST_DTYPES, Trainer
@@ -126,18 +151,23 @@ def build_suite_step(cfg, dims):
     trainer.model = trainer.parallel.model
     if trainer.parallel.materialized is False:
         materialize(trainer.model, trainer.device, cfg.train.seed)
-    trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
+    if hasattr(trainer.parallel, "build_optimizer"):  # the trainer asks the parallel model (layouts wrap it)
+        trainer.optimizer = trainer.parallel.build_optimizer(cfg.optim)
+    else:
+        trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
     trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=cfg.train.precision == "fp16")
     dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
     trainer.autocast = (
         (lambda: torch.autocast(trainer.device.type, dtype=dtype)) if dtype is not None else nullcontext
     )
     trainer.step = 0
+    trainer.env = DistEnv.from_environ()
+    trainer.bad_steps = trainer.bad_in_a_row = 0  # bookkeeping the loop keeps (non-finite steps)
 
     def step(micro_batches):
-        loss, _ = trainer.train_step(micro_batches)
+        out = trainer.train_step(micro_batches)  # (loss, grad_norm, ...): the loop's own call
         trainer.step += 1
-        return loss
+        return out[0]
 
     return step, trainer.model
 
@@ -149,10 +179,20 @@ def hf_model(cfg):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(
-            vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.hidden_size, n_layer=m.num_layers,
-            n_head=m.num_heads, n_inner=m.ffn_hidden_size, activation_function="gelu_new",
-            resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout, layer_norm_epsilon=m.norm_eps,
-            initializer_range=m.init_std, tie_word_embeddings=m.tie_embeddings, use_cache=False,
+            vocab_size=m.vocab_size,
+            n_positions=m.max_seq_len,
+            n_embd=m.hidden_size,
+            n_layer=m.num_layers,
+            n_head=m.num_heads,
+            n_inner=m.ffn_hidden_size,
+            activation_function="gelu_new",
+            resid_pdrop=m.dropout,
+            embd_pdrop=m.dropout,
+            attn_pdrop=m.dropout,
+            layer_norm_epsilon=m.norm_eps,
+            initializer_range=m.init_std,
+            tie_word_embeddings=m.tie_embeddings,
+            use_cache=False,
         )
         config._attn_implementation = "sdpa"
         return GPT2LMHeadModel(config)
@@ -161,11 +201,20 @@ def hf_model(cfg):
     from suite.models.transformer import ffn_size
 
     config = LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=ffn_size(m),
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.max_seq_len,
-        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, attention_bias=m.qkv_bias, mlp_bias=False,
-        attention_dropout=m.dropout, initializer_range=m.init_std, tie_word_embeddings=m.tie_embeddings,
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=ffn_size(m),
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_heads,
+        max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        attention_bias=m.qkv_bias,
+        mlp_bias=False,
+        attention_dropout=m.dropout,
+        initializer_range=m.init_std,
+        tie_word_embeddings=m.tie_embeddings,
         use_cache=False,
     )
     config._attn_implementation = "sdpa"
@@ -186,7 +235,10 @@ def build_hf_step(cfg, compile_: bool):
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=True,
     )
     forward = torch.compile(model) if compile_ else model
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
@@ -215,22 +267,40 @@ def max_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def run_worker(spec: dict) -> dict:
-    import torch
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
+
+def run_worker(spec: dict) -> None:
+    """One contender in its own process: build, warm up, then time `steps` steps per "run" line on stdin.
+
+    Protocol (one JSON line each way, tagged): the worker prints READY after the warm-up, then for every
+    `run <rep>` it reads it times the next window and prints its result; `stop` prints the peak memory.
+    """
+    import torch
     import transformers  # noqa: F401  (both contenders import the same modules before the baseline)
+
     from suite.models import flops_per_token
     from suite.train import trainer as _trainer  # noqa: F401
 
     cfg, dims = suite_config(spec["shape"], spec["precision"], spec["compile"])
     seq, micro = cfg.data.seq_len, cfg.parallel.micro_batch_size
     accumulation = dims.accumulation(cfg.parallel)
-    total_steps = WARMUP + spec["steps"]
-    gen = torch.Generator().manual_seed(spec["seed"])
-    batches = [
-        [torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=gen) for _ in range(accumulation)]
-        for _ in range(total_steps)
-    ]
+    tokens = micro * accumulation * seq
+
+    def batches(window: int, count: int) -> list[list[torch.Tensor]]:
+        """The same random tokens for every contender: seeded by (seed, window)."""
+        gen = torch.Generator().manual_seed(spec["seed"] * 1000 + window)
+        return [
+            [
+                torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=gen)
+                for _ in range(accumulation)
+            ]
+            for _ in range(count)
+        ]
+
+    warm = batches(0, WARMUP)
     base_gb = max_rss_gb()
     t0 = time.perf_counter()
     if spec["contender"] == "suite":
@@ -239,55 +309,200 @@ def run_worker(spec: dict) -> dict:
         step, model = build_hf_step(cfg, spec["compile"])
     build_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    times, losses = [], []
-    for batch in batches:
+    warmup_s, losses = [], []
+    for batch in warm:
         start = time.perf_counter()
-        loss = step(batch)
-        losses.append(float(loss))  # a sync on GPU; on CPU the step is already done
-        times.append(time.perf_counter() - start)
-    timed = times[WARMUP:]
-    tokens = micro * accumulation * seq
-    return {
-        **spec,
-        "tokens_per_step": tokens,
-        "tokens_per_s": tokens * len(timed) / sum(timed),
-        "step_s": timed,
-        "warmup_s": times[:WARMUP],
-        "build_s": build_s,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "params": n_params,
-        "flops_per_token": flops_per_token(cfg.model, seq),
-        "peak_rss_gb": max_rss_gb(),
-        "base_rss_gb": base_gb,
-        "threads": torch.get_num_threads(),
-        "seq": seq,
-        "batch": micro * accumulation,
-        "micro": micro,
-    }
+        losses.append(float(step(batch)))  # float(): a sync on GPU; on CPU the step is already done
+        warmup_s.append(time.perf_counter() - start)
+    emit(
+        "READY",
+        {
+            "build_s": build_s,
+            "warmup_s": warmup_s,
+            "first_loss": losses[0],
+            "params": n_params,
+            "flops_per_token": flops_per_token(cfg.model, seq),
+            "tokens_per_step": tokens,
+            "seq": seq,
+            "batch": micro * accumulation,
+            "micro": micro,
+            "threads": torch.get_num_threads(),
+        },
+    )
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "stop":
+            break
+        rep = int(command[1])
+        window = batches(1 + rep, spec["steps"])
+        cpu0, times = cpu_seconds(), []
+        for batch in window:
+            start = time.perf_counter()
+            loss = float(step(batch))
+            times.append(time.perf_counter() - start)
+        # CPU time the window got over wall time x threads: well below 1 means other processes took
+        # the cores during the window (its tokens/s then understates the contender).
+        cpu_share = (cpu_seconds() - cpu0) / (sum(times) * torch.get_num_threads())
+        emit(
+            "WINDOW",
+            {
+                "rep": rep,
+                "step_s": times,
+                "tokens_per_s": tokens * len(times) / sum(times),
+                "cpu_share": cpu_share,
+                "loss": loss,
+            },
+        )
+    emit("DONE", {"peak_rss_gb": max_rss_gb(), "base_rss_gb": base_gb})
+
+
+def emit(tag: str, payload: dict) -> None:
+    print(f"{RESULT_TAG}{tag} {json.dumps(payload)}", flush=True)
 
 
 # ---- the parent: ceilings, interleaved runs, table ---------------------------------------------
-def matmul_ceiling(precision: str) -> float:
-    """Best square-matmul FLOP/s over a few sizes (the CPU's best size differs by dtype)."""
+def matmul_ceiling(
+    precision: str, quiet_wait: float = 0.0, min_share: float = 0.0, retries: int = 0
+) -> float:
+    """Best square-matmul FLOP/s over a few sizes (the CPU's best size differs by dtype).
+
+    A measurement during which this process got less than `min_share` of the cores is taken again
+    (at most `retries` times): a ceiling measured on a busy machine would inflate every MFU.
+    """
     import torch
 
     from suite.train.flops import measure_matmul_peak
 
     device = torch.device("cpu")
-    return max(measure_matmul_peak(device, precision, size, seconds=0.75) for size in (512, 1024, 2048))
+    best = 0.0
+    for size in (512, 1024, 2048):
+        for attempt in range(1 + retries):
+            wait_quiet(quiet_wait)
+            cpu0, wall0 = cpu_seconds(), time.perf_counter()
+            best = max(best, measure_matmul_peak(device, precision, size, seconds=0.75))
+            share = (cpu_seconds() - cpu0) / ((time.perf_counter() - wall0) * torch.get_num_threads())
+            if share >= min_share or attempt == retries:
+                break
+    return best
 
 
-@dataclass
-class Cell:
-    runs: list[dict] = field(default_factory=list)
+def busy_fraction(seconds: float = 1.0) -> float:
+    """Share of the machine's CPU time that was busy over `seconds` (from /proc/stat; 0 elsewhere)."""
 
+    def sample() -> tuple[int, int]:
+        values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError):
+        return 0.0
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.15) -> None:
+    """On a shared machine: wait (at most `limit_s`) until other processes leave the CPUs idle.
+
+    Called between timing windows, when no contender runs, so any busy time is someone else's.
+    """
+    if limit_s <= 0:
+        return
+    deadline = time.monotonic() + limit_s
+    busy = busy_fraction()
+    if busy <= threshold:
+        return
+    print(f"  (machine {busy:.0%} busy with other processes; waiting up to {limit_s:.0f} s)", flush=True)
+    while busy > threshold and time.monotonic() < deadline:
+        busy = busy_fraction()
+
+
+class Worker:
+    """A contender's process; the parent hands it the baton one timing window at a time."""
+
+    def __init__(self, spec: dict, timeout: float):
+        self.spec, self.timeout = spec, timeout
+        self.name = f"{spec['shape']} {spec['precision']} {label(spec['contender'], spec['compile'])}"
+        self.info: dict = {}
+        self.windows: list[dict] = []
+        self.discarded = 0
+        self.memory: dict = {}
+        self.failed = ""
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in stop())
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+
+    def _read(self, tag: str) -> dict | None:
+        deadline = time.monotonic() + self.timeout
+        while not self.failed:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._fail(f"no answer in {self.timeout:.0f} s")
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                self._fail(f"exited with code {self.proc.wait()}")
+                break
+            if line.startswith(RESULT_TAG):
+                got, _, payload = line[len(RESULT_TAG) :].partition(" ")
+                if got == tag:
+                    return json.loads(payload)
+        return None
+
+    def _fail(self, why: str) -> None:
+        self.stderr.seek(0)
+        tail = "\n    ".join(self.stderr.read().strip().splitlines()[-8:])
+        self.failed = why
+        print(f"  ! {self.name}: {why}\n    {tail}", flush=True)
+        self.proc.kill()
+
+    def ready(self) -> bool:
+        self.info = self._read("READY") or {}
+        return bool(self.info)
+
+    def run(self, rep: int) -> dict | None:
+        if self.failed:
+            return None
+        self.proc.stdin.write(f"run {rep}\n")
+        self.proc.stdin.flush()
+        window = self._read("WINDOW")
+        if window:
+            self.windows.append(window)
+        return window
+
+    def discard_last(self) -> None:
+        """Drop the last window (timed while other processes took the cores); counted in the table."""
+        self.windows.pop()
+        self.discarded += 1
+
+    def stop(self) -> None:
+        if not self.failed:
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.flush()
+            self.memory = self._read("DONE") or {}
+        self.proc.wait()
+        self.stderr.close()
+
+    # ---- summary ----
     def median(self, key: str) -> float:
-        return statistics.median(r[key] for r in self.runs)
+        return statistics.median(w[key] for w in self.windows)
 
     @property
-    def mem_gb(self) -> float:
-        return statistics.median(r["peak_rss_gb"] - r["base_rss_gb"] for r in self.runs)
+    def mem_gb(self) -> float | None:
+        if not self.memory:
+            return None
+        return self.memory["peak_rss_gb"] - self.memory["base_rss_gb"]
 
 
 def machine() -> str:
@@ -299,7 +514,9 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
         isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
     except (OSError, StopIteration):
         isa = []
@@ -309,9 +526,10 @@ def machine() -> str:
     )
 
 
-def contenders(shape: str, compile_shapes: set[str]) -> list[tuple[str, bool]]:
+def contenders(shape: str, precision: str, compile_for: set[str]) -> list[tuple[str, bool]]:
+    """suite and transformers eager, plus both compiled where `--compile` names the shape[:precision]."""
     out = [("suite", False), ("hf", False)]
-    if shape in compile_shapes:
+    if {"all", shape, f"{shape}:{precision}"} & compile_for:
         out += [("suite", True), ("hf", True)]
     return out
 
@@ -321,57 +539,37 @@ def label(contender: str, compile_: bool) -> str:
     return name + (" +compile" if compile_ else "")
 
 
-def run_one(spec: dict, timeout: float) -> dict | None:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        print(f"  ! timed out after {timeout:.0f}s: {spec}", flush=True)
-        return None
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    tail = "\n    ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-    print(f"  ! worker failed (rc {proc.returncode}): {spec}\n    {tail}", flush=True)
-    return None
-
-
-def fmt_table(cells: dict, ceilings: dict, shapes, precisions, compile_shapes) -> str:
-    head = (
-        "| shape | precision | contender | tokens/s | range | vs transformers | MFU | peak mem (GB) | "
-        "s/step | compile s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
-    )
-    rows = [head]
-    for shape in shapes:
-        for precision in precisions:
-            base = {}
-            for contender, compile_ in contenders(shape, compile_shapes):
-                cell = cells.get((shape, precision, contender, compile_))
-                if cell and cell.runs:
-                    base[(contender, compile_)] = cell.median("tokens_per_s")
-            for contender, compile_ in contenders(shape, compile_shapes):
-                cell = cells.get((shape, precision, contender, compile_))
-                if not cell or not cell.runs:
-                    rows.append(f"| {shape} | {precision} | {label(contender, compile_)} | failed | | | | | | |")
-                    continue
-                tps = cell.median("tokens_per_s")
-                lo = min(r["tokens_per_s"] for r in cell.runs)
-                hi = max(r["tokens_per_s"] for r in cell.runs)
-                peer = base.get(("hf", compile_))
-                ratio = f"{tps / peer:.2f}x" if contender == "suite" and peer else ""
-                if contender == "suite" and compile_ and ("hf", False) in base:
-                    ratio += f" ({tps / base[('hf', False)]:.2f}x eager)"
-                mfu = tps * cell.runs[0]["flops_per_token"] / ceilings[precision]
-                step_s = statistics.median(statistics.median(r["step_s"]) for r in cell.runs)
-                compile_s = (
-                    f"{statistics.median(r['warmup_s'][0] - statistics.median(r['step_s']) for r in cell.runs):.0f}"
-                    if compile_ else ""
-                )
-                rows.append(
-                    f"| {shape} | {precision} | {label(contender, compile_)} | {tps:,.0f} | {lo:,.0f}-{hi:,.0f} | "
-                    f"{ratio} | {mfu:.1%} | {cell.mem_gb:.2f} | {step_s:.2f} | {compile_s} |"
-                )
+def fmt_table(workers: dict, ceilings: dict) -> str:
+    """One row per contender; suite rows compare with transformers eager and, where run, compiled."""
+    rows = [
+        "| shape | precision | contender | tokens/s | range | suite / transformers | MFU | peak mem GB | "
+        "s/step | CPU share | compile s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (shape, precision, contender, compile_), w in workers.items():
+        name = label(contender, compile_)
+        if not w.windows:
+            rows.append(f"| {shape} | {precision} | {name} | failed: {w.failed} |" + " |" * 7)
+            continue
+        tps = w.median("tokens_per_s")
+        lo, hi = min(x["tokens_per_s"] for x in w.windows), max(x["tokens_per_s"] for x in w.windows)
+        ratio = ""
+        if contender == "suite":
+            parts = []
+            for peer_compile, peer_name in ((False, "eager"), (True, "compiled")):
+                peer = workers.get((shape, precision, "hf", peer_compile))
+                if peer and peer.windows:
+                    parts.append(f"{tps / peer.median('tokens_per_s'):.2f}x {peer_name}")
+            ratio = " / ".join(parts)
+        mfu = tps * w.info["flops_per_token"] / ceilings[precision]
+        step_s = statistics.median(s for x in w.windows for s in x["step_s"])
+        compile_s = f"{w.info['warmup_s'][0] - step_s:.0f}" if compile_ else ""
+        mem = f"{w.mem_gb:.2f}" if w.mem_gb is not None else "?"
+        share = f"{w.median('cpu_share'):.0%}" + (f" ({w.discarded} retimed)" if w.discarded else "")
+        rows.append(
+            f"| {shape} | {precision} | {name} | {tps:,.0f} | {lo:,.0f}-{hi:,.0f} | {ratio} | {mfu:.1%} | {mem} | "
+            f"{step_s:.2f} | {share} | {compile_s} |"
+        )
     return "\n".join(rows)
 
 
@@ -385,17 +583,24 @@ batches. The suite side is its real training step: `build_model` on meta, `paral
 `build_optimizer`, then `Trainer.train_step` (lr, `ParallelModel.forward_backward` with the trainer's loss,
 unscale, `clip_grad_norm`, optimizer step, zero_grad).
 
-- **tokens/s**: median over repetitions (each a fresh process, contenders alternating) of the tokens of the
-  timed steps over their wall time, after 2 warm-up steps; **range** is the min-max over repetitions.
+- **tokens/s**: median over repetitions of the tokens of the timed steps over their wall time. Each contender
+  runs in its own process, builds its model and warms up 2 steps alone, then the contenders take turns: every
+  repetition times each of them once, in alternating order. **range** is the min-max over repetitions.
 - **MFU**: tokens/s x (6 x params + 12 x layers x seq x width) / the matmul ceiling, a square matmul in the
   same precision measured by the harness on the same machine (best of several sizes, before and after).
 - **peak mem**: the process's peak resident set (`ru_maxrss`) minus its high-water mark after imports,
   i.e. what building the model and training it added; each contender runs in its own process.
+- **suite / transformers**: the suite row's median tokens/s over transformers' eager (and, where run, compiled) one.
+- **CPU share**: median CPU time the contender's process got during its timed steps over wall time x threads.
+  A repetition below `--min-share` (85%) means other processes on the machine took cores: it is timed again
+  (up to `--retries` times; "N retimed" counts them) and kept as it is after that, so a share well below
+  ~95% marks a row whose tokens/s understates the contender.
 - **compile s**: first warm-up step minus a steady step (torch.compile variants only).
 
 Reproduce with `make bench` (`python bench/throughput.py`; `--help` lists the options: `--shapes`,
-`--precision`, `--reps`, `--steps`, `--compile`, `--quick`). Each run appends a section below. On a shared or
-busy machine the absolute numbers move; the ratios, measured interleaved, are the more stable figure.
+`--precision`, `--reps`, `--steps`, `--compile`, `--quiet-wait`, `--min-share`, `--retries`, `--quick`). Each
+run appends a section below. On a shared or busy machine the absolute numbers move; the ratios, measured
+interleaved, are the more stable figure, and `--quiet-wait 120` times only when the CPUs are otherwise idle.
 """
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -405,37 +610,78 @@ busy machine the absolute numbers move; the ratios, measured interleaved, are th
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                        help=f"comma-separated, from: {', '.join(SHAPES)} (default: %(default)s)")
-    parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32, bf16 (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions per contender (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per run, after 2 warm-up steps (default: per shape, "
-                        + ", ".join(f"{k} {v.steps}" for k, v in SHAPES.items()) + ")")
-    parser.add_argument("--compile", default="gpt-tiny",
-                        help="shapes that also run the torch.compile variants, comma-separated, 'all' or "
-                        "'none' (default: %(default)s; the 12x768 shapes compile for minutes on a small CPU)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to append to")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shapes",
+        default=",".join(DEFAULT_SHAPES),
+        help=f"comma-separated, from: {', '.join(SHAPES)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--precision", default="fp32,bf16", help="comma-separated: fp32, bf16 (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=3, help="repetitions per contender (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per run, after 2 warm-up steps (default: per shape, "
+        + ", ".join(f"{k} {v.steps}" for k, v in SHAPES.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--compile",
+        default="gpt-tiny:bf16",
+        help="where to also run the torch.compile variants: comma-separated SHAPE or SHAPE:PRECISION, "
+        "'all' or 'none' (default: %(default)s; compiling costs about a minute per model on a 2-core CPU)",
+    )
+    parser.add_argument(
+        "--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to append to"
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
-    parser.add_argument("--quick", action="store_true", help="smoke run: gpt-tiny, fp32, 1 rep, 1 step, no compile")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per worker run (default: %(default)s)")
+    parser.add_argument("--raw", help="also write every measurement as JSON to this file")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: gpt-tiny, fp32, 1 rep, 1 step, no compile"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900, help="seconds per worker run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="on a shared machine, wait up to this many seconds before each timing window until other "
+        "processes leave the CPUs idle (default: %(default)s, no waiting)",
+    )
+    parser.add_argument(
+        "--min-share",
+        type=float,
+        default=0.85,
+        help="a timing window (or ceiling measurement) that got less than this share of the cores, because "
+        "other processes ran, is timed again (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="how many times a contended window is timed again before it is kept (default: %(default)s)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
-        print(RESULT_TAG + json.dumps(run_worker(json.loads(args.worker))), flush=True)
+        run_worker(json.loads(args.worker))
         return 0
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
-    compile_shapes = set(SHAPES) if args.compile == "all" else (
-        set() if args.compile == "none" else {s.strip() for s in args.compile.split(",")}
-    )
+    compile_for = {c.strip() for c in args.compile.split(",") if c.strip() and c.strip() != "none"}
     reps = args.reps
     if args.quick:
-        shapes, precisions, reps, compile_shapes = ["gpt-tiny"], ["fp32"], 1, set()
+        shapes, precisions, reps, compile_for = ["gpt-tiny"], ["fp32"], 1, set()
         args.steps = 1
     for shape in shapes:
         if shape not in SHAPES:
@@ -447,71 +693,104 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reps must be at least 1")
 
     started = time.perf_counter()
-    ceilings = {p: matmul_ceiling(p) for p in precisions}
-    print("matmul ceiling: " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()), flush=True)
+    quiet = args.quiet_wait
+    ceilings = {p: matmul_ceiling(p, quiet, args.min_share, args.retries) for p in precisions}
+    print(
+        "matmul ceiling: " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()), flush=True
+    )
 
-    plan = []
+    workers: dict[tuple, Worker] = {}
     for shape in shapes:
         steps = args.steps or SHAPES[shape].steps
         for precision in precisions:
-            order = contenders(shape, compile_shapes)
+            group = []
+            for contender, compile_ in contenders(shape, precision, compile_for):
+                spec = {
+                    "shape": shape,
+                    "precision": precision,
+                    "contender": contender,
+                    "compile": compile_,
+                    "steps": steps,
+                    "seed": 1,
+                }
+                t0 = time.perf_counter()
+                worker = Worker(spec, args.timeout)  # one at a time: build and warm-up alone on the machine
+                workers[(shape, precision, contender, compile_)] = worker
+                if worker.ready():
+                    group.append(worker)
+                    info = worker.info
+                    print(
+                        f"[{time.perf_counter() - started:4.0f}s] {worker.name}: built in {info['build_s']:.1f} s, "
+                        f"warm-up steps {', '.join(f'{x:.1f}' for x in info['warmup_s'])} s, "
+                        f"first loss {info['first_loss']:.3f} ({time.perf_counter() - t0:.0f} s)",
+                        flush=True,
+                    )
             for rep in range(reps):
-                for contender, compile_ in order if rep % 2 == 0 else order[::-1]:
-                    plan.append({"shape": shape, "precision": precision, "contender": contender,
-                                 "compile": compile_, "steps": steps, "rep": rep, "seed": 1000 + rep})
-    cells: dict[tuple, Cell] = {}
-    for i, spec in enumerate(plan, 1):
-        t0 = time.perf_counter()
-        result = run_one(spec, args.timeout)
-        key = (spec["shape"], spec["precision"], spec["contender"], spec["compile"])
-        cells.setdefault(key, Cell())
-        if result is None:
-            continue
-        cells[key].runs.append(result)
-        print(
-            f"[{i}/{len(plan)}] {spec['shape']} {spec['precision']} {label(spec['contender'], spec['compile'])} "
-            f"rep {spec['rep'] + 1}: {result['tokens_per_s']:,.0f} tokens/s "
-            f"({statistics.median(result['step_s']):.2f} s/step, loss {result['first_loss']:.2f}, "
-            f"+{result['peak_rss_gb'] - result['base_rss_gb']:.2f} GB, {time.perf_counter() - t0:.0f} s "
-            f"in all, {time.perf_counter() - started:.0f} s elapsed)",
-            flush=True,
-        )
+                for worker in group if rep % 2 == 0 else group[::-1]:
+                    for attempt in range(1 + args.retries):
+                        wait_quiet(quiet)
+                        window = worker.run(rep)
+                        if not window:
+                            break
+                        contended = window["cpu_share"] < args.min_share and attempt < args.retries
+                        print(
+                            f"[{time.perf_counter() - started:4.0f}s] {worker.name} rep {rep + 1}/{reps}: "
+                            f"{window['tokens_per_s']:,.0f} tokens/s ({sum(window['step_s']):.1f} s for "
+                            f"{len(window['step_s'])} steps, CPU share {window['cpu_share']:.0%})"
+                            + (" - other processes took the cores: timing it again" if contended else ""),
+                            flush=True,
+                        )
+                        if not contended:
+                            break
+                        worker.discard_last()
+            for worker in group:
+                worker.stop()
     for p in precisions:  # the ceiling again after the runs: keep the best (a busy moment lowers it)
-        ceilings[p] = max(ceilings[p], matmul_ceiling(p))
+        ceilings[p] = max(ceilings[p], matmul_ceiling(p, quiet, args.min_share, args.retries))
 
-    table = fmt_table(cells, ceilings, shapes, precisions, compile_shapes)
-    any_run = next((c.runs[0] for c in cells.values() if c.runs), None)
+    table = fmt_table(workers, ceilings)
     details = []
     for shape in shapes:
-        cell = next((c for k, c in cells.items() if k[0] == shape and c.runs), None)
-        if cell:
-            r = cell.runs[0]
-            suite_params = next((c.runs[0]["params"] for k, c in cells.items()
-                                 if k[0] == shape and k[2] == "suite" and c.runs), None)
-            hf_params = next((c.runs[0]["params"] for k, c in cells.items()
-                              if k[0] == shape and k[2] == "hf" and c.runs), None)
-            overrides = " ".join(SHAPES[shape].overrides)
-            details.append(
-                f"- `{shape}`: `recipe={SHAPES[shape].recipe}{' ' + overrides if overrides else ''}`; "
-                f"batch {r['batch']} (micro {r['micro']}) x seq {r['seq']} = {r['tokens_per_step']} tokens/step, "
-                f"{r['flops_per_token'] / 1e6:.0f} MFLOP/token; parameters (stored) suite "
-                f"{(suite_params or 0) / 1e6:.1f}M, transformers {(hf_params or 0) / 1e6:.1f}M; "
-                f"{len(cell.runs[0]['step_s'])} timed steps per run"
-            )
+        done = {k[2]: w for k, w in workers.items() if k[0] == shape and w.info}
+        if not done:
+            continue
+        info = next(iter(done.values())).info
+        params = ", ".join(f"{label(c, False)} {w.info['params'] / 1e6:.1f}M" for c, w in done.items())
+        overrides = " ".join(SHAPES[shape].overrides)
+        details.append(
+            f"- `{shape}`: `recipe={SHAPES[shape].recipe}{' ' + overrides if overrides else ''}`; batch "
+            f"{info['batch']} (micro-batches of {info['micro']}) x seq {info['seq']} = {info['tokens_per_step']} "
+            f"tokens/step, {info['flops_per_token'] / 1e6:.0f} MFLOP/token; parameters stored: {params}; "
+            f"{args.steps or SHAPES[shape].steps} timed steps per repetition"
+        )
     load = os.getloadavg()
-    section = "\n".join([
-        f"## {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        "",
-        f"- machine: {machine()}; load average at the end {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}",
-        "- matmul ceiling: " + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()),
-        f"- settings: {reps} repetitions (median), {WARMUP} warm-up steps, AdamW foreach, grad clip "
-        f"{1.0 if any_run is None else 'as the recipe'}, same random token batches; "
-        f"`python bench/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip() + "; "
-        f"{time.perf_counter() - started:.0f} s in all",
-        *details,
-        "",
-        table,
-    ])
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    section = "\n".join(
+        [
+            f"## {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}: `python bench/throughput.py"
+            + (f" {command}`" if command else "`"),
+            "",
+            f"- machine: {machine()}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+            "(1 / 5 / 15 min)",
+            "- matmul ceiling (best square matmul): "
+            + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()),
+            f"- {reps} repetitions (median; contenders alternate, order reversed every other repetition), "
+            f"{WARMUP} warm-up steps, AdamW (foreach), grad clip and lr from the recipe, the same random tokens "
+            f"for every contender; {time.perf_counter() - started:.0f} s in all",
+            *details,
+            "",
+            table,
+        ]
+    )
+    if args.raw:
+        raw = {
+            "ceilings": ceilings,
+            "runs": [
+                {**w.spec, "info": w.info, "windows": w.windows, "memory": w.memory, "failed": w.failed}
+                for w in workers.values()
+            ],
+        }
+        Path(args.raw).write_text(json.dumps(raw, indent=1))
     if not args.no_write and not args.quick:
         append_docs(Path(args.out), section)
         print(f"appended to {args.out}", flush=True)
