@@ -50,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_TAG = "BENCH_RESULT "
+SECTION_PREFIX = "## Throughput, "  # each run's section in docs/benchmarks.md
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
@@ -605,8 +606,13 @@ interleaved, are the more stable figure, and `--quiet-wait 120` times only when 
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(intro)
-    with out.open("a") as f:
-        f.write("\n" + text.rstrip() + "\n")
+    doc = out.read_text()
+    # Keep the throughput runs together, right after the intro and the earlier runs, before the
+    # sections of other benchmarks that share the file.
+    runs = [i for i in range(len(doc)) if doc.startswith("\n" + SECTION_PREFIX, i)]
+    following = doc.find("\n## ", runs[-1] + 1 if runs else 0)
+    cut = following if following != -1 else len(doc)
+    out.write_text(doc[:cut].rstrip() + "\n\n" + text.rstrip() + "\n" + doc[cut:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -767,8 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(argv if argv is not None else sys.argv[1:])
     section = "\n".join(
         [
-            f"## {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}: `python bench/throughput.py"
-            + (f" {command}`" if command else "`"),
+            f"{SECTION_PREFIX}{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}: "
+            "`python bench/throughput.py" + (f" {command}`" if command else "`"),
             "",
             f"- machine: {machine()}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
             "(1 / 5 / 15 min)",
