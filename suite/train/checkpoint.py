@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +149,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     config_yaml: str,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+    """Collective: every rank calls it. Returns the final folder.
+
+    write_extra(folder): rank 0 writes more files into the checkpoint (LoRA adapters) before the
+    manifest, so they are checksummed and appear atomically with the rest.
+    """
     root = checkpoint_root(run_dir)
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp-{STEP_PREFIX}{step}"
@@ -171,6 +177,8 @@ def save_checkpoint(
     if _rank() == 0:
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
+        if write_extra is not None:
+            write_extra(tmp)
         write_manifest(tmp, step)
         _fsync_tree(tmp)
         if final.exists():

@@ -56,9 +56,11 @@ class RunStopped(SystemExit):
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in fp32; targets of -100 (masked tokens) contribute nothing."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token loss in fp32 ("mean" or "sum"); targets of -100 (masked tokens) contribute nothing."""
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction
+    )
 
 
 class Trainer:
@@ -75,6 +77,37 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.train.seed)
 
+        self._setup_data()
+        model = build_model(cfg.model, "meta")
+        self._adapt_model(model)
+        self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
+        self.model = self.parallel.model
+        if self.parallel.materialized is False:
+            materialize(self.model, self.device, cfg.train.seed)
+        self._load_initial_weights()
+        self.optimizer = self.parallel.build_optimizer(cfg.optim)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+        dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else nullcontext
+        )
+        self._build_loaders()
+        self.step = 0
+        self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
+        self.bad_in_a_row = 0
+        self._sigterm = False
+        self.resumed = False
+        if cfg.train.resume:
+            self._maybe_resume()
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_flops(self.device, cfg.train.precision, cfg.train.peak_flops)
+
+    # ---- what finetuning overrides (suite.finetune.trainer) ------------------------------------
+    verb = "pretrain"
+
+    def _setup_data(self) -> None:
+        """Pretraining: the prepared token shards (built on first use), checked against the model."""
+        cfg = self.cfg
         self.data_dir = ensure_prepared(cfg.data, progress=self.env.is_main)
         verify_prepared(self.data_dir)  # sizes + sha256 of shards and tokenizer: one-line error if corrupt
         meta = json.loads((self.data_dir / "meta.json").read_text())
@@ -84,17 +117,14 @@ class Trainer:
                 f"tokens in {self.data_dir}; set model.vocab_size>={meta['vocab_size']}"
             )
 
-        model = build_model(cfg.model, "meta")
-        self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
-        self.model = self.parallel.model
-        if self.parallel.materialized is False:
-            materialize(self.model, self.device, cfg.train.seed)
-        self.optimizer = self.parallel.build_optimizer(cfg.optim)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
-        dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else nullcontext
-        )
+    def _adapt_model(self, model: torch.nn.Module) -> None:
+        """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
+
+    def _load_initial_weights(self) -> None:
+        """Replace the seeded initialisation (a base checkpoint); nothing for pretraining."""
+
+    def _build_loaders(self) -> None:
+        cfg, dims = self.cfg, self.dims
         self.loader = TokenBatches(
             self.data_dir,
             "train",
@@ -115,15 +145,21 @@ class Trainer:
             dims.data_parallel_size,
             cfg.train.seed,
         )
-        self.step = 0
-        self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
-        self.bad_in_a_row = 0
-        self._sigterm = False
-        self.resumed = False
-        if cfg.train.resume:
-            self._maybe_resume()
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = peak_flops(self.device, cfg.train.precision, cfg.train.peak_flops)
+
+    def _write_run_files(self) -> None:
+        """Rank 0, at the start of train(): the tokenizer beside config.yaml."""
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (self.data_dir / name).is_file():
+                shutil.copyfile(self.data_dir / name, self.run_dir / name)
+
+    def _checkpoint_extra(self):
+        """A callable(tmp_folder) that rank 0 runs inside each checkpoint before its manifest, or None.
+        Collective work (gathering) happens here, on every rank."""
+        return None
+
+    def eval_metrics(self) -> dict:
+        """What each evaluation logs; `val_loss` is required."""
+        return {"val_loss": self.evaluate()}
 
     # ---- state -----------------------------------------------------------------------------
     def _log(self, text: str) -> None:
@@ -150,7 +186,13 @@ class Trainer:
         state = {"step": self.step, "data": self.loader.state_dict(), "bad_steps": self.bad_steps}
         try:
             folder = ckpt.save_checkpoint(
-                self.run_dir, self.step, self.model, self.optimizer, state, self.resolved_yaml
+                self.run_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                state,
+                self.resolved_yaml,
+                write_extra=self._checkpoint_extra(),
             )
         except (OSError, CheckpointException) as exc:
             err = os_error_in(exc)
@@ -236,8 +278,8 @@ class Trainer:
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets)
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return cross_entropy(logits, targets, reduction)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -251,16 +293,14 @@ class Trainer:
         logger = None
         if self.env.is_main:
             (self.run_dir / "config.yaml").write_text(self.resolved_yaml)
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                if (self.data_dir / name).is_file():
-                    shutil.copyfile(self.data_dir / name, self.run_dir / name)
+            self._write_run_files()
             config_dict = OmegaConf.to_container(OmegaConf.create(self.resolved_yaml))
             logger = MetricsLogger(
                 self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed
             )
             n_params = self.parallel.num_params
             logger.print(
-                f"[bold]suite pretrain[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
+                f"[bold]suite {self.verb}[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
                 f"world {self.env.world_size} ({', '.join(f'{k}={v}' for k, v in self.dims.enabled.items()) or 'single process'}), "
                 f"{cfg.train.precision}, run dir {self.run_dir}"
             )
@@ -271,10 +311,10 @@ class Trainer:
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
         try:
             if self.step == 0 and not self.resumed:
-                val = self.evaluate()
-                summary["first_val_loss"] = val
+                metrics = self.eval_metrics()
+                summary |= {f"first_{k}": v for k, v in metrics.items()}
                 if logger:
-                    logger.log({"step": 0, "val_loss": val})
+                    logger.log({"step": 0, **metrics})
             window_start, window_steps = time.perf_counter(), 0
             while self.step < cfg.train.max_steps:
                 batches = self.loader.next_step()
@@ -303,9 +343,9 @@ class Trainer:
                     }
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
-                    val = self.evaluate()
-                    summary["last_val_loss"] = val
-                    record = (record or {"step": self.step}) | {"val_loss": val}
+                    metrics = self.eval_metrics()
+                    summary |= {f"last_{k}": v for k, v in metrics.items()}
+                    record = (record or {"step": self.step}) | metrics
                     window_start = time.perf_counter()  # keep eval time out of tokens/s
                 if record and logger:
                     logger.log(record)
