@@ -88,6 +88,12 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         raise ConfigError(
             f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even for RoPE"
         )
+    if m.num_experts < 0:
+        raise ConfigError(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model)")
+    if m.num_experts > 0:
+        from suite.models.moe import check_moe_config
+
+        check_moe_config(m)
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "

@@ -27,7 +27,9 @@ from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
+from suite.models.moe import moe_aux_loss
 from suite.parallel.dims import ParallelDims
+from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.env import DistEnv, barrier, init_process_group, pick_device
 from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
@@ -237,7 +239,12 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets)
+        loss = cross_entropy(logits, targets)
+        if self.model.training and self.cfg.model.num_experts:  # MoE: + weighted balance (and z) losses
+            aux = moe_aux_loss(self.model)
+            if aux is not None:
+                loss = loss + aux.to(loss.device)
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -301,6 +308,10 @@ class Trainer:
                         "mem_gb": memory_gb(self.device),
                         "bad_steps": self.bad_steps,
                     }
+                    if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window
+                        record |= moe_step_metrics(
+                            self.model, cfg.model.top_k, window_steps, self.parallel.extras.get("ep_traffic")
+                        )
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
                     val = self.evaluate()
