@@ -47,9 +47,7 @@ def expert_ffn_size(cfg: ModelConfig) -> int:
     return cfg.moe_ffn_hidden_size or ffn_size(cfg)
 
 
-def expert_mlp(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
-) -> torch.Tensor:
+def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor:
     """One expert: SwiGLU (llama family, w3 = up projection) or tanh-GELU (gpt family)."""
     if w3 is not None:
         return F.silu(x @ w1.t()) * (x @ w3.t()) @ w2.t()
@@ -122,7 +120,9 @@ class MoEFeedForward(nn.Module):
         keep = (position < cap).view(self.top_k, -1).t()
         return expert_ids, weights, keep
 
-    def balance_losses(self, logits: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def balance_losses(
+        self, logits: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(Switch load-balancing loss, router z-loss), both unweighted."""
         probs = logits.softmax(dim=-1)
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).to(probs.dtype)

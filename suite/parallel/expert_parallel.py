@@ -111,7 +111,9 @@ class ExpertParallelExperts(GroupedExperts):
         received = all_to_all_single(received, x.contiguous(), recv_splits, send_splits, group=self.ep_group)
         # rows arrive grouped by (source, local expert); the experts want them grouped by local expert
         block = torch.arange(ep * local_experts, device=x.device).view(ep, local_experts)
-        row_key = torch.repeat_interleave((block % local_experts) * ep + block // local_experts, recv_matrix.flatten())
+        row_key = torch.repeat_interleave(
+            (block % local_experts) * ep + block // local_experts, recv_matrix.flatten()
+        )
         order = torch.argsort(row_key, stable=True)
         w3 = self.w3.to_local() if self.w3 is not None else None
         out = run_experts(

@@ -226,7 +226,9 @@ def make_part_parallelizer(
             from suite.parallel import expert_parallel as ep
 
             ep_mesh = ep.build_expert_mesh(dims, device.type)
-            expert_params = ep.apply_expert_parallel(part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0}))
+            expert_params = ep.apply_expert_parallel(
+                part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0})
+            )
             info["after_backward"] = lambda: ep.reduce_expert_grads(
                 ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
             )

@@ -29,8 +29,8 @@ from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.models.moe import moe_aux_loss
 from suite.parallel.dims import ParallelDims
-from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.env import DistEnv, barrier, init_process_group, pick_device
+from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
