@@ -123,9 +123,10 @@ class ExpertParallelExperts(GroupedExperts):
         result = x.new_empty(x.shape[0], out.shape[1])
         result = all_to_all_single(result, out.contiguous(), send_splits, recv_splits, group=self.ep_group)
 
-        row_bytes = x.shape[1] * x.element_size()
-        others = [i for i in range(ep) if i != self.ep_rank]
-        self.traffic["bytes"] += row_bytes * sum(send_splits[i] + recv_splits[i] for i in others)
+        if self.training:  # training steps only (evaluation forwards are not a step's traffic)
+            row_bytes = x.shape[1] * x.element_size()
+            others = [i for i in range(ep) if i != self.ep_rank]
+            self.traffic["bytes"] += row_bytes * sum(send_splits[i] + recv_splits[i] for i in others)
         return result
 
 
