@@ -35,6 +35,7 @@ from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger
+from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
@@ -276,6 +277,9 @@ class Trainer:
         on_main_thread = threading.current_thread() is threading.main_thread()
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main_thread else None
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
+        profiler = None
+        if cfg.train.profile:
+            profiler = StepProfiler(cfg.train, self.run_dir, self.device, self.env.rank, self._log)
         try:
             if self.step == 0 and not self.resumed:
                 val = self.evaluate()
@@ -287,6 +291,8 @@ class Trainer:
                 batches = self.loader.next_step()
                 self._maybe_fault_kill()
                 loss, grad_norm, ok = self.train_step(batches)
+                if profiler:
+                    profiler.step()
                 self.step += 1  # a skipped step still counts: the bad batch is not retried
                 window_steps += 1
                 if ok:
@@ -348,6 +354,8 @@ class Trainer:
             self._log(f"interrupted at step {self.step}; {where}; run the same command again to resume")
             raise SystemExit(130) from None
         finally:
+            if profiler:
+                profiler.close()
             if logger:
                 logger.close()
             if on_main_thread:
