@@ -41,6 +41,8 @@ def test_profile_writes_a_chrome_trace_and_the_top_operators(profiled_run):
 
 
 def test_profile_steps_must_be_positive(tmp_path, tiny_data):
-    proc = run_suite("pretrain", *BASE, f"data.path={tiny_data}", f"run.dir={tmp_path}", "train.profile_steps=0")
+    proc = run_suite(
+        "pretrain", *BASE, f"data.path={tiny_data}", f"run.dir={tmp_path}", "train.profile_steps=0"
+    )
     assert proc.returncode == 2
     assert "train.profile_steps=0" in proc.stderr and "Traceback" not in proc.stderr
