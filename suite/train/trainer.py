@@ -365,15 +365,17 @@ class Trainer:
     def _maybe_fault_kill(self) -> None:
         """Fault-injection aid for tests: train.fault_kill_rank SIGKILLs itself before step
         train.fault_kill_step, on the first attempt only (SUITE_RESTART_COUNT, set by the launcher's
-        elastic min:max restarts, or else TORCHELASTIC_RESTART_COUNT: 0 or unset)."""
+        elastic min:max restarts, or else TORCHELASTIC_RESTART_COUNT: 0 or unset). An asynchronous
+        save still in flight is completed first (every rank), so the test knows which checkpoint
+        the restart finds."""
         t = self.cfg.train
-        if (
-            t.fault_kill_step is not None
-            and self.step + 1 == t.fault_kill_step
-            and self.env.rank == t.fault_kill_rank
-            and os.environ.get("SUITE_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            == "0"
-        ):
+        attempt = os.environ.get("SUITE_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if t.fault_kill_step is None or self.step + 1 != t.fault_kill_step or attempt != "0":
+            return
+        if self.async_group is not False:
+            self.finish_pending()
+            barrier()
+        if self.env.rank == t.fault_kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
