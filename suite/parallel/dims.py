@@ -141,11 +141,10 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.cp={self.cp}: context parallelism is not implemented yet; use parallel.cp=1"
             )
-        if self.ep > 1:
-            raise ConfigError(
-                f"parallel.ep={self.ep}: expert parallelism needs a mixture-of-experts model and "
-                f"model.family={model.family} has no experts; use parallel.ep=1"
-            )
+        if model.num_experts > 0 or self.ep > 1:
+            from suite.parallel.expert_parallel import check_expert_parallel
+
+            check_expert_parallel(self, cfg)
         if self.tp > 1:
             for key, size in (
                 ("model.vocab_size", model.vocab_size),

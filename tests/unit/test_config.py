@@ -109,6 +109,27 @@ BAD_INPUTS = [
         "an elastic process range works on one node",
     ),
     (["train.spike_factor=0.5"], "train.spike_factor=0.5 must be above 1"),
+    (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], "model.num_experts=0"),
+    (["recipe=moe-tiny", "model.top_k=9"], "model.top_k=9 must be between 1 and model.num_experts=8"),
+    (
+        [
+            "recipe=moe-tiny",
+            "parallel.ep=3",
+            "parallel.dp=6",
+            "parallel.micro_batch_size=1",
+            "parallel.global_batch_size=12",
+            "launch.nproc_per_node=6",
+        ],
+        "parallel.ep=3 does not divide model.num_experts=8",
+    ),
+    (
+        ["recipe=moe-tiny", "parallel.ep=4", "parallel.dp=2", "launch.nproc_per_node=2"],
+        "parallel.ep=4 does not divide the data-parallel ranks",
+    ),
+    (["recipe=moe-tiny", "parallel.tp=2", "launch.nproc_per_node=2"], "tensor parallelism of MoE"),
+    (["recipe=moe-tiny", "model.capacity_factor=0"], "model.capacity_factor=0"),
+    (["recipe=moe-tiny", "model.moe_layers=[7]"], "names layer 7"),
+    (["recipe=moe-tiny", "model.moe_every=5"], "no layer is MoE"),
 ]
 
 
