@@ -77,7 +77,7 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torc
     b, h, two_l, d = x.shape
     size = two_l // 2
     buf = x.new_empty(cp * x.numel())
-    dist.all_gather_into_tensor(buf, x.contiguous().view(-1), group=group)
+    dist.all_gather_single(buf, x.contiguous().view(-1), group=group)
     parts = buf.view(cp, b, h, 2, size, d)
     early = parts[:, :, :, 0]  # rank j's early chunk is chunk j
     late = parts[:, :, :, 1].flip(0)  # rank j's late chunk is chunk 2*cp-1-j
@@ -92,7 +92,7 @@ def _scatter_sequence(grad: torch.Tensor, group: dist.ProcessGroup, cp: int) -> 
     chunks = grad.view(b, h, 2 * cp, size, d).permute(2, 0, 1, 3, 4)  # [2cp, b, h, L, d]
     send = torch.stack([chunks[:cp], chunks[cp:].flip(0)], dim=3)  # [cp, b, h, 2, L, d]: per rank
     out = grad.new_empty(b, h, 2 * size, d)
-    dist.reduce_scatter_tensor(out.view(-1), send.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out.view(-1), send.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
     return out
 
 
