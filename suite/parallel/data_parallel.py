@@ -45,7 +45,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from suite.parallel.mesh import SHARDING_CP_AXIS, data_cp_mesh, data_mesh
+from suite.parallel.mesh import data_cp_mesh, data_mesh, fsdp_cp_mesh
 
 WRAPPER_SEGMENTS = re.compile(
     r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module|module)(?=\.|$)"
@@ -105,8 +105,10 @@ def apply_data_parallel(
             replicate(block, mesh=data, mp_policy=mp, offload_policy=off)
         replicate(model, mesh=data, mp_policy=mp, offload_policy=off)
         return kind
-    sharding = SHARDING_CP_AXIS if dims.cp > 1 else "sharding"  # FSDP shards over sharding x cp
-    shard_mesh = mesh["dp", sharding] if kind == "hsdp" else mesh[sharding]
+    if dims.cp > 1:  # cp ranks join the sharding group (torchtitan's dp_shard_cp)
+        shard_mesh = fsdp_cp_mesh(mesh)
+    else:
+        shard_mesh = mesh["dp", "sharding"] if kind == "hsdp" else mesh["sharding"]
     after_forward = stage == 3
     for block in blocks:
         fully_shard(

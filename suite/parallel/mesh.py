@@ -29,6 +29,7 @@ SHARDING_CP_AXIS = "sharding_cp"
 
 _DATA_MESHES: dict[int, DeviceMesh] = {}
 _DATA_CP_MESHES: dict[int, DeviceMesh] = {}
+_HSDP_CP_MESHES: dict[int, DeviceMesh] = {}
 
 
 def build_mesh(dims, device_type: str) -> DeviceMesh:
@@ -42,9 +43,11 @@ def build_mesh(dims, device_type: str) -> DeviceMesh:
     # torch wants flattened axes kept by their creator rather than sliced from the root again
     _DATA_MESHES[id(mesh)] = mesh["dp", "sharding"]._flatten(DATA_AXIS)
     if dims.cp > 1:
-        _DATA_CP_MESHES[id(mesh)] = mesh["dp", "sharding", "cp"]._flatten(DATA_CP_AXIS)
-        if dims.sharding > 1:
-            mesh["sharding", "cp"]._flatten(SHARDING_CP_AXIS)
+        data_cp = mesh["dp", "sharding", "cp"]._flatten(DATA_CP_AXIS)
+        _DATA_CP_MESHES[id(mesh)] = data_cp
+        if dims.dp > 1 and dims.sharding > 1:  # HSDP: replicate over dp, shard over sharding x cp
+            shape = (dims.dp, dims.sharding * dims.cp)
+            _HSDP_CP_MESHES[id(mesh)] = data_cp._unflatten(0, shape, ("dp", SHARDING_CP_AXIS))
     return mesh
 
 
@@ -56,6 +59,11 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def data_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """1-D mesh of the ranks that hold the same model slice: data-parallel ranks and cp ranks."""
     return _DATA_CP_MESHES.get(id(mesh)) or data_mesh(mesh)
+
+
+def fsdp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP shards over when cp > 1: (dp, sharding_cp) for HSDP, else sharding x cp (= data_cp)."""
+    return _HSDP_CP_MESHES.get(id(mesh)) or _DATA_CP_MESHES[id(mesh)]
 
 
 def data_rank(mesh: DeviceMesh) -> int:
