@@ -372,7 +372,7 @@ def matmul_ceiling(
     """
     import torch
 
-    from suite.train.flops import measure_matmul_peak
+    from suite.train.flops import measure_matmul_peak, peak_key, record_peak
 
     device = torch.device("cpu")
     best = 0.0
@@ -380,10 +380,11 @@ def matmul_ceiling(
         for attempt in range(1 + retries):
             wait_quiet(quiet_wait)
             cpu0, wall0 = cpu_seconds(), time.perf_counter()
-            best = max(best, measure_matmul_peak(device, precision, size, seconds=0.75))
+            best = max(best, measure_matmul_peak(device, precision, (size,), seconds=0.75))
             share = (cpu_seconds() - cpu0) / ((time.perf_counter() - wall0) * torch.get_num_threads())
             if share >= min_share or attempt == retries:
                 break
+    record_peak(peak_key(device, precision), best)  # training runs' MFU then uses the same ceiling
     return best
 
 

@@ -33,6 +33,16 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
+    # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense
+    num_experts: int = 0
+    top_k: int = 2  # experts per token (softmax over the top-k router logits)
+    moe_every: int = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...)
+    moe_layers: Optional[list[int]] = None  # explicit MoE layer ids; overrides moe_every
+    num_shared_experts: int = 0  # experts every token also goes through (one MLP of that many widths)
+    moe_ffn_hidden_size: Optional[int] = None  # width of one expert; None: the dense MLP width
+    capacity_factor: Optional[float] = None  # None: dropless; else tokens beyond cf*T*k/E per expert drop
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch/Mixtral)
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE); 0: off
 
 
 @dataclass
@@ -141,6 +151,12 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda
     num_threads: Optional[int] = None
+    # performance (docs/performance.md)
+    profile: bool = False  # torch profiler trace + top-operator table into <run.dir>/profile/
+    profile_wait: int = 1  # steps skipped before profiling (the first step pays one-off costs)
+    profile_warmup: int = 1  # steps traced but discarded (profiler start-up)
+    profile_steps: int = 2  # steps recorded
+    loss_chunk_tokens: int = 0  # cross-entropy over chunks of this many tokens, never all logits; 0: off
     # reliability (docs/reliability.md)
     keep_last: int = 3  # checkpoints kept (newest first); 0 keeps all
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever; 0: off

@@ -88,6 +88,12 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         raise ConfigError(
             f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even for RoPE"
         )
+    if m.num_experts < 0:
+        raise ConfigError(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model)")
+    if m.num_experts > 0:
+        from suite.models.moe import check_moe_config
+
+        check_moe_config(m)
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
@@ -105,6 +111,11 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be a positive integer")
     if t.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s={t.collective_timeout_s} must be positive, e.g. 600")
+    for key in ("profile_wait", "profile_warmup", "loss_chunk_tokens"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
+    if t.profile_steps < 1:
+        raise ConfigError(f"train.profile_steps={t.profile_steps} must be a positive integer, e.g. 2")
     if (t.fault_kill_rank is None) != (t.fault_kill_step is None):
         raise ConfigError("train.fault_kill_rank and train.fault_kill_step go together; set both or neither")
     data_path = cfg.data.path

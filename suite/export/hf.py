@@ -3,6 +3,9 @@
 gpt family   <-> GPT2LMHeadModel (Conv1D weights are [in, out]: transposed; q/k/v fused as c_attn)
 llama family <-> LlamaForCausalLM (Qwen2ForCausalLM when the run uses qkv bias); Mistral and
                  Qwen2 checkpoints import into the llama family too.
+llama MoE    <-> MixtralForCausalLM: router = mlp.gate; our stacked experts w1/w3 [E, ffn, h] are
+                 transformers 5's fused mlp.experts.gate_up_proj (cat on dim 1), w2 its down_proj;
+                 folders saved per expert (block_sparse_moe.experts.N.w1/w2/w3) import too.
 Config files are written through transformers' own config classes, never by hand.
 """
 
@@ -16,9 +19,10 @@ from safetensors.torch import load_file
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.models.moe import expert_ffn_size, moe_layer_ids
 from suite.models.transformer import ffn_size, kv_heads
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED = ("gpt2", *LLAMA_LIKE)
 
 
@@ -61,9 +65,35 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, pad_id: int | None = 
         hidden_act="silu",
         **special,
     )
+    if cfg.num_experts:
+        return _mixtral_config(cfg, common)
     if cfg.qkv_bias:
         return Qwen2Config(**common)
     return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def _mixtral_config(cfg: ModelConfig, common: dict):
+    """MixtralConfig for a llama-family MoE; refuses what Mixtral cannot express."""
+    from transformers import MixtralConfig
+
+    problems = []
+    if cfg.family != "llama" or cfg.qkv_bias:
+        problems.append("a llama-family model without qkv bias")
+    if moe_layer_ids(cfg) != list(range(cfg.num_layers)):
+        problems.append("every layer MoE (model.moe_every=1)")
+    if cfg.num_shared_experts:
+        problems.append("no shared experts (model.num_shared_experts=0)")
+    if problems:
+        raise ConfigError(
+            f"export.format=hf writes MoE models as Mixtral, which needs {' and '.join(problems)}"
+        )
+    return MixtralConfig(
+        **{**common, "intermediate_size": expert_ffn_size(cfg)},
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        router_aux_loss_coef=cfg.aux_loss_coef,
+        sliding_window=None,
+    )
 
 
 def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,6 +124,10 @@ def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str,
     else:
         for ours, theirs in _llama_names(cfg):
             out[theirs] = sd[ours]
+        for i in moe_layer_ids(cfg):
+            p, q = f"layers.{i}.feed_forward.experts.", f"model.layers.{i}.mlp.experts."
+            out[q + "gate_up_proj"] = torch.cat([sd[p + "w1"], sd[p + "w3"]], dim=1)
+            out[q + "down_proj"] = sd[p + "w2"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -115,6 +149,9 @@ def _llama_names(cfg: ModelConfig) -> list[tuple[str, str]]:
             names.append((f"{p}attention.{ours}.weight", f"{q}self_attn.{theirs}.weight"))
             if cfg.qkv_bias and ours != "wo":
                 names.append((f"{p}attention.{ours}.bias", f"{q}self_attn.{theirs}.bias"))
+        if i in moe_layer_ids(cfg):  # experts are stacked tensors: mapped in to/from_hf_state_dict
+            names.append((p + "feed_forward.router.weight", q + "mlp.gate.weight"))
+            continue
         for ours, theirs in mlp.items():
             names.append((f"{p}feed_forward.{ours}.weight", f"{q}mlp.{theirs}.weight"))
     return names
@@ -158,7 +195,16 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
     if hf.model_type == "llama" and getattr(hf, "attention_bias", False):
         raise ConfigError(f"hf:{folder}: Llama with attention_bias (bias on o_proj too) is not supported")
+    moe = {}
+    if hf.model_type == "mixtral":
+        moe = dict(
+            num_experts=hf.num_local_experts,
+            top_k=hf.num_experts_per_tok,
+            moe_ffn_hidden_size=hf.intermediate_size,
+            aux_loss_coef=float(getattr(hf, "router_aux_loss_coef", 0.01)),
+        )
     return ModelConfig(
+        **moe,
         name=folder.name,
         family="llama",
         num_layers=hf.num_hidden_layers,
@@ -219,11 +265,23 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
         sd["norm.weight"], sd["norm.bias"] = get["ln_f.weight"], get["ln_f.bias"]
         sd["output.weight"] = hf_sd.get("lm_head.weight", get["wte.weight"])
     else:
+        # Mixtral folders name the MoE block block_sparse_moe (per-expert files) or mlp (fused)
+        hf_sd = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in hf_sd.items()}
         for ours, theirs in _llama_names(cfg):
             if theirs == "lm_head.weight" and theirs not in hf_sd:
                 sd[ours] = hf_sd["model.embed_tokens.weight"]  # tied: saved once
             else:
                 sd[ours] = hf_sd[theirs]
+        for i in moe_layer_ids(cfg):
+            p, q = f"layers.{i}.feed_forward.experts.", f"model.layers.{i}.mlp.experts."
+            if q + "gate_up_proj" in hf_sd:
+                sd[p + "w1"], sd[p + "w3"] = hf_sd[q + "gate_up_proj"].chunk(2, dim=1)
+                sd[p + "w2"] = hf_sd[q + "down_proj"]
+            else:
+                for ours in ("w1", "w2", "w3"):
+                    sd[p + ours] = torch.stack(
+                        [hf_sd[f"{q}{e}.{ours}.weight"] for e in range(cfg.num_experts)]
+                    )
     return {k: v.contiguous() for k, v in sd.items()}
 
 

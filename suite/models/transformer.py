@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.config.schema import ModelConfig
+from suite.models.moe import moe_layer_ids
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -179,7 +180,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = make_norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        if layer_id in moe_layer_ids(cfg):
+            from suite.models.moe import MoEFeedForward
+
+            self.feed_forward = MoEFeedForward(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope=None, mask=None, cache=None):
@@ -273,7 +279,7 @@ class Transformer(nn.Module):
             elif "norm" in name:
                 init = torch.ones(param.shape)
             else:
-                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                scale = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
                 # One generator per parameter name: the same values whatever layers this rank holds.
                 gen = torch.Generator(device="cpu").manual_seed(seed + zlib.crc32(name.encode()))
                 init = torch.randn(param.shape, generator=gen) * scale
@@ -301,10 +307,19 @@ def num_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6*N (forward+backward matmuls) + 12*L*s*h (attention scores).
 
-    N counts every parameter once (tied head included: its matmul is real work) except the learned
+    N counts every parameter a token uses once (MoE: only its top-k experts) (tied head included: its matmul is real work) except the learned
     position table, which is a lookup.
     """
-    return 6.0 * num_params(cfg) + 12.0 * cfg.num_layers * seq_len * cfg.hidden_size
+    return 6.0 * active_params(cfg) + 12.0 * cfg.num_layers * seq_len * cfg.hidden_size
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of them, less the experts it is not routed to (MoE)."""
+    from suite.models.moe import expert_ffn_size
+
+    per_expert = (3 if cfg.family == "llama" else 2) * expert_ffn_size(cfg) * cfg.hidden_size
+    unused = max(cfg.num_experts - cfg.top_k, 0) * per_expert * len(moe_layer_ids(cfg))
+    return num_params(cfg) - unused
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:

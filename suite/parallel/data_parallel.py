@@ -86,14 +86,28 @@ def data_parallel_kind(dims, stage: int) -> str:
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, dims, stage: int, precision: str, offload: bool, device: torch.device
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims,
+    stage: int,
+    precision: str,
+    offload: bool,
+    device: torch.device,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> str:
-    """Wrap `model` (a Transformer or a pipeline part) per block, then the rest; returns the kind."""
+    """Wrap `model` (a Transformer or a pipeline part) per block, then the rest; returns the kind.
+
+    `ignored_params` (expert-parallel weights) are left out: their own module reduces them.
+    """
     kind = data_parallel_kind(dims, stage)
     if kind == "none":
         return kind
     mp = mixed_precision(precision)
     off = offload_policy(offload, device)
+    if ignored_params:
+        mp_off = dict(mp_policy=mp, offload_policy=off, ignored_params=ignored_params)
+    else:
+        mp_off = dict(mp_policy=mp, offload_policy=off)
     blocks = list(model.layers.values())
     if kind in ("replicate", "zero1"):
         # zero1 replicates over every data rank; the optimizer does the sharding
@@ -102,8 +116,8 @@ def apply_data_parallel(
         else:
             data = mesh["dp"] if kind == "replicate" else data_mesh(mesh)
         for block in blocks:
-            replicate(block, mesh=data, mp_policy=mp, offload_policy=off)
-        replicate(model, mesh=data, mp_policy=mp, offload_policy=off)
+            replicate(block, mesh=data, **mp_off)
+        replicate(model, mesh=data, **mp_off)
         return kind
     if dims.cp > 1:  # cp ranks join the sharding group (torchtitan's dp_shard_cp)
         shard_mesh = fsdp_cp_mesh(mesh)
@@ -111,12 +125,10 @@ def apply_data_parallel(
         shard_mesh = mesh["dp", "sharding"] if kind == "hsdp" else mesh["sharding"]
     after_forward = stage == 3
     for block in blocks:
-        fully_shard(
-            block, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=mp, offload_policy=off
-        )
+        fully_shard(block, mesh=shard_mesh, reshard_after_forward=after_forward, **mp_off)
     # the root group (embeddings, final norm, head): at stage 3 it is re-sharded after forward too
     # (FSDP2's default would keep the root gathered), so no parameter stays whole between passes
-    fully_shard(model, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=after_forward, **mp_off)
     return kind
 
 

@@ -144,11 +144,10 @@ class ParallelDims:
                 f"data.doc_mask=true is not supported with parallel.pp={self.pp} (pipeline stages pass no "
                 "attention mask); use parallel.pp=1 or data.doc_mask=false"
             )
-        if self.ep > 1:
-            raise ConfigError(
-                f"parallel.ep={self.ep}: expert parallelism needs a mixture-of-experts model and "
-                f"model.family={model.family} has no experts; use parallel.ep=1"
-            )
+        if model.num_experts > 0 or self.ep > 1:
+            from suite.parallel.expert_parallel import check_expert_parallel
+
+            check_expert_parallel(self, cfg)
         if self.tp > 1:
             for key, size in (
                 ("model.vocab_size", model.vocab_size),
@@ -238,6 +237,11 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
             f"parallel.sp=true splits each cp rank's data.seq_len/parallel.cp={seq_len // cp} tokens across "
             f"parallel.tp={dims.tp} ranks, which does not divide them; use a data.seq_len that is a multiple "
             f"of {2 * cp * dims.tp}"
+        )
+    if cfg.model.num_experts > 0:
+        raise ConfigError(
+            f"parallel.cp={cp} with model.num_experts={cfg.model.num_experts} is not supported (routing "
+            "statistics and the balance loss would cover each rank's part of the sequence only); use parallel.cp=1"
         )
     if cfg.train.compile:
         raise ConfigError(

@@ -156,6 +156,8 @@ class ParallelModel:
                     self._note_bytes("params", memory.parameter_bytes(self.model))
                 scaler.scale(loss).backward()
             total += _local_value(loss)
+        if "after_backward" in self.extras:  # expert parallel: reduce expert gradients over their replicas
+            self.extras["after_backward"]()
         self._note_bytes("params", memory.parameter_bytes(self.model))
         self._note_bytes("grads", memory.gradient_bytes(self.model))
         return self.data_mean(total)
@@ -258,11 +260,29 @@ def make_part_parallelizer(
             from suite.parallel.context_parallel import apply_context_parallel
 
             apply_context_parallel(part, mesh["cp"])
+        expert_params: list = []
+        if dims.ep > 1:
+            from suite.parallel import expert_parallel as ep
+
+            ep_mesh = ep.build_expert_mesh(dims, device.type)
+            expert_params = ep.apply_expert_parallel(
+                part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0})
+            )
+            info["after_backward"] = lambda: ep.reduce_expert_grads(
+                ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
+            )
         _apply_recompute(part, cfg)
         if cfg.train.compile:
             _compile_blocks(part)
         kind = dpar.apply_data_parallel(
-            part, mesh, dims, pcfg.sharding_stage, cfg.train.precision, pcfg.offload, device
+            part,
+            mesh,
+            dims,
+            pcfg.sharding_stage,
+            cfg.train.precision,
+            pcfg.offload,
+            device,
+            ignored_params=set(expert_params),
         )
         # offloaded FSDP keeps the sharded parameters (and so the optimizer) on the CPU
         home = torch.device("cpu") if pcfg.offload else device
@@ -315,5 +335,6 @@ def parallelize(
         loss_parallel=dims.tp > 1,
         dp_kind=info["dp_kind"],
         optim_device=info["optim_device"],
-        extras={"compute_device": info["compute_device"]},
+        extras={"compute_device": info["compute_device"]}
+        | {k: info[k] for k in ("ep_traffic", "after_backward") if k in info},
     )

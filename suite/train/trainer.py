@@ -27,12 +27,15 @@ from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
+from suite.models.moe import moe_aux_loss
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group, pick_device
+from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger
+from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
@@ -239,7 +242,12 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets)
+        loss = cross_entropy(logits, targets)
+        if self.model.training and self.cfg.model.num_experts:  # MoE: + weighted balance (and z) losses
+            aux = moe_aux_loss(self.model)
+            if aux is not None:
+                loss = loss + aux.to(loss.device)
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -271,6 +279,9 @@ class Trainer:
         on_main_thread = threading.current_thread() is threading.main_thread()
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main_thread else None
         tokens_per_step = cfg.parallel.global_batch_size * cfg.data.seq_len
+        profiler = None
+        if cfg.train.profile:
+            profiler = StepProfiler(cfg.train, self.run_dir, self.device, self.env.rank, self._log)
         try:
             if self.step == 0 and not self.resumed:
                 val = self.evaluate()
@@ -282,6 +293,8 @@ class Trainer:
                 batches = self.loader.next_step()
                 self._maybe_fault_kill()
                 loss, grad_norm, ok = self.train_step(batches)
+                if profiler:
+                    profiler.step()
                 self.step += 1  # a skipped step still counts: the bad batch is not retried
                 window_steps += 1
                 if ok:
@@ -303,6 +316,10 @@ class Trainer:
                         "mem_gb": memory_gb(self.device),
                         "bad_steps": self.bad_steps,
                     }
+                    if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window
+                        record |= moe_step_metrics(
+                            self.model, cfg.model.top_k, window_steps, self.parallel.extras.get("ep_traffic")
+                        )
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
                     val = self.evaluate()
@@ -339,6 +356,8 @@ class Trainer:
             self._log(f"interrupted at step {self.step}; {where}; run the same command again to resume")
             raise SystemExit(130) from None
         finally:
+            if profiler:
+                profiler.close()
             if logger:
                 logger.close()
             if on_main_thread:

@@ -59,6 +59,10 @@ BAD_LAYOUTS = [
         ["data.doc_mask=true", "parallel.pp=2", "launch.nproc_per_node=2"],
         ["data.doc_mask=true", "parallel.pp=2"],
     ),
+    (
+        ["recipe=moe-tiny", "parallel.cp=2", "launch.nproc_per_node=2"],
+        ["parallel.cp=2", "model.num_experts=", "parallel.cp=1"],
+    ),
     (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], ["parallel.ep=2"]),
     (["parallel.tp=2", "model.vocab_size=511", "launch.nproc_per_node=2"], ["model.vocab_size=511"]),
     (["parallel.tp=2", "model.ffn_hidden_size=255", "launch.nproc_per_node=2"], ["ffn_hidden_size", "255"]),

@@ -93,6 +93,27 @@ BAD_INPUTS = [
     (["parallel.sharding_stage=4", "parallel.sharding=2", "launch.nproc_per_node=2"], "sharding_stage=4"),
     (["max_steps"], "is not an override"),
     (["recompute.granularity=some"], "recompute.granularity='some' is not supported"),
+    (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], "model.num_experts=0"),
+    (["recipe=moe-tiny", "model.top_k=9"], "model.top_k=9 must be between 1 and model.num_experts=8"),
+    (
+        [
+            "recipe=moe-tiny",
+            "parallel.ep=3",
+            "parallel.dp=6",
+            "parallel.micro_batch_size=1",
+            "parallel.global_batch_size=12",
+            "launch.nproc_per_node=6",
+        ],
+        "parallel.ep=3 does not divide model.num_experts=8",
+    ),
+    (
+        ["recipe=moe-tiny", "parallel.ep=4", "parallel.dp=2", "launch.nproc_per_node=2"],
+        "parallel.ep=4 does not divide the data-parallel ranks",
+    ),
+    (["recipe=moe-tiny", "parallel.tp=2", "launch.nproc_per_node=2"], "tensor parallelism of MoE"),
+    (["recipe=moe-tiny", "model.capacity_factor=0"], "model.capacity_factor=0"),
+    (["recipe=moe-tiny", "model.moe_layers=[7]"], "names layer 7"),
+    (["recipe=moe-tiny", "model.moe_every=5"], "no layer is MoE"),
 ]
 
 

@@ -12,6 +12,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -53,6 +55,11 @@ HF_MODELS = {
         Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **SMALL)
     ),
     "mistral": lambda: MistralForCausalLM(MistralConfig(num_key_value_heads=1, sliding_window=None, **SMALL)),
+    "mixtral": lambda: MixtralForCausalLM(
+        MixtralConfig(
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **SMALL
+        )
+    ),
 }
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -85,7 +92,7 @@ def test_import_matches_transformers_logits(tmp_path, name):
     assert generate_tokens(ours, prompt, greedy) == reference[0, 5:].tolist()
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "llama-qkv-bias"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "llama-qkv-bias", "llama-moe"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
     cfg = ModelConfig(
         family=family.split("-")[0],
@@ -98,6 +105,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
         qkv_bias=family.endswith("bias"),
         tie_embeddings=family == "gpt",
         ffn_hidden_size=80,
+        num_experts=4 if family.endswith("moe") else 0,
+        moe_ffn_hidden_size=48,
     )
     model = materialize(build_model(cfg), "cpu", seed=3)
     _randomise(model)
@@ -109,6 +118,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
         "gpt": "GPT2LMHeadModel",
         "llama": "LlamaForCausalLM",
         "llama-qkv-bias": "Qwen2ForCausalLM",
+        "llama-moe": "MixtralForCausalLM",
     }
     assert type(hf).__name__ == expected_class[family]
 
@@ -121,3 +131,18 @@ def test_unknown_architecture_is_refused(tmp_path):
     ).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="'bert' model; importable architectures"):
         load_hf_model(tmp_path)
+
+
+def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
+    """transformers 5 holds experts fused (gate_up_proj [E, 2*ffn, h]); its files list them per expert."""
+    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+
+    hf = HF_MODELS["mixtral"]()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    cfg = model_config_from_hf(tmp_path)
+    from_files = from_hf_state_dict(cfg, read_hf_weights(tmp_path))
+    from_memory = from_hf_state_dict(cfg, hf.state_dict())
+    assert from_files.keys() == from_memory.keys()
+    for name in from_files:
+        torch.testing.assert_close(from_files[name], from_memory[name], rtol=0, atol=0)

@@ -1,0 +1,253 @@
+"""Mixture-of-Experts feed-forward: a top-k softmax router in front of stacked experts.
+
+A MoE layer replaces a block's MLP with `num_experts` MLPs of width `moe_ffn_hidden_size`; each
+token goes to `top_k` of them, weighted by the softmax over its top-k router logits (Mixtral's
+convention: identical to softmax over all experts, top-k, renormalise), plus optional shared experts
+that every token uses (one wider MLP, DeepSeek/Qwen-MoE style).
+
+- Expert weights are stacked per layer, `w1`/`w3` [E, ffn, hidden] and `w2` [E, hidden, ffn], so
+  expert parallelism shards them on dim 0 (suite.parallel.expert_parallel).
+- Load-balancing loss (Switch Transformer): E * sum_e f_e * P_e with f_e the fraction of token
+  assignments that expert e receives and P_e its mean router probability; 1.0 when balanced.
+  Router z-loss (ST-MoE): mean of logsumexp(logits)^2. Both are weighted by the recipe's
+  `model.aux_loss_coef` / `model.z_loss_coef` and left in `aux_loss` for the trainer to add.
+- capacity_factor: each expert takes at most ceil(cf * tokens * top_k / E) assignments of a batch;
+  first choices are served before second choices, then in token order; the rest are dropped (their
+  contribution is zero, the residual connection carries the token). None = dropless.
+
+`GroupedExperts.forward(tokens sorted by expert, count per expert)` is the one seam expert
+parallelism replaces: it dispatches the sorted tokens to the ranks that own the experts and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from suite.config.schema import ModelConfig
+
+
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """Which layers are MoE: `model.moe_layers` when given, else every `moe_every`-th (the last of each group)."""
+    if cfg.num_experts <= 0:
+        return []
+    if cfg.moe_layers is not None:
+        return sorted(int(i) for i in cfg.moe_layers)
+    every = max(1, cfg.moe_every)
+    return [i for i in range(cfg.num_layers) if (i + 1) % every == 0]
+
+
+def expert_ffn_size(cfg: ModelConfig) -> int:
+    from suite.models.transformer import ffn_size
+
+    return cfg.moe_ffn_hidden_size or ffn_size(cfg)
+
+
+def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor:
+    """One expert: SwiGLU (llama family, w3 = up projection) or tanh-GELU (gpt family)."""
+    if w3 is not None:
+        return F.silu(x @ w1.t()) * (x @ w3.t()) @ w2.t()
+    return F.gelu(x @ w1.t(), approximate="tanh") @ w2.t()
+
+
+def run_experts(
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+) -> torch.Tensor:
+    """Rows of `x` grouped by expert (counts[e] rows for expert e of the given weights), each through its MLP."""
+    outputs = []
+    for e, rows in enumerate(x.split(counts)):
+        if rows.shape[0]:
+            outputs.append(expert_mlp(rows, w1[e], w2[e], w3[e] if w3 is not None else None))
+    return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """E experts with stacked weights; forward takes tokens already sorted by expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        width, hidden, experts = expert_ffn_size(cfg), cfg.hidden_size, cfg.num_experts
+        self.w1 = nn.Parameter(torch.empty(experts, width, hidden))  # gate (llama) / fc (gpt)
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, width))  # down / proj
+        self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if cfg.family == "llama" else None  # up
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return run_experts(x, counts.tolist(), self.w1, self.w2, self.w3)
+
+
+class MoEFeedForward(nn.Module):
+    """Router + experts (+ shared experts). Drop-in for FeedForward: [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from suite.models.transformer import FeedForward
+
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.z_loss_coef = cfg.z_loss_coef
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg)
+        self.shared_experts = None
+        if cfg.num_shared_experts:
+            width = cfg.num_shared_experts * expert_ffn_size(cfg)
+            self.shared_experts = FeedForward(dataclasses.replace(cfg, ffn_hidden_size=width))
+        self.aux_loss: torch.Tensor | None = None  # weighted aux + z loss of the last forward
+        self.stats: dict[str, torch.Tensor] = {}  # detached sums since the last `pop_stats`
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], weights [T, k], keep mask [T, k]) for router logits [T, E] in fp32."""
+        top_logits, expert_ids = logits.topk(self.top_k, dim=-1)
+        weights = top_logits.softmax(dim=-1)
+        cap = self.capacity(logits.shape[0])
+        if cap is None:
+            return expert_ids, weights, torch.ones_like(expert_ids, dtype=torch.bool)
+        # choice-major order (every token's first choice before any second choice), then token order
+        order = expert_ids.t().reshape(-1)
+        one_hot = F.one_hot(order, self.num_experts)
+        position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)  # rank of each assignment within its expert
+        keep = (position < cap).view(self.top_k, -1).t()
+        return expert_ids, weights, keep
+
+    def balance_losses(
+        self, logits: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Switch load-balancing loss, router z-loss), both unweighted."""
+        probs = logits.softmax(dim=-1)
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).to(probs.dtype)
+        fraction = counts / expert_ids.numel()
+        balance = self.num_experts * (fraction * probs.mean(0)).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return balance, z_loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.router(flat).float()
+        expert_ids, weights, keep = self.route(logits)
+        balance, z_loss = self.balance_losses(logits, expert_ids)
+        self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
+
+        # the kept assignments, sorted by expert (stable: token order within an expert)
+        token_ids = torch.arange(flat.shape[0], device=x.device)[:, None].expand_as(expert_ids)
+        kept_experts, kept_tokens, kept_weights = expert_ids[keep], token_ids[keep], weights[keep]
+        order = torch.argsort(kept_experts, stable=True)
+        counts = torch.bincount(kept_experts, minlength=self.num_experts)
+        routed = self.experts(flat[kept_tokens[order]], counts)
+        routed = routed * kept_weights[order, None].to(routed.dtype)
+        out = torch.zeros_like(flat).index_add_(0, kept_tokens[order], routed.to(flat.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        self._note(counts, balance, z_loss, expert_ids.numel() - int(counts.sum()))
+        return out.view(shape)
+
+    @torch.no_grad()
+    def _note(self, counts: torch.Tensor, balance: torch.Tensor, z_loss: torch.Tensor, dropped: int) -> None:
+        if not self.training:
+            return
+        new = {
+            "tokens_per_expert": counts.detach().double(),
+            "balance_loss": balance.detach().double(),
+            "z_loss": z_loss.detach().double(),
+            "dropped": torch.tensor(float(dropped), dtype=torch.float64),
+            "calls": torch.tensor(1.0, dtype=torch.float64),
+        }
+        self.last_stats = {key: value.cpu() for key, value in new.items()}
+
+    def commit_stats(self) -> None:
+        """Add the last forward's figures to the running sums (once per micro-batch: a recomputed
+        forward in the backward pass overwrites `last_stats` but is never committed)."""
+        for key, value in self.last_stats.items():
+            self.stats[key] = self.stats[key] + value if key in self.stats else value
+        self.last_stats = {}
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        stats, self.stats = self.stats, {}
+        return stats
+
+
+def moe_modules(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the weighted auxiliary losses of the last forward's MoE layers (None for dense models).
+
+    Call once per training micro-batch, after its forward: it also commits the load statistics.
+    """
+    modules = moe_modules(model)
+    for module in modules:
+        module.commit_stats()
+    losses = [m.aux_loss for m in modules if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def pop_load_stats(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Sums since the last call over this rank's MoE layers: token counts per layer [L, E] and scalars."""
+    popped = [m.pop_stats() for m in moe_modules(model)]
+    popped = [s for s in popped if s]
+    if not popped:
+        return {}
+    return {
+        "tokens_per_expert": torch.stack([s["tokens_per_expert"] for s in popped]),
+        **{k: sum(s[k] for s in popped) for k in ("balance_loss", "z_loss", "dropped", "calls")},
+    }
+
+
+def load_metrics(stats: dict[str, torch.Tensor], top_k: int) -> dict[str, float]:
+    """Loggable figures from (all-reduced) stats: worst layer's max/mean tokens per expert, etc."""
+    counts = stats["tokens_per_expert"]
+    per_layer = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
+    calls = float(stats["calls"])
+    assigned = float(counts.sum() + stats["dropped"])
+    return {
+        "moe_load_max_over_mean": float(per_layer.max()),
+        "moe_balance_loss": float(stats["balance_loss"]) / calls,
+        "moe_z_loss": float(stats["z_loss"]) / calls,
+        "moe_dropped_frac": float(stats["dropped"]) / max(assigned, 1.0),
+    }
+
+
+def check_moe_config(cfg: ModelConfig) -> None:
+    """One-line ConfigErrors for impossible MoE settings (called by suite.config.validate)."""
+    from suite.config.errors import ConfigError
+
+    e = cfg.num_experts
+    if not 1 <= cfg.top_k <= e:
+        raise ConfigError(
+            f"model.top_k={cfg.top_k} must be between 1 and model.num_experts={e}; use e.g. model.top_k={min(2, e)}"
+        )
+    if cfg.moe_every < 1:
+        raise ConfigError(f"model.moe_every={cfg.moe_every} must be >= 1 (1: every layer is MoE)")
+    if cfg.moe_layers is not None:
+        bad = [i for i in cfg.moe_layers if not 0 <= int(i) < cfg.num_layers]
+        if bad:
+            raise ConfigError(
+                f"model.moe_layers={list(cfg.moe_layers)} names layer {bad[0]}, which is not in "
+                f"[0, model.num_layers={cfg.num_layers}); list layer ids from 0 to {cfg.num_layers - 1}"
+            )
+    if not moe_layer_ids(cfg):
+        raise ConfigError(
+            f"model.num_experts={e} but no layer is MoE (model.moe_every={cfg.moe_every} > model.num_layers="
+            f"{cfg.num_layers}); lower moe_every or list model.moe_layers"
+        )
+    if cfg.capacity_factor is not None and cfg.capacity_factor <= 0:
+        raise ConfigError(
+            f"model.capacity_factor={cfg.capacity_factor} must be positive (e.g. 1.25), or null for dropless"
+        )
+    for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 0")
+    if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size < 1:
+        raise ConfigError(f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} must be a positive integer")

@@ -1,0 +1,198 @@
+"""Expert parallelism (`parallel.ep`): each rank holds num_experts/ep experts of every MoE layer.
+
+Layout (torchtitan-style: ep borrows ranks from the data-parallel dimension). The data ranks
+(dp x sharding, flattened) are cut into groups of `ep` neighbours; inside a group every rank holds a
+different slice of the experts, and the groups replicate each other:
+
+    expert mesh ("edp", "ep") = data ranks reshaped to (data/ep, ep)
+    expert weights   DTensor [E, ...] placed (Replicate() over edp, Shard(0) over ep)
+    dense weights    the usual data parallel over all data ranks (replicate / FSDP / HSDP)
+
+Each rank routes its own tokens (so routing, capacity dropping and the auxiliary loss are the
+single-process ones), then `GroupedExperts.forward(tokens sorted by expert, counts)` is replaced by:
+exchange counts (all_to_all), send every token to the rank owning its expert (all_to_all_single
+with variable splits, autograd-exact: its backward is the reverse all_to_all), regroup by local
+expert, run the local experts, restore the order, send results back (all_to_all_single).
+
+Gradients: the dispatch backward already sums, on the owning rank, the contributions of every
+token of its ep group; after the last micro-batch `reduce_expert_grads` sums them over the edp
+replicas and divides by the data-parallel size, the same mean-over-data-ranks that the data-parallel
+engine applies to dense gradients. So training matches one process (tests/distributed/test_moe.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from suite.config.errors import ConfigError
+from suite.models.moe import GroupedExperts, load_metrics, pop_load_stats, run_experts
+
+EP_AXES = ("edp", "ep")
+
+
+def check_expert_parallel(dims, cfg) -> None:
+    """One-line ConfigErrors for MoE / ep settings the parallel engine cannot run (before launch)."""
+    model, pcfg = cfg.model, cfg.parallel
+    ep = dims.ep
+    if model.num_experts == 0:
+        raise ConfigError(
+            f"parallel.ep={ep}: expert parallelism needs a mixture-of-experts model and model.num_experts=0; "
+            "set model.num_experts (e.g. recipe=moe-tiny) or use parallel.ep=1"
+        )
+    if dims.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with model.num_experts={model.num_experts}: tensor parallelism of MoE "
+            "models is not supported; use parallel.tp=1 (spread experts with parallel.ep instead)"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp} with model.num_experts={model.num_experts}: pipelining MoE models is not "
+            "supported; use parallel.pp=1"
+        )
+    if ep == 1:
+        return
+    if model.num_experts % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide model.num_experts={model.num_experts}; each ep rank holds "
+            f"num_experts/ep experts, use an ep that divides {model.num_experts}"
+        )
+    if dims.data_parallel_size % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide the data-parallel ranks (parallel.dp x parallel.sharding = "
+            f"{dims.data_parallel_size}); expert parallelism borrows data ranks, use an ep that divides "
+            f"{dims.data_parallel_size}"
+        )
+    if dims.cp > 1:
+        raise ConfigError(f"parallel.ep={ep} with parallel.cp={dims.cp} is not supported; use one of them")
+    if dims.sharding > 1 and pcfg.sharding_stage == 1:
+        raise ConfigError(
+            f"parallel.ep={ep} with parallel.sharding_stage=1 (ZeRO-1) is not supported; "
+            "use parallel.sharding_stage=2 or 3, or parallel.dp instead of sharding"
+        )
+    if pcfg.offload:
+        raise ConfigError(f"parallel.ep={ep} with parallel.offload=true is not supported; use offload=false")
+
+
+def build_expert_mesh(dims, device_type: str) -> DeviceMesh:
+    """("edp", "ep") mesh over the data ranks: ep groups are neighbouring ranks (collective)."""
+    ranks = torch.arange(dims.world_size).view(dims.data_parallel_size // dims.ep, dims.ep)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """GroupedExperts whose stacked weights are sharded over `ep` and whose tokens travel by all_to_all.
+
+    Made by `apply_expert_parallel` from a GroupedExperts (its class is swapped, like FSDP2 does);
+    parameter names stay the same, so checkpoints load in any layout.
+    """
+
+    ep_group: dist.ProcessGroup
+    ep_size: int
+    ep_rank: int
+    traffic: dict
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, num_experts = self.ep_size, counts.numel()
+        local_experts = num_experts // ep
+        # how many rows every rank sends to each of my local experts
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)
+        send_matrix = counts.view(ep, local_experts)
+        recv_matrix = recv_counts.view(ep, local_experts)  # [source rank, local expert]
+        send_splits = send_matrix.sum(1).tolist()
+        recv_splits = recv_matrix.sum(1).tolist()
+
+        received = x.new_empty(sum(recv_splits), x.shape[1])
+        received = all_to_all_single(received, x.contiguous(), recv_splits, send_splits, group=self.ep_group)
+        # rows arrive grouped by (source, local expert); the experts want them grouped by local expert
+        block = torch.arange(ep * local_experts, device=x.device).view(ep, local_experts)
+        row_key = torch.repeat_interleave(
+            (block % local_experts) * ep + block // local_experts, recv_matrix.flatten()
+        )
+        order = torch.argsort(row_key, stable=True)
+        w3 = self.w3.to_local() if self.w3 is not None else None
+        out = run_experts(
+            received[order], recv_matrix.sum(0).tolist(), self.w1.to_local(), self.w2.to_local(), w3
+        )
+        out = out[torch.argsort(order)]
+        result = x.new_empty(x.shape[0], out.shape[1])
+        result = all_to_all_single(result, out.contiguous(), send_splits, recv_splits, group=self.ep_group)
+
+        if self.training:  # training steps only (evaluation forwards are not a step's traffic)
+            row_bytes = x.shape[1] * x.element_size()
+            others = [i for i in range(ep) if i != self.ep_rank]
+            self.traffic["bytes"] += row_bytes * sum(send_splits[i] + recv_splits[i] for i in others)
+        return result
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) -> list[nn.Parameter]:
+    """Shard every MoE layer's experts over `ep` (model on meta); returns the expert parameters.
+
+    `traffic["bytes"]` accumulates the bytes this rank sends to other ranks in forward dispatch and
+    combine (the backward sends the same amounts back).
+    """
+    placements = [Replicate(), Shard(0)]
+    expert_params: list[nn.Parameter] = []
+    for module in list(model.modules()):
+        if not isinstance(module, GroupedExperts):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, placements, src_data_rank=None))
+            setattr(module, name, sharded)
+            expert_params.append(sharded)
+        module.__class__ = ExpertParallelExperts
+        module.ep_group = ep_mesh.get_group("ep")
+        module.ep_size = ep_mesh.size(1)
+        module.ep_rank = ep_mesh.get_local_rank("ep")
+        module.traffic = traffic
+    return expert_params
+
+
+def expert_params_of(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
+
+
+@torch.no_grad()
+def reduce_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, data_size: int) -> None:
+    """Expert gradients: sum over the edp replicas, then the mean over data ranks (as dense grads get)."""
+    replicas = ep_mesh.size(0)
+    for param in params:
+        if param.grad is None:
+            continue
+        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if replicas > 1:
+            dist.all_reduce(local, group=ep_mesh.get_group("edp"))
+        local.div_(data_size)
+
+
+def moe_step_metrics(model: nn.Module, top_k: int, steps: int, traffic: dict | None) -> dict[str, float]:
+    """Load-balance figures since the last call (all ranks' tokens) and all-to-all bytes per step.
+
+    Collective when distributed: every rank calls it at the same steps. a2a_bytes counts the bytes
+    all ranks together send to other ranks per optimizer step, dispatch + combine, forward + backward.
+    """
+    stats = pop_load_stats(model)
+    if not stats:
+        return {}
+    sent = float(traffic["bytes"]) if traffic is not None else 0.0
+    if traffic is not None:
+        traffic["bytes"] = 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flat = torch.cat([stats["tokens_per_expert"].flatten(), torch.tensor([sent], dtype=torch.float64)])
+        for key in ("balance_loss", "z_loss", "dropped", "calls"):
+            flat = torch.cat([flat, stats[key].reshape(1)])
+        dist.all_reduce(flat)
+        n = stats["tokens_per_expert"].numel()
+        stats["tokens_per_expert"] = flat[:n].view_as(stats["tokens_per_expert"])
+        sent = float(flat[n])
+        for i, key in enumerate(("balance_loss", "z_loss", "dropped", "calls")):
+            stats[key] = flat[n + 1 + i]
+    metrics = load_metrics(stats, top_k)
+    if traffic is not None:
+        metrics["a2a_bytes"] = 2.0 * sent / max(steps, 1)
+    return metrics

@@ -1,0 +1,113 @@
+"""The MoE layer on its own: router convention, balance and z losses, capacity dropping, dropless."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from suite.config.schema import ModelConfig
+from suite.models import build_model, materialize
+from suite.models.moe import MoEFeedForward, expert_mlp, moe_aux_loss, moe_layer_ids, pop_load_stats
+
+CFG = ModelConfig(
+    family="llama",
+    num_layers=2,
+    hidden_size=16,
+    num_heads=2,
+    vocab_size=64,
+    max_seq_len=32,
+    num_experts=4,
+    top_k=2,
+    moe_ffn_hidden_size=8,
+    aux_loss_coef=0.01,
+    z_loss_coef=0.001,
+)
+
+
+def _layer(**overrides) -> MoEFeedForward:
+    cfg = ModelConfig(**{**vars(CFG), **overrides})
+    torch.manual_seed(0)
+    layer = MoEFeedForward(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    return layer.train()
+
+
+def _reference(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: Mixtral's softmax over all experts, top-k, renormalise, weighted expert sum."""
+    flat = x.reshape(-1, x.shape[-1])
+    probs = F.softmax(layer.router(flat).float(), dim=-1)
+    top, ids = probs.topk(layer.top_k, dim=-1)
+    top = top / top.sum(-1, keepdim=True)
+    ex = layer.experts
+    rows = []
+    for t in range(flat.shape[0]):
+        rows.append(
+            sum(
+                top[t, j] * expert_mlp(flat[t : t + 1], ex.w1[e], ex.w2[e], ex.w3[e])[0]
+                for j, e in enumerate(ids[t].tolist())
+            )
+        )
+    return torch.stack(rows).view_as(x)
+
+
+def test_dropless_layer_matches_token_by_token_mixtral_routing():
+    layer = _layer()
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(layer(x), _reference(layer, x), atol=1e-5, rtol=1e-5)
+
+
+def test_balance_and_z_losses_follow_their_definitions():
+    layer = _layer()
+    logits = torch.randn(12, 4)
+    ids = logits.topk(2, dim=-1).indices
+    balance, z_loss = layer.balance_losses(logits, ids)
+    fraction = torch.bincount(ids.flatten(), minlength=4).float() / ids.numel()
+    expected = 4 * (fraction * logits.softmax(-1).mean(0)).sum()
+    torch.testing.assert_close(balance, expected)
+    torch.testing.assert_close(z_loss, torch.logsumexp(logits, -1).pow(2).mean())
+    # a uniform router is perfectly balanced in expectation: the loss is exactly 1
+    uniform, _ = layer.balance_losses(torch.zeros(8, 4), torch.arange(16).view(8, 2) % 4)
+    assert abs(float(uniform) - 1.0) < 1e-6
+    # skewed routing costs more, and the weighted sum reaches the router's gradient
+    skewed, _ = layer.balance_losses(torch.tensor([[5.0, 0, 0, 0]] * 8), torch.tensor([[0, 1]] * 8))
+    assert float(skewed) > 1.5
+    layer(torch.randn(1, 6, 16))
+    layer.aux_loss.backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+
+
+def test_capacity_drops_late_tokens_and_keeps_first_choices():
+    layer = _layer(top_k=1, capacity_factor=0.5)  # capacity ceil(0.5 * 4 tokens * 1 / 4) = 1 per expert
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 10.0  # feature 0 > 0 sends a token to expert 0
+    x = torch.zeros(1, 4, 16)
+    x[0, :, 0] = 1.0
+    x[0, :, 1:] = torch.randn(4, 15)
+    out = layer(x)
+    ex = layer.experts
+    first = expert_mlp(x[0, :1], ex.w1[0], ex.w2[0], ex.w3[0])
+    torch.testing.assert_close(out[0, :1], first)
+    assert torch.all(out[0, 1:] == 0)  # tokens 1-3 over capacity: dropped, the residual carries them
+    assert float(layer.last_stats["dropped"]) == 3
+    roomy = _layer(top_k=1, capacity_factor=4.0)  # capacity 4: nothing dropped, same as dropless
+    roomy.load_state_dict(layer.state_dict())
+    dropless = _layer(top_k=1)
+    dropless.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(roomy(x), dropless(x))
+
+
+def test_model_places_moe_layers_and_reports_balance():
+    assert moe_layer_ids(ModelConfig(**{**vars(CFG), "num_layers": 4, "moe_every": 2})) == [1, 3]
+    assert moe_layer_ids(ModelConfig(**{**vars(CFG), "moe_layers": [0]})) == [0]
+    cfg = ModelConfig(**{**vars(CFG), "num_shared_experts": 1})
+    model = materialize(build_model(cfg), "cpu", seed=0).train()
+    assert model.layers["0"].feed_forward.experts.w1.shape == (4, 8, 16)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    aux = moe_aux_loss(model)
+    assert aux is not None and aux.requires_grad
+    stats = pop_load_stats(model)
+    assert stats["tokens_per_expert"].shape == (2, 4)
+    assert float(stats["tokens_per_expert"].sum()) == 2 * 2 * 8 * 2  # layers x tokens x top_k
