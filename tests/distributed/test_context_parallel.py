@@ -3,7 +3,9 @@
 The attention itself is checked first in fp64 against one-process SDPA (outputs and the gradients
 of q, k and v, with and without document masks); then the real CLI runs cp=2 and cp=4 for both
 families and cp=2 composed with dp=2 and with tp=2, against the single-process run of the same
-model, data and seed: per-step losses within 1e-4 relative and final weights within 1e-4.
+model, data and seed: per-step losses within 1e-4 relative and final weights within 1e-4. The
+dp=2 x cp=2 run and its reference also mask documents (data.doc_mask=true), so the trainer's
+document path is covered end to end with cp.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "gpt-single": (1, []),
     "gpt-cp2": (2, ["parallel.cp=2"]),
     "gpt-cp4": (4, ["parallel.cp=4"]),
-    "gpt-dp2-cp2": (4, ["parallel.dp=2", "parallel.cp=2"]),
+    "gpt-doc-single": (1, ["data.doc_mask=true"]),
+    "gpt-doc-dp2-cp2": (4, ["data.doc_mask=true", "parallel.dp=2", "parallel.cp=2"]),
     "gpt-tp2-cp2": (4, ["parallel.tp=2", "parallel.cp=2"]),
     "llama-single": (1, LLAMA),
     "llama-cp2": (2, [*LLAMA, "parallel.cp=2"]),
@@ -84,8 +87,12 @@ def cp_run(tiny_data, tmp_path_factory):
     return get
 
 
+def reference(name: str) -> str:
+    return "gpt-doc-single" if name.startswith("gpt-doc") else name.split("-")[0] + "-single"
+
+
 def check_layout(cp_run, name: str) -> None:
-    ref_dir, run_dir = cp_run(name.split("-")[0] + "-single"), cp_run(name)
+    ref_dir, run_dir = cp_run(reference(name)), cp_run(name)
     ref_losses, losses = train_losses(ref_dir), train_losses(run_dir)
     assert len(ref_losses) == STEPS
     assert ref_losses[STEPS] < ref_losses[1] - 0.3  # it learns: the comparison is not of constants
@@ -99,9 +106,16 @@ def test_cp2_matches_single_process(cp_run, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt-cp4", "llama-cp4", "gpt-dp2-cp2", "gpt-tp2-cp2"])
+@pytest.mark.parametrize("name", ["gpt-cp4", "llama-cp4", "gpt-doc-dp2-cp2", "gpt-tp2-cp2"])
 def test_four_process_cp_layout_matches_single_process(cp_run, name):
     check_layout(cp_run, name)
+
+
+@pytest.mark.slow
+def test_document_masking_changes_what_the_model_sees(cp_run):
+    """The masked reference is not the plain run: rows of 1024 tokens hold ~9 documents each."""
+    plain, masked = train_losses(cp_run("gpt-single")), train_losses(cp_run("gpt-doc-single"))
+    assert all(abs(plain[s] - masked[s]) > 1e-4 for s in plain), (plain, masked)
 
 
 # ---- the attention alone, in fp64 -----------------------------------------------------------------
