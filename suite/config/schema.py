@@ -97,6 +97,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  # an existing tokenizer.json/folder to reuse instead of training
     cache_dir: Optional[str] = None  # where the embedded corpus is built; None: ~/.cache/suite
     max_corpus_mb: float = 8.0  # size cap of the embedded corpus text
+    doc_mask: bool = False  # pretraining: attention stays inside documents, positions restart after EOS
 
 
 @dataclass

@@ -92,6 +92,8 @@ class Trainer:
         model = build_model(cfg.model, "meta")
         self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
         self.model = self.parallel.model
+        if cfg.data.doc_mask:  # documents end with EOS in the prepared stream (suite.data.documents)
+            self.parallel.eos_id = int(meta["eos_id"])
         if self.parallel.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
