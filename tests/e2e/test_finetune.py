@@ -31,6 +31,7 @@ TINY_FT = [
     "parallel.micro_batch_size=2",
     "parallel.global_batch_size=4",
     "optim.lr=1e-3",
+    "train.precision=fp32",
 ]
 
 
