@@ -64,6 +64,7 @@ class ParallelModel:
     loss_parallel: bool = False
     dp_kind: str = "none"
     optim_device: torch.device | None = None
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
 
     # ---- communication helpers -----------------------------------------------------------------
     @property
@@ -90,6 +91,27 @@ class ParallelModel:
             return loss_parallel()
         return nullcontext()
 
+    def model_loss(self, batch: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        """The model's loss on one [b, s+1] batch of tokens (inputs and shifted targets).
+
+        With loss_chunk_tokens > 0 and more tokens than that in the batch, the model hands its final
+        hidden states and head weight to the loss instead of projecting them (the forward's `head`
+        argument), and the loss applies the head chunk by chunk (suite.train.loss.HeadInput), so the
+        full logits never exist; one chunk would only add work, so the plain loss runs then. Under
+        tensor parallelism the logits are vocab-sharded DTensors and DTensor's loss_parallel already
+        avoids gathering them: that path is kept as it is.
+        """
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        chunk = self.loss_chunk_tokens
+        if 0 < chunk < targets.numel() and not self.loss_parallel:
+            from suite.train.loss import HeadInput
+
+            def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return loss_fn(HeadInput(hidden, weight, chunk), targets)  # type: ignore[arg-type]
+
+            return self.model(inputs, head=head)
+        return loss_fn(self.model(inputs), targets)
+
     def _device(self) -> torch.device:
         param = next(self.model.parameters())
         return getattr(param, "_local_tensor", param).device
@@ -115,8 +137,7 @@ class ParallelModel:
             batch = batch.to(device, non_blocking=True)
             with self.loss_context():
                 with autocast():
-                    logits = self.model(batch[:, :-1])
-                    loss = loss_fn(logits, batch[:, 1:]) / count
+                    loss = self.model_loss(batch, loss_fn) / count
                 if last:
                     self._note_bytes("params", memory.parameter_bytes(self.model))
                 scaler.scale(loss).backward()
@@ -144,7 +165,7 @@ class ParallelModel:
         for batch in batches:
             batch = batch.to(device)
             with self.loss_context(), autocast():
-                losses.append(_local_value(loss_fn(self.model(batch[:, :-1]), batch[:, 1:])).float())
+                losses.append(_local_value(self.model_loss(batch, loss_fn)).float())
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         return float(self.data_mean(mean))
 

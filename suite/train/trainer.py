@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -35,6 +34,7 @@ from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger
+from suite.train.loss import HeadInput, cross_entropy
 from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
 
@@ -57,11 +57,6 @@ class RunStopped(SystemExit):
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in fp32; targets of -100 (masked tokens) contribute nothing."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 class Trainer:
@@ -90,6 +85,8 @@ class Trainer:
         model = build_model(cfg.model, "meta")
         self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
         self.model = self.parallel.model
+        # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
+        self.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         if self.parallel.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
@@ -239,7 +236,7 @@ class Trainer:
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_fn(self, logits: torch.Tensor | HeadInput, targets: torch.Tensor) -> torch.Tensor:
         loss = cross_entropy(logits, targets)
         if self.model.training and self.cfg.model.num_experts:  # MoE: + weighted balance (and z) losses
             aux = moe_aux_loss(self.model)
