@@ -177,6 +177,15 @@ class Trainer:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
 
+    def _gather_floats(self, value: float) -> list[float]:
+        """`value` of every rank, in rank order (collective when distributed)."""
+        if not dist.is_initialized():
+            return [value]
+        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return [float(v) for v in every]
+
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
 
@@ -366,6 +375,7 @@ class Trainer:
         }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
+        summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(
