@@ -34,7 +34,9 @@ def run(verb: str, config_path: Path) -> int:
 
     resolved_yaml = config_path.read_text()
     cfg = load_saved_config(config_path)
-    dims = validate(cfg)
+    # this attempt's world: an elastic job (launch.nproc_per_node=min:max) may run below its maximum
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    dims = validate(cfg, world=world)
     if verb == "pretrain":
         from suite.train.trainer import Trainer
 

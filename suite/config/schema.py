@@ -97,6 +97,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  # an existing tokenizer.json/folder to reuse instead of training
     cache_dir: Optional[str] = None  # where the embedded corpus is built; None: ~/.cache/suite
     max_corpus_mb: float = 8.0  # size cap of the embedded corpus text
+    doc_mask: bool = False  # pretraining: attention stays inside documents, positions restart after EOS
 
 
 @dataclass
@@ -163,10 +164,14 @@ class TrainConfig:
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever; 0: off
     max_bad_steps: int = 3  # non-finite loss/grad-norm steps in a row before the run stops
     collective_timeout_s: float = 600.0  # process-group timeout: a hung collective fails after this
+    async_save: bool = False  # write checkpoints in a background thread while training goes on
+    spike_factor: float = 0.0  # loss-spike rollback: a loss above factor x the running mean; 0: off
+    spike_window: int = 20  # good steps in that running mean
     # fault-injection aids for tests; inert at their defaults
     inject_nan_steps: list[int] = field(default_factory=list)  # steps whose loss is made NaN
     fault_kill_rank: Optional[int] = None  # this rank SIGKILLs itself at fault_kill_step (first attempt only)
     fault_kill_step: Optional[int] = None
+    inject_spike_batches: list[int] = field(default_factory=list)  # batches (1-based) whose loss is x100
 
 
 @dataclass

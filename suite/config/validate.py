@@ -48,23 +48,59 @@ def _get(cfg: SuiteConfig, dotted: str):
     return node
 
 
-def world_size(cfg: SuiteConfig) -> int:
-    nproc = cfg.launch.nproc_per_node
-    if isinstance(nproc, str):
-        nproc = nproc.split(":")[-1]  # min:max elastic range: the maximum
+def nproc_range(cfg: SuiteConfig) -> tuple[int, int]:
+    """launch.nproc_per_node as (min, max): `4` is (4, 4); the elastic range `2:4` is (2, 4)."""
+    value = cfg.launch.nproc_per_node
+    parts = str(value).split(":")
     try:
-        nproc = int(nproc)
+        if len(parts) > 2:
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
     except ValueError:
         raise ConfigError(
-            f"launch.nproc_per_node={cfg.launch.nproc_per_node!r} is not a process count; use an integer like 4"
+            f"launch.nproc_per_node={value!r} is not a process count; use an integer like 4, "
+            "or an elastic range min:max like 2:4"
         ) from None
-    if nproc < 1:
-        raise ConfigError(f"launch.nproc_per_node={nproc} must be at least 1")
-    return nproc * cfg.launch.nnodes
+    if low < 1 or high < 1:
+        raise ConfigError(f"launch.nproc_per_node={value} must be at least 1")
+    if low > high:
+        raise ConfigError(
+            f"launch.nproc_per_node={value}: the minimum {low} exceeds the maximum {high}; write min:max"
+        )
+    return low, high
 
 
-def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
-    """Check everything that can be checked before any process starts; returns the resolved degrees."""
+def world_size(cfg: SuiteConfig) -> int:
+    """The world the job starts with (an elastic range starts at its maximum)."""
+    return nproc_range(cfg)[1] * cfg.launch.nnodes
+
+
+def resolve_dims(cfg: SuiteConfig, world: int) -> ParallelDims:
+    """The parallel degrees for `world` processes, checked against the model, batch and launch."""
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.validate(cfg.parallel, cfg.model)
+    dims.validate_run(cfg)
+    return dims
+
+
+def elastic_world_sizes(cfg: SuiteConfig) -> list[int]:
+    """World sizes an elastic job (launch.nproc_per_node=min:max) can run on, largest first:
+    those in [min, max] for which the parallel degrees resolve (e.g. dp or sharding 'auto' with a
+    global batch they divide)."""
+    low, high = nproc_range(cfg)
+    sizes = []
+    for world in range(high, low - 1, -1):
+        try:
+            resolve_dims(cfg, world)
+        except ConfigError:
+            continue
+        sizes.append(world)
+    return sizes
+
+
+def validate(cfg: SuiteConfig, *, needs_data: bool = True, world: int | None = None) -> ParallelDims:
+    """Check everything that can be checked before any process starts; returns the resolved degrees
+    (for `world` processes when given: a launched worker of an elastic job passes its own)."""
     for key, options in CHOICES.items():
         value = _get(cfg, key)
         if value not in options:
@@ -111,6 +147,12 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
         raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be a positive integer")
     if t.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s={t.collective_timeout_s} must be positive, e.g. 600")
+    if t.spike_factor < 0 or 0 < t.spike_factor <= 1:
+        raise ConfigError(
+            f"train.spike_factor={t.spike_factor} must be above 1 (e.g. 3: a loss 3x the running mean), or 0 (off)"
+        )
+    if t.spike_window < 1:
+        raise ConfigError(f"train.spike_window={t.spike_window} must be a positive number of steps, e.g. 20")
     for key in ("profile_wait", "profile_warmup", "loss_chunk_tokens"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
@@ -129,7 +171,25 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True) -> ParallelDims:
             f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path} ...` "
             "first, or drop data.path to use the embedded corpus"
         )
-    dims = ParallelDims.from_config(cfg.parallel, world_size(cfg))
-    dims.validate(cfg.parallel, cfg.model)
-    dims.validate_run(cfg)
+    low, high = nproc_range(cfg)
+    dims = resolve_dims(cfg, world or world_size(cfg))
+    if low < high and world is None:
+        _check_elastic(cfg, low, high)
     return dims
+
+
+def _check_elastic(cfg: SuiteConfig, low: int, high: int) -> None:
+    """An elastic range must be able to run at its minimum: fixed degrees that need more reject."""
+    value = cfg.launch.nproc_per_node
+    if cfg.launch.nnodes > 1:
+        raise ConfigError(
+            f"launch.nproc_per_node={value}: an elastic process range works on one node (launch.nnodes=1); "
+            f"with launch.nnodes={cfg.launch.nnodes} use a fixed count like launch.nproc_per_node={high}"
+        )
+    try:
+        resolve_dims(cfg, low)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"launch.nproc_per_node={value} may shrink the job to {low} processes, but there: {exc}; "
+            "let one degree follow the world size (parallel.sharding=auto or parallel.dp=auto) or raise the minimum"
+        ) from None

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from suite.parallel.mesh import data_mesh
+from suite.parallel.mesh import data_cp_mesh, data_mesh, fsdp_cp_mesh
 
 WRAPPER_SEGMENTS = re.compile(
     r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module|module)(?=\.|$)"
@@ -71,8 +71,12 @@ def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
 
 
 def data_parallel_kind(dims, stage: int) -> str:
-    """none | replicate | zero1 | fsdp | hsdp."""
-    if dims.data_parallel_size == 1:
+    """none | replicate | zero1 | fsdp | hsdp.
+
+    Context-parallel ranks hold the same parameters and each computes gradients from its part of
+    the sequence, so they join the data-parallel ranks in the gradient average (cp alone: replicate).
+    """
+    if dims.data_parallel_size * dims.cp == 1:
         return "none"
     if dims.sharding == 1:
         return "replicate"
@@ -107,12 +111,18 @@ def apply_data_parallel(
     blocks = list(model.layers.values())
     if kind in ("replicate", "zero1"):
         # zero1 replicates over every data rank; the optimizer does the sharding
-        data = mesh["dp"] if kind == "replicate" else data_mesh(mesh)
+        if dims.cp > 1:
+            data = data_cp_mesh(mesh)  # dp x sharding x cp (sharding is 1 for replicate)
+        else:
+            data = mesh["dp"] if kind == "replicate" else data_mesh(mesh)
         for block in blocks:
             replicate(block, mesh=data, **mp_off)
         replicate(model, mesh=data, **mp_off)
         return kind
-    shard_mesh = mesh["dp", "sharding"] if kind == "hsdp" else mesh["sharding"]
+    if dims.cp > 1:  # cp ranks join the sharding group (torchtitan's dp_shard_cp)
+        shard_mesh = fsdp_cp_mesh(mesh)
+    else:
+        shard_mesh = mesh["dp", "sharding"] if kind == "hsdp" else mesh["sharding"]
     after_forward = stage == 3
     for block in blocks:
         fully_shard(block, mesh=shard_mesh, reshard_after_forward=after_forward, **mp_off)

@@ -138,8 +138,11 @@ class ParallelDims:
         """Checks that need more than the parallel and model groups (sequence, precision, launch)."""
         model, pcfg = cfg.model, cfg.parallel
         if self.cp > 1:
+            check_context_parallel(self, cfg)
+        if cfg.data.doc_mask and self.pp > 1:
             raise ConfigError(
-                f"parallel.cp={self.cp}: context parallelism is not implemented yet; use parallel.cp=1"
+                f"data.doc_mask=true is not supported with parallel.pp={self.pp} (pipeline stages pass no "
+                "attention mask); use parallel.pp=1 or data.doc_mask=false"
             )
         if model.num_experts > 0 or self.ep > 1:
             from suite.parallel.expert_parallel import check_expert_parallel
@@ -214,3 +217,34 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         names = tuple(n for n in MESH_ORDER if getattr(self, n) > 1) or ("dp",)
         return names, tuple(getattr(self, n) for n in names)
+
+
+def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
+    """One-line errors for context-parallel settings that cannot run (cp > 1)."""
+    cp, seq_len = dims.cp, cfg.data.seq_len
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"parallel.cp={cp} cuts data.seq_len={seq_len} into 2*cp={2 * cp} load-balanced chunks, but "
+            f"{seq_len} is not divisible by {2 * cp}; use a data.seq_len that is a multiple of {2 * cp}"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.pp={dims.pp} is not supported (pipeline stages do not carry "
+            "context-parallel batches); use parallel.cp=1 or parallel.pp=1"
+        )
+    if cfg.parallel.sp and (seq_len // cp) % dims.tp:
+        raise ConfigError(
+            f"parallel.sp=true splits each cp rank's data.seq_len/parallel.cp={seq_len // cp} tokens across "
+            f"parallel.tp={dims.tp} ranks, which does not divide them; use a data.seq_len that is a multiple "
+            f"of {2 * cp * dims.tp}"
+        )
+    if cfg.model.num_experts > 0:
+        raise ConfigError(
+            f"parallel.cp={cp} with model.num_experts={cfg.model.num_experts} is not supported (routing "
+            "statistics and the balance loss would cover each rank's part of the sequence only); use parallel.cp=1"
+        )
+    if cfg.train.compile:
+        raise ConfigError(
+            f"train.compile=true is not supported with parallel.cp={cp} (the context-parallel attention "
+            "runs collectives inside autograd); use train.compile=false"
+        )

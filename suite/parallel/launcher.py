@@ -12,6 +12,15 @@ that file (`python -m suite.worker <verb> <config.yaml>`), so no worker ever re-
     launch.max_restarts     how many times the whole worker group is restarted after a failure
                             (workers resume from the newest checkpoint)
 
+Elastic process range (`launch.nproc_per_node=min:max`, one node): the job starts on max workers.
+After a failure (with restarts left) the suite's launcher starts a new worker group itself: on the
+same device slots, unless the failing rank's slot failed in the previous attempt too, in which
+case that slot (its GPU) is treated as lost and the job goes on without it, on the largest world
+size between min and the slots left for which the parallel degrees resolve (`parallel.sharding`
+or `parallel.dp` set to `auto` absorbs the change; the global batch, hence the data order and the
+loss, stays the same). The workers reshard the newest checkpoint on load.
+`SUITE_FAULT_LOSE_DEVICE=1` (a test aid) treats a failing slot as lost at its first failure.
+
 Worker stdout/stderr go straight to this console: only rank 0 prints progress and metrics, any
 rank's traceback shows up. A failed worker ends the job with one `error:` line naming the rank and
 its exception, and a non-zero exit (2 for a configuration error found inside a worker).
@@ -31,6 +40,8 @@ from suite.config.errors import ConfigError
 from suite.config.schema import LaunchConfig
 
 WORKER_FLAG = "SUITE_WORKER"
+RESTART_ENV = "SUITE_RESTART_COUNT"  # the attempt number of an elastic (min:max) job, for the workers
+LOSE_DEVICE_ENV = "SUITE_FAULT_LOSE_DEVICE"
 DEFAULT_ENDPOINT = LaunchConfig.rdzv_endpoint
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -38,11 +49,6 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 def inside_worker() -> bool:
     """True in a process the launcher started (or any torchrun-launched process)."""
     return os.environ.get(WORKER_FLAG) == "1" or "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def _nproc(value: object) -> int:
-    text = str(value)
-    return int(text.split(":")[-1])  # min:max elastic range: the maximum
 
 
 def rendezvous_endpoint(launch_cfg: LaunchConfig) -> str:
@@ -89,54 +95,133 @@ def _first_failure(exc) -> tuple[int, int, str]:
     return rank, first.exitcode, message
 
 
+class GroupFailed(Exception):
+    """A worker group ended with a failed worker: (rank, exit code, message) of the first failure."""
+
+    def __init__(self, rank: int, code: int, message: str):
+        super().__init__(rank, code, message)
+        self.rank, self.code, self.message = rank, code, message
+
+    def describe(self, verb: str) -> str:
+        where = f"rank {self.rank} exited with code {self.code}" if self.rank >= 0 else "a worker failed"
+        detail = f": {self.message}" if self.message else " (see that rank's output above)"
+        return f"{verb} failed, {where}{detail}"
+
+
 def launch(verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Path) -> None:
-    """Start nproc_per_node workers on this node (one node of nnodes) and wait for them."""
+    """Start the workers on this node (one node of nnodes) and wait for them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="suite-launch-"))
+    frozen = workdir / "config.yaml"
+    frozen.write_text(resolved_yaml)
+    try:
+        parts = str(launch_cfg.nproc_per_node).split(":")  # validated: N or min:max
+        low, high = int(parts[0]), int(parts[-1])
+        if low == high:
+            _run_group(verb, frozen, run_dir, launch_cfg, high, launch_cfg.max_restarts, {})
+        else:
+            _run_elastic(verb, frozen, run_dir, launch_cfg, low, high)
+    except GroupFailed as failed:
+        if failed.code == ConfigError.exit_code and failed.message:
+            raise ConfigError(failed.message.removeprefix("ConfigError: ")) from None
+        raise SystemExit(f"error: {failed.describe(verb)}") from None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_elastic(
+    verb: str, frozen: Path, run_dir: Path, launch_cfg: LaunchConfig, low: int, high: int
+) -> None:
+    """Attempts of an elastic (min:max) job, each a fresh worker group that the suite restarts
+    itself, on fewer processes once a device slot is lost (see the module docstring)."""
+    from suite.config.compose import load_saved_config
+    from suite.config.validate import elastic_world_sizes
+
+    sizes = elastic_world_sizes(load_saved_config(frozen))  # largest first; validation checked min
+    slots = list(range(high))  # device slots: local GPU indices on a GPU node
+    suspect: int | None = None  # the slot that failed in the previous attempt
+    nproc = sizes[0]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(high)))).split(",")
+    for attempt in range(launch_cfg.max_restarts + 1):
+        extra = {RESTART_ENV: str(attempt)}
+        if len(slots) < high:  # a slot was dropped: hide its device from the workers
+            extra["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots[:nproc] if s < len(visible))
+        try:
+            _run_group(verb, frozen, run_dir, launch_cfg, nproc, 0, extra)
+            return
+        except GroupFailed as failed:
+            if failed.code == ConfigError.exit_code or attempt == launch_cfg.max_restarts:
+                raise
+            culprit = slots[failed.rank] if 0 <= failed.rank < nproc else None
+            lost = culprit is not None and (culprit == suspect or os.environ.get(LOSE_DEVICE_ENV) == "1")
+            suspect = None if lost else culprit
+            note = ""
+            if lost:
+                slots.remove(culprit)
+                note = f"device slot {culprit} counts as lost ({len(slots)} left); "
+            fitting = [n for n in sizes if n <= len(slots)]
+            if not fitting:
+                raise SystemExit(
+                    f"error: {failed.describe(verb)}; {note}no world size between {low} and {len(slots)} "
+                    "fits the parallel degrees, so the job cannot continue"
+                ) from None
+            nproc = fitting[0]
+            print(
+                f"{failed.describe(verb)}; {note}restarting on {nproc} processes from the newest "
+                f"checkpoint (restart {attempt + 1} of {launch_cfg.max_restarts})",
+                flush=True,
+            )
+
+
+def _run_group(
+    verb: str,
+    frozen: Path,
+    run_dir: Path,
+    launch_cfg: LaunchConfig,
+    nproc: int,
+    max_restarts: int,
+    extra_env: dict[str, str],
+) -> None:
+    """One elastic_launch of `nproc` workers (torch's agent restarts them up to `max_restarts`
+    times); a failure raises GroupFailed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="suite-launch-"))
-    frozen = workdir / "config.yaml"
-    frozen.write_text(resolved_yaml)
     nodes = launch_cfg.nnodes
     endpoint = rendezvous_endpoint(launch_cfg)
     loopback = endpoint.startswith(("127.", "localhost"))
     config = ElasticConfig(
         min_nodes=nodes,
         max_nodes=nodes,
-        nproc_per_node=_nproc(launch_cfg.nproc_per_node),
+        nproc_per_node=nproc,
         run_id=run_id(launch_cfg, run_dir),
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": launch_cfg.node_rank == 0} if nodes > 1 else {},
-        max_restarts=launch_cfg.max_restarts,
+        max_restarts=max_restarts,
         monitor_interval=0.25,
         start_method="spawn",
         local_addr="127.0.0.1" if loopback else None,
     )
     # the agent's INFO chatter is not the user's business; its warnings and errors still print
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    # a failed worker is reported below, once, as one line; the agent's own error log would repeat it
+    # a failed worker is reported by the caller, once, as one line; the agent's own error log would repeat it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     env = {
         WORKER_FLAG: "1",
         # workers import this very package, installed or not
         "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **extra_env,
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "suite.worker", verb, str(frozen))
     except ChildFailedError as exc:
-        rank, code, message = _first_failure(exc)
-        if code == ConfigError.exit_code and message:
-            raise ConfigError(message.removeprefix("ConfigError: ")) from None
-        where = f"rank {rank} exited with code {code}" if rank >= 0 else "a worker failed"
-        detail = f": {message}" if message else " (see that rank's output above)"
-        raise SystemExit(f"error: {verb} failed, {where}{detail}") from None
+        raise GroupFailed(*_first_failure(exc)) from None
     except SignalException as exc:
         # SIGTERM/SIGINT to this process: the agent has passed it to the workers (they checkpoint the
         # current step and exit, see the trainer) and waited for them
@@ -153,4 +238,3 @@ def launch(verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Pat
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        shutil.rmtree(workdir, ignore_errors=True)

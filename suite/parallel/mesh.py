@@ -6,11 +6,14 @@ is enabled: ``mesh["tp"]``, ``mesh["dp", "sharding"]``. Axis order, outermost fi
     pp        pipeline stages      (spans nodes: point-to-point traffic only)
     dp        replicated data parallel
     sharding  sharded data parallel (ZeRO / FSDP)
-    cp        context parallel     (reserved; must be 1 today)
+    cp        context parallel     (the sequence split across ranks: suite.parallel.context_parallel)
     tp        tensor parallel      (innermost: neighbouring ranks, i.e. GPUs of one node)
 
 ``dp`` and ``sharding`` are also flattened into one axis named ``data``: the ranks that see
-different samples. The data loader's rank and the loss average use it.
+different samples. The data loader's rank uses it. With cp > 1, two more flattened axes: ``data_cp``
+(dp x sharding x cp: the ranks whose gradients are averaged and whose losses make the global mean,
+since cp ranks hold the same parameters) and ``sharding_cp`` (sharding x cp: what FSDP shards over,
+torchtitan's dp_shard_cp).
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES = ("pp", "dp", "sharding", "cp", "tp")
 DATA_AXIS = "data"
+DATA_CP_AXIS = "data_cp"
+SHARDING_CP_AXIS = "sharding_cp"
 
 
 _DATA_MESHES: dict[int, DeviceMesh] = {}
+_DATA_CP_MESHES: dict[int, DeviceMesh] = {}
+_HSDP_CP_MESHES: dict[int, DeviceMesh] = {}
 
 
 def build_mesh(dims, device_type: str) -> DeviceMesh:
@@ -35,12 +42,28 @@ def build_mesh(dims, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     # torch wants flattened axes kept by their creator rather than sliced from the root again
     _DATA_MESHES[id(mesh)] = mesh["dp", "sharding"]._flatten(DATA_AXIS)
+    if dims.cp > 1:
+        data_cp = mesh["dp", "sharding", "cp"]._flatten(DATA_CP_AXIS)
+        _DATA_CP_MESHES[id(mesh)] = data_cp
+        if dims.dp > 1 and dims.sharding > 1:  # HSDP: replicate over dp, shard over sharding x cp
+            shape = (dims.dp, dims.sharding * dims.cp)
+            _HSDP_CP_MESHES[id(mesh)] = data_cp._unflatten(0, shape, ("dp", SHARDING_CP_AXIS))
     return mesh
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """1-D mesh of the data-parallel ranks (dp x sharding flattened) that hold this rank's model slice."""
     return _DATA_MESHES[id(mesh)]
+
+
+def data_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """1-D mesh of the ranks that hold the same model slice: data-parallel ranks and cp ranks."""
+    return _DATA_CP_MESHES.get(id(mesh)) or data_mesh(mesh)
+
+
+def fsdp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP shards over when cp > 1: (dp, sharding_cp) for HSDP, else sharding x cp (= data_cp)."""
+    return _HSDP_CP_MESHES.get(id(mesh)) or _DATA_CP_MESHES[id(mesh)]
 
 
 def data_rank(mesh: DeviceMesh) -> int:

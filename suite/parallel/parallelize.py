@@ -7,6 +7,7 @@ which optimizer wraps the parameters, so the trainer's loop reads the same for e
 Order of application (each step sees the previous one's result; the model starts on `meta`):
 
     1. tensor parallel (+ sequence parallel)   DTensor plans, suite.parallel.tensor_parallel
+       context parallel                        cp-aware attention, suite.parallel.context_parallel
     2. activation recompute                    suite.parallel.recompute.apply_recompute
     3. torch.compile per block                 train.compile (in place: names stay the same)
     4. data parallel                           replicate / ZeRO-1 / FSDP2 stage 2-3 / HSDP (+offload)
@@ -64,6 +65,8 @@ class ParallelModel:
     loss_parallel: bool = False
     dp_kind: str = "none"
     optim_device: torch.device | None = None
+    cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
+    eos_id: int | None = None  # data.doc_mask: the document separator (set by the trainer)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
 
     # ---- communication helpers -----------------------------------------------------------------
@@ -76,13 +79,44 @@ class ParallelModel:
         return data_mesh(self.mesh).get_group()
 
     def data_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a per-rank scalar over the data-parallel ranks (gloo has no AVG: sum, divide)."""
-        group = self.data_group
+        """Average a per-rank scalar over the data-parallel (and cp) ranks (gloo has no AVG: sum, divide).
+
+        cp ranks hold equal shares of the same rows' tokens, so the mean of their means is the
+        mean over every token of the global batch.
+        """
+        if self.dims.cp > 1 and self.mesh is not None:
+            from suite.parallel.mesh import data_cp_mesh
+
+            group, size = data_cp_mesh(self.mesh).get_group(), self.dims.data_parallel_size * self.dims.cp
+        else:
+            group, size = self.data_group, self.dims.data_parallel_size
         if group is None:
             return value
         value = value.detach().clone()
         dist.all_reduce(value, group=group)
-        return value / self.dims.data_parallel_size
+        return value / size
+
+    def model_inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(tokens, targets, forward kwargs) of a [b, s + 1] row batch for this rank.
+
+        data.doc_mask: positions restart after every EOS and attention stays inside documents;
+        cp > 1: only this rank's two sequence chunks, with their real positions.
+        """
+        tokens, targets = batch[:, :-1], batch[:, 1:]
+        doc_ids = None
+        if self.eos_id is not None:
+            from suite.data.documents import document_ids
+
+            doc_ids = document_ids(tokens, self.eos_id)
+        if self.dims.cp > 1:
+            from suite.parallel.context_parallel import split_batch
+
+            return split_batch(tokens, targets, self.dims.cp, self.cp_rank, doc_ids)
+        if doc_ids is None:
+            return tokens, targets, {}
+        from suite.data.documents import document_mask, document_positions
+
+        return tokens, targets, {"positions": document_positions(doc_ids), "mask": document_mask(doc_ids)}
 
     def loss_context(self):
         if self.loss_parallel:
@@ -91,8 +125,10 @@ class ParallelModel:
             return loss_parallel()
         return nullcontext()
 
-    def model_loss(self, batch: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """The model's loss on one [b, s+1] batch of tokens (inputs and shifted targets).
+    def model_loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """The model's loss on one micro-batch, as `model_inputs` made it (tokens, targets, forward kwargs).
 
         With loss_chunk_tokens > 0 and more tokens than that in the batch, the model hands its final
         hidden states and head weight to the loss instead of projecting them (the forward's `head`
@@ -101,7 +137,6 @@ class ParallelModel:
         tensor parallelism the logits are vocab-sharded DTensors and DTensor's loss_parallel already
         avoids gathering them: that path is kept as it is.
         """
-        inputs, targets = batch[:, :-1], batch[:, 1:]
         chunk = self.loss_chunk_tokens
         if 0 < chunk < targets.numel() and not self.loss_parallel:
             from suite.train.loss import HeadInput
@@ -109,8 +144,8 @@ class ParallelModel:
             def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                 return loss_fn(HeadInput(hidden, weight, chunk), targets)  # type: ignore[arg-type]
 
-            return self.model(inputs, head=head)
-        return loss_fn(self.model(inputs), targets)
+            return self.model(tokens, head=head, **kwargs)
+        return loss_fn(self.model(tokens, **kwargs), targets)
 
     def _device(self) -> torch.device:
         param = next(self.model.parameters())
@@ -135,9 +170,10 @@ class ParallelModel:
 
                 set_gradient_sync(self.model, self.dp_kind, last)
             batch = batch.to(device, non_blocking=True)
+            tokens, targets, kwargs = self.model_inputs(batch)
             with self.loss_context():
                 with autocast():
-                    loss = self.model_loss(batch, loss_fn) / count
+                    loss = self.model_loss(tokens, targets, kwargs, loss_fn) / count
                 if last:
                     self._note_bytes("params", memory.parameter_bytes(self.model))
                 scaler.scale(loss).backward()
@@ -163,9 +199,9 @@ class ParallelModel:
         device = self.input_device()
         losses = []
         for batch in batches:
-            batch = batch.to(device)
+            tokens, targets, kwargs = self.model_inputs(batch.to(device))
             with self.loss_context(), autocast():
-                losses.append(_local_value(self.model_loss(batch, loss_fn)).float())
+                losses.append(_local_value(self.model_loss(tokens, targets, kwargs, loss_fn)).float())
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         return float(self.data_mean(mean))
 
@@ -242,6 +278,10 @@ def make_part_parallelizer(
             from suite.parallel.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(part, mesh["tp"], pcfg.sp)
+        if dims.cp > 1:
+            from suite.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(part, mesh["cp"])
         expert_params: list = []
         if dims.ep > 1:
             from suite.parallel import expert_parallel as ep
@@ -310,6 +350,7 @@ def parallelize(
         model=model,
         dims=dims,
         dp_rank=data_rank(mesh),
+        cp_rank=mesh.get_local_rank("cp"),
         materialized=True,
         num_params=num_params,
         mesh=mesh,

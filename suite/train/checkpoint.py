@@ -8,6 +8,11 @@ Layout of `<run.dir>/checkpoints/step_<N>/`:
     manifest.json       every file with size and sha256, written last
 The folder is written under a temporary name and renamed into place; `checkpoints/latest` names
 the newest complete checkpoint and changes only after the rename.
+
+Asynchronous saves (`train.async_save=true`) copy the state to CPU memory, write the DCP files in a
+background thread (DCP's `async_save`, over a process group of their own) and return a
+`PendingSave`; the manifest, fsync, rename and `latest` happen when that write has finished, with
+the same guarantees as a synchronous save.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
 ENOSPC_ENV = "SUITE_FAULT_ENOSPC_STEP"
+KILL_IN_SAVE_ENV = "SUITE_FAULT_KILL_IN_SAVE_STEP"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -141,6 +149,48 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer with two fault-injection aids for tests, inert unless their environment
+    variable names this step: `SUITE_FAULT_ENOSPC_STEP=N` fails the save of step N as a full disk
+    would, and `SUITE_FAULT_KILL_IN_SAVE_STEP=N` SIGKILLs the process in the middle of that save
+    (in the background thread when the save is asynchronous). Both act after this rank's model
+    files are written and before the save is complete."""
+
+    def __init__(self, path: Path, step: int):
+        super().__init__(str(path))
+        self.step = str(step)
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        if os.environ.get(KILL_IN_SAVE_ENV) == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get(ENOSPC_ENV) == self.step:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC_ENV})", self.path)
+        return written
+
+
+class PendingSave:
+    """An asynchronous save in flight: `done()` polls, `finish()` waits and completes it.
+
+    The DCP write coordinates its ranks itself: when it has finished on rank 0, every rank's files
+    are written. Completing the checkpoint (manifest, fsync, rename, `latest`) is then rank 0's
+    alone, so neither call is collective and either may run at any point of the loop. A failed
+    write raises from `finish()` on every rank (DCP reports one rank's failure to all).
+    """
+
+    def __init__(self, step: int, tmp: Path, final: Path, future: Future):
+        self.step, self.tmp, self.final, self.future = step, tmp, final, future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self) -> Path:
+        self.future.result()
+        if _rank() == 0:
+            _commit(self.tmp, self.final, self.step)
+        return self.final
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -148,8 +198,11 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     config_yaml: str,
-) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+    async_group: dist.ProcessGroup | None | bool = False,
+) -> Path | PendingSave:
+    """Collective: every rank calls it. Returns the final folder, or a `PendingSave` when
+    `async_group` is given (a gloo process group reserved for checkpoint writes; None when the
+    run is a single process; False: save synchronously)."""
     root = checkpoint_root(run_dir)
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp-{STEP_PREFIX}{step}"
@@ -158,8 +211,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = _training_state(model, optimizer)
-    dcp.save(state, checkpoint_id=str(tmp))
-    _maybe_inject_enospc(step, tmp)
+    # the small files capture this step's state now, before training moves on
     torch.save(
         {
             "cpu": torch.get_rng_state(),
@@ -167,27 +219,31 @@ def save_checkpoint(
         },
         tmp / f"rng_rank{_rank()}.pt",
     )
-    _barrier()
     if _rank() == 0:
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
-        write_manifest(tmp, step)
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, root / "latest")
+    if async_group is not False:
+        # the state is copied to CPU memory here; the files are written by a background thread
+        future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=async_group)
+        return PendingSave(step, tmp, final, future)
+    dcp.save(state, storage_writer=_Writer(tmp, step))
+    _barrier()
+    if _rank() == 0:
+        _commit(tmp, final, step)
     _barrier()
     return final
 
 
-def _maybe_inject_enospc(step: int, tmp: Path) -> None:
-    """Fault-injection aid for tests: `SUITE_FAULT_ENOSPC_STEP=N` makes the save of step N fail as a
-    full disk would, after the model files are written. Inert when the variable is unset."""
-    if os.environ.get(ENOSPC_ENV) == str(step):
-        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC_ENV})", str(tmp))
+def _commit(tmp: Path, final: Path, step: int) -> None:
+    """Rank 0, once every file is written: manifest, fsync, rename, then `latest`."""
+    write_manifest(tmp, step)
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = final.parent / ".latest.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, final.parent / "latest")
 
 
 def apply_retention(run_dir: Path, keep_last: int, keep_every: int) -> list[Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-SECRET_WORDS = ("key", "token", "secret", "password")
+SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
+# credential shapes recognised anywhere in a value: Hugging Face, GitHub, OpenAI-style API tokens
+SECRET_PATTERN = re.compile(
+    r"\b(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|sk-[A-Za-z0-9_-]{20,})"
+)
 
 
 class JsonlWriter:
@@ -36,6 +41,15 @@ class JsonlWriter:
             path.unlink()
         self.file = path.open("a")
 
+    def rewind(self, step: int) -> None:
+        """Drop the records past `step` (a loss-spike rollback went back to it)."""
+        self.file.close()
+        kept = [
+            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")
+
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -44,17 +58,51 @@ class JsonlWriter:
         self.file.close()
 
 
-def scrub_secrets(config: dict[str, Any]) -> dict[str, Any]:
-    """Drop values whose key looks like a credential before a config leaves the process."""
-    clean: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            clean[key] = scrub_secrets(value)
-        elif any(word in key.lower() for word in SECRET_WORDS) and isinstance(value, str) and value:
-            clean[key] = "***"
-        else:
-            clean[key] = value
-    return clean
+def _secret_name(name: str) -> bool:
+    """`wandb_api_key`, `HF_TOKEN`, `db-password`: a word of the name says credential (whole words,
+    so `tokenizer` and `max_new_tokens` are not)."""
+    return any(word in SECRET_WORDS for word in re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def _known_secrets() -> list[str]:
+    """Values of this process's environment variables named like credentials (WANDB_API_KEY,
+    HF_TOKEN, ...): wherever they turn up (an `${oc.env:...}` in a recipe), they are scrubbed."""
+    return sorted(
+        (v for k, v in os.environ.items() if _secret_name(k) and len(v) >= 8), key=len, reverse=True
+    )
+
+
+def scrub_text(text: str) -> str:
+    """`text` with every known secret value and credential-shaped token replaced by ***."""
+    for secret in _known_secrets():
+        text = text.replace(secret, "***")
+    return SECRET_PATTERN.sub("***", text)
+
+
+def scrub_secrets(config: Any) -> Any:
+    """A copy of `config` (dicts, lists, scalars) safe to write: values under credential-named keys
+    become ***, and so does any string holding a known secret or a credential-shaped token."""
+    if isinstance(config, dict):
+        return {
+            key: "***"
+            if _secret_name(str(key)) and isinstance(value, str) and value
+            else scrub_secrets(value)
+            for key, value in config.items()
+        }
+    if isinstance(config, list | tuple):
+        return [scrub_secrets(value) for value in config]
+    if isinstance(config, str):
+        return scrub_text(config)
+    return config
+
+
+def scrub_yaml(text: str) -> str:
+    """A resolved config's YAML as it may be written to disk (run folder, checkpoints)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.create(text))
+    clean = scrub_secrets(config)
+    return text if clean == config else OmegaConf.to_yaml(OmegaConf.create(clean))
 
 
 class MetricsLogger:
@@ -85,11 +133,11 @@ class MetricsLogger:
             import wandb
 
             self.wandb_run = wandb.init(
-                project=log_cfg.wandb_project,
+                project=scrub_text(log_cfg.wandb_project),
                 dir=str(run_dir),
                 mode=log_cfg.wandb_mode,
                 config=scrub_secrets(config),
-                name=run_dir.name,
+                name=scrub_text(run_dir.name),
                 resume="allow",
                 id=_wandb_id(run_dir),
             )
@@ -98,10 +146,16 @@ class MetricsLogger:
         self.console.print(text, highlight=False, soft_wrap=True)
 
     def log(self, record: dict[str, Any]) -> None:
+        record = scrub_secrets(record)
         self.jsonl.write(record)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         self.print(" | ".join(_fmt(k, v) for k, v in record.items()))
+
+    def rewind(self, step: int) -> None:
+        self.jsonl.rewind(step)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
 
     def advance(self, step: int, loss: float | None) -> None:
         if self.progress is not None:

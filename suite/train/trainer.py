@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
-from suite.train.loggers import MetricsLogger
+from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.loss import HeadInput, cross_entropy
 from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
@@ -64,6 +65,7 @@ class Trainer:
         self.cfg = cfg
         self.dims = dims
         self.resolved_yaml = resolved_yaml
+        self.public_yaml = scrub_yaml(resolved_yaml)  # what is written to disk: no secrets
         self.env = DistEnv.from_environ()
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
@@ -85,6 +87,8 @@ class Trainer:
         model = build_model(cfg.model, "meta")
         self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
         self.model = self.parallel.model
+        if cfg.data.doc_mask:  # documents end with EOS in the prepared stream (suite.data.documents)
+            self.parallel.eos_id = int(meta["eos_id"])
         # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
         self.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         if self.parallel.materialized is False:
@@ -118,6 +122,18 @@ class Trainer:
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
         self.bad_in_a_row = 0
+        # loss-spike rollback (train.spike_factor): recent good losses, batches never to train on
+        self.loss_window: deque[float] = deque(maxlen=cfg.train.spike_window)
+        self.skipped_batches: list[int] = []
+        self.rollbacks_in_a_row = 0
+        self.spiked = False
+        self.batch_number = 0
+        # asynchronous saves: a gloo group of their own, so the background write's collectives
+        # never interleave with training's (None: single process; False: saves are synchronous)
+        self.async_group = False
+        if cfg.train.async_save:
+            self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending: ckpt.PendingSave | None = None
         self._sigterm = False
         self.resumed = False
         if cfg.train.resume:
@@ -134,48 +150,117 @@ class Trainer:
         folder = ckpt.latest_checkpoint(self.run_dir, log=self._log)
         if folder is None:
             return
+        state = self._load(folder)
+        self.resumed = True
+        saved_world = int(state.get("world_size", self.env.world_size))
+        resharded = (
+            f" (saved by {saved_world} processes, resharded to {self.env.world_size})"
+            if saved_world != self.env.world_size
+            else ""
+        )
+        self._log(f"resumed from {folder} at step {self.step}{resharded}")
+
+    def _load(self, folder: Path) -> dict:
+        """Model, optimizer, RNG, step and data position from `folder` (collective)."""
         state = ckpt.load_checkpoint(folder, self.model, self.optimizer)
         self.step = int(state["step"])
         self.bad_steps = int(state.get("bad_steps", 0))
+        self.skipped_batches = sorted(set(self.skipped_batches) | set(state.get("skipped_batches", [])))
         self.loader.load_state_dict(state["data"])
-        self.resumed = True
-        self._log(f"resumed from {folder} at step {self.step}")
+        return state
 
-    def save(self) -> Path:
-        """Write a checkpoint (collective), then apply retention on rank 0.
+    def save(self, wait: bool = False) -> Path:
+        """Write a checkpoint of this step (collective); returns its final folder.
 
-        A failing write (full disk: ENOSPC, quota, I/O error) removes the temporary folder, leaves
-        every earlier checkpoint untouched and stops the run with one line.
+        Synchronous saves return once the checkpoint is complete and retention has run (rank 0).
+        With train.async_save the model and optimizer state is copied to CPU memory and written in
+        the background while training goes on; the checkpoint is completed by `finish_pending`
+        (as soon as the write is done, polled every step, and at the latest before the next save,
+        at the end of the run, on SIGTERM and on errors), or here when `wait`.
+        A failing write (full disk: ENOSPC, quota, I/O error), synchronous or not, removes the
+        temporary folder, leaves every earlier checkpoint untouched and stops the run with one line.
         """
-        state = {"step": self.step, "data": self.loader.state_dict(), "bad_steps": self.bad_steps}
+        self.finish_pending()
+        state = {
+            "step": self.step,
+            "data": self.loader.state_dict(),
+            "bad_steps": self.bad_steps,
+            "skipped_batches": list(self.skipped_batches),
+            "world_size": self.env.world_size,
+        }
         try:
-            folder = ckpt.save_checkpoint(
-                self.run_dir, self.step, self.model, self.optimizer, state, self.resolved_yaml
+            result = ckpt.save_checkpoint(
+                self.run_dir, self.step, self.model, self.optimizer, state, self.public_yaml, self.async_group
             )
         except (OSError, CheckpointException) as exc:
-            err = os_error_in(exc)
-            if err is None:
-                raise
-            tmp = ckpt.checkpoint_root(self.run_dir) / f".tmp-{ckpt.STEP_PREFIX}{self.step}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            where = err.filename or tmp
-            good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
-            raise RunStopped(
-                f"error: could not write the checkpoint of step {self.step} to {where}: "
-                f"{err.strerror or err}; last good checkpoint: {good or 'none'}; free space and run the "
-                "same command again to resume"
-            ) from None
+            self._save_failed(exc, self.step)
+        self.rollbacks_in_a_row = 0
+        if isinstance(result, ckpt.PendingSave):
+            self.pending = result
+            return self.finish_pending() if wait else result.final
+        self._after_save(result)
+        return result
+
+    def finish_pending(self, only_if_done: bool = False) -> Path | None:
+        """Complete the asynchronous save in flight, if any (waits for it unless `only_if_done`).
+
+        Not collective. A poll (`only_if_done`) leaves a failed write alone: the failure is raised
+        where every rank waits (the next save, the end of the run), so all ranks stop together.
+        """
+        pending = self.pending
+        if pending is None:
+            return None
+        if only_if_done and not (pending.done() and pending.future.exception() is None):
+            return None
+        self.pending = None
+        try:
+            folder = pending.finish()
+        except (OSError, CheckpointException) as exc:
+            self._save_failed(exc, pending.step)
+        self._log(f"saved checkpoint {folder}")
+        self._after_save(folder)
+        return folder
+
+    def _after_save(self, folder: Path) -> None:
         if self.env.is_main:
             ckpt.apply_retention(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every)
-        return folder
+
+    def _save_failed(self, exc: BaseException, step: int):
+        """Stop the run with one line after a failed checkpoint write (re-raises anything else)."""
+        err = os_error_in(exc)
+        if err is None:
+            raise exc
+        tmp = ckpt.checkpoint_root(self.run_dir) / f".tmp-{ckpt.STEP_PREFIX}{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = err.filename or tmp
+        good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
+        raise RunStopped(
+            f"error: could not write the checkpoint of step {step} to {where}: "
+            f"{err.strerror or err}; last good checkpoint: {good or 'none'}; free space and run the "
+            "same command again to resume"
+        ) from None
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank (collective when distributed)."""
+        return self._any_ranks(flag)[0]
+
+    def _any_ranks(self, *flags: bool) -> list[bool]:
+        """Each flag made true on every rank when it is true on any rank (one all-reduce)."""
         if not dist.is_initialized():
-            return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item() > 0)
+            return list(flags)
+        values = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [bool(v > 0) for v in values.tolist()]
+
+    def _finish_pending_quietly(self) -> None:
+        """On the way out after an error: complete a pending save if it can be; its own failure is
+        reported in one line without hiding the error that is already propagating."""
+        if self.pending is None:
+            return
+        try:
+            self.finish_pending()
+        except BaseException as exc:  # noqa: BLE001 - the first error is the one that propagates
+            self._log(str(exc))
 
     def _gather_floats(self, value: float) -> list[float]:
         """`value` of every rank, in rank order (collective when distributed)."""
@@ -204,18 +289,72 @@ class Trainer:
         loss = self.parallel.forward_backward(micro_batches, self._loss_fn, self.autocast, self.scaler)
         if self.step + 1 in self.cfg.train.inject_nan_steps:  # testing aid; empty by default
             loss = loss * float("nan")
+        if self.batch_number in self.cfg.train.inject_spike_batches:  # testing aid; empty by default
+            loss = loss * 100.0
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
         finite = math.isfinite(float(loss))
         if self.cfg.train.precision != "fp16":
             finite = finite and math.isfinite(float(grad_norm))
-        ok = not self._any_rank(not finite)
+        not_finite, self.spiked = self._any_ranks(not finite, finite and self._is_spike(float(loss)))
+        ok = not not_finite and not self.spiked
         if ok:
             self.scaler.step(self.optimizer)
             self.parallel.note_optimizer(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, ok
+
+    def _is_spike(self, loss: float) -> bool:
+        """train.spike_factor > 0: the loss exceeds that factor times the mean of the last
+        train.spike_window good steps (a full window is needed first)."""
+        factor, window = self.cfg.train.spike_factor, self.loss_window
+        return factor > 0 and len(window) == window.maxlen and loss > factor * sum(window) / len(window)
+
+    def _next_batches(self) -> list[torch.Tensor]:
+        """The next global batch in data order, passing over batches a spike rollback skipped."""
+        while True:
+            batches = self.loader.next_step()
+            # 1-based number of this batch in data order (batch n is step n's when nothing is skipped)
+            self.batch_number = self.loader.epoch * self.loader.steps_per_epoch + self.loader.position
+            if self.batch_number not in self.skipped_batches:
+                return batches
+
+    def _rollback(self, loss: torch.Tensor, logger) -> None:
+        """A loss spike at the step being run: skip its batch for good and restore the newest
+        checkpoint in-process (collective; every rank decided alike). The steps since that
+        checkpoint are redone on their own batches; the spiking batch is never trained on."""
+        t = self.cfg.train
+        spike_step = self.step + 1
+        mean = sum(self.loss_window) / len(self.loss_window)
+        self.skipped_batches = sorted({*self.skipped_batches, self.batch_number})
+        self.rollbacks_in_a_row += 1
+        self.loss_window.clear()
+        what = (
+            f"step {spike_step}: loss {float(loss):.4g} is more than train.spike_factor={t.spike_factor:g} x "
+            f"the mean {mean:.4g} of the last {t.spike_window} steps"
+        )
+        if self.rollbacks_in_a_row > t.max_bad_steps:
+            good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
+            raise RunStopped(
+                f"error: stopping at {what}, after {t.max_bad_steps} rollbacks without a new checkpoint "
+                f"(train.max_bad_steps={t.max_bad_steps}); last good checkpoint: {good or 'none'}"
+            )
+        self.finish_pending()
+        barrier()  # rank 0 may just have completed the newest checkpoint: every rank must see it
+        folder = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
+        if folder is None:
+            self._log(
+                f"{what}; no checkpoint to roll back to: skipped batch {self.batch_number}, step redone"
+            )
+            return
+        self._load(folder)
+        if logger:
+            logger.rewind(self.step)
+        self._log(
+            f"{what}; rolled back to {folder} (step {self.step}) and skipping batch {self.batch_number} "
+            f"(skipped so far: {self.skipped_batches})"
+        )
 
     def _bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, logger) -> None:
         """Count and report a skipped step; stop after train.max_bad_steps in a row."""
@@ -227,6 +366,7 @@ class Trainer:
             f"optimizer step skipped ({self.bad_in_a_row} in a row, {self.bad_steps} in total)"
         )
         if self.bad_in_a_row >= limit:
+            self.finish_pending()
             good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
             raise RunStopped(
                 f"error: stopping at step {self.step}: {self.bad_in_a_row} non-finite steps in a row "
@@ -235,14 +375,18 @@ class Trainer:
 
     def _maybe_fault_kill(self) -> None:
         """Fault-injection aid for tests: train.fault_kill_rank SIGKILLs itself before step
-        train.fault_kill_step, on the first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset)."""
+        train.fault_kill_step, on the first attempt only (SUITE_RESTART_COUNT, set by the launcher's
+        elastic min:max restarts, or else TORCHELASTIC_RESTART_COUNT: 0 or unset). An asynchronous
+        save still in flight is completed first (every rank), so the test knows which checkpoint
+        the restart finds."""
         t = self.cfg.train
-        if (
-            t.fault_kill_step is not None
-            and self.step + 1 == t.fault_kill_step
-            and self.env.rank == t.fault_kill_rank
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        ):
+        attempt = os.environ.get("SUITE_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if t.fault_kill_step is None or self.step + 1 != t.fault_kill_step or attempt != "0":
+            return
+        if self.async_group is not False:
+            self.finish_pending()
+            barrier()
+        if self.env.rank == t.fault_kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _loss_fn(self, logits: torch.Tensor | HeadInput, targets: torch.Tensor) -> torch.Tensor:
@@ -264,11 +408,11 @@ class Trainer:
         cfg = self.cfg
         logger = None
         if self.env.is_main:
-            (self.run_dir / "config.yaml").write_text(self.resolved_yaml)
+            (self.run_dir / "config.yaml").write_text(self.public_yaml)
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (self.data_dir / name).is_file():
                     shutil.copyfile(self.data_dir / name, self.run_dir / name)
-            config_dict = OmegaConf.to_container(OmegaConf.create(self.resolved_yaml))
+            config_dict = OmegaConf.to_container(OmegaConf.create(self.public_yaml))
             logger = MetricsLogger(
                 self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed
             )
@@ -294,15 +438,20 @@ class Trainer:
                     logger.log({"step": 0, "val_loss": val})
             window_start, window_steps = time.perf_counter(), 0
             while self.step < cfg.train.max_steps:
-                batches = self.loader.next_step()
+                batches = self._next_batches()
                 self._maybe_fault_kill()
                 loss, grad_norm, ok = self.train_step(batches)
                 if profiler:
                     profiler.step()
+                if self.spiked:
+                    self._rollback(loss, logger)
+                    continue
                 self.step += 1  # a skipped step still counts: the bad batch is not retried
                 window_steps += 1
+                self.finish_pending(only_if_done=True)  # an async save that has finished is completed
                 if ok:
                     self.bad_in_a_row = 0
+                    self.loss_window.append(float(loss))
                 else:
                     self._bad_step(loss, grad_norm, logger)
                 record = None
@@ -337,12 +486,14 @@ class Trainer:
                 saved = None
                 if self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps:
                     saved = self.save()
-                    if logger:
+                    if logger and self.pending is None:
                         logger.print(f"saved checkpoint {saved}")
+                    elif logger:
+                        logger.print(f"writing checkpoint {saved} in the background")
                     window_start = time.perf_counter()
                 if self.step < cfg.train.max_steps and self._any_rank(self._sigterm):
                     # preemption (Slurm sends SIGTERM first): checkpoint this step, then leave
-                    saved = saved or self.save()
+                    saved = (self.finish_pending() or saved) if saved else self.save(wait=True)
                     if logger:
                         logger.close()
                         logger = None
@@ -351,7 +502,9 @@ class Trainer:
                         "run the same command again to resume"
                     )
                     raise SystemExit(SIGTERM_EXIT)
+            self.finish_pending()  # the last save, when asynchronous
         except KeyboardInterrupt:
+            self._finish_pending_quietly()
             if logger:
                 logger.close()
                 logger = None
@@ -360,6 +513,7 @@ class Trainer:
             self._log(f"interrupted at step {self.step}; {where}; run the same command again to resume")
             raise SystemExit(130) from None
         finally:
+            self._finish_pending_quietly()
             if profiler:
                 profiler.close()
             if logger:
@@ -371,13 +525,14 @@ class Trainer:
             "step": self.step,
             "final_loss": last_loss,
             "bad_steps": self.bad_steps,
+            "skipped_batches": self.skipped_batches,
             "run_dir": str(self.run_dir),
         }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         if self.env.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
             print(
                 f"wrote {self.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/, summary.json)", flush=True
             )

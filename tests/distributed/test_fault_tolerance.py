@@ -105,3 +105,40 @@ def test_sigterm_to_a_launched_job_checkpoints_the_current_step(tiny_data, tmp_p
     from suite.train.checkpoint import verify
 
     assert verify(run_dir / "checkpoints" / f"step_{step}") is None
+
+
+@pytest.mark.slow
+def test_elastic_job_loses_a_device_and_finishes_on_fewer_processes(layout_run, tiny_data, tmp_path):
+    """launch.nproc_per_node=2:4 with sharding=auto: rank 2 is SIGKILLed before step 7 and its slot
+    counts as a lost device (SUITE_FAULT_LOSE_DEVICE=1), 3 ranks cannot split the global batch of 16
+    in micro-batches of 4, so the job restarts on 2, resharding the step-5 checkpoint (written
+    asynchronously by 4 ranks) to sharding=2; the losses equal an uninterrupted sharding=4 run's."""
+    run_dir = tmp_path / "elastic"
+    proc = run_suite(
+        "pretrain",
+        *TINY_MODEL,
+        f"data.path={tiny_data}",
+        f"run.dir={run_dir}",
+        *COMMON,
+        f"train.max_steps={STEPS}",
+        "parallel.sharding=auto",
+        "launch.nproc_per_node=2:4",
+        "launch.max_restarts=1",
+        "train.async_save=true",
+        "train.fault_kill_rank=2",
+        f"train.fault_kill_step={KILL_STEP}",
+        env=suite_env(SUITE_FAULT_LOSE_DEVICE="1"),
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    restarts = [line for line in proc.stdout.splitlines() if "restarting on" in line]
+    assert len(restarts) == 1, proc.stdout
+    assert restarts[0].startswith("pretrain failed, rank 2 exited with code -9")
+    assert "device slot 2 counts as lost (3 left); restarting on 2 processes" in restarts[0]
+    resumed = re.findall(
+        r"resumed from \S+step_(\d+) at step (\d+) \(saved by 4 processes, resharded to 2\)", proc.stdout
+    )
+    assert resumed == [("5", "5")], proc.stdout
+    assert "world 2 (sharding=2)" in proc.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS
+    assert_close_losses(train_losses(layout_run("sharding4-stage3")), train_losses(run_dir), rtol=1e-4)

@@ -218,3 +218,83 @@ def test_corrupt_tokenizer_in_a_run_folder_is_one_line_exit_2(full_disk_run):
     assert proc.returncode == 2, proc.stderr
     lines = error_lines(proc)
     assert len(lines) == 1 and "tokenizer" in lines[0] and "could not be loaded" in lines[0], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, tiny_data):
+    """The reference for asynchronous saves: 6 steps, synchronous checkpoints at 2, 4 and 6."""
+    run_dir = tmp_path_factory.mktemp("sync") / "run"
+    run_suite(*args_for(run_dir, tiny_data, "train.max_steps=6", "train.save_every=2"), check=True)
+    return run_dir
+
+
+def test_async_save_failures_crashes_and_results_match_sync(sync_run, tmp_path, tiny_data):
+    """train.async_save=true: a failed background write is the same one-line error as a synchronous
+    one; a crash in the middle of a background write leaves the previous checkpoint loadable; the
+    resumed run's losses and checkpoints equal the synchronous run's, bitwise."""
+    run_dir = tmp_path / "async"
+    args = args_for(run_dir, tiny_data, "train.max_steps=6", "train.save_every=2", "train.async_save=true")
+
+    full = run_suite(*args, env=suite_env(SUITE_FAULT_ENOSPC_STEP="4"))
+    assert full.returncode == 1, full.stderr
+    assert "writing checkpoint" in full.stdout and "in the background" in full.stdout
+    lines = error_lines(full)
+    assert len(lines) == 1 and "Traceback" not in full.stderr, full.stderr
+    assert lines[0].startswith("error: could not write the checkpoint of step 4 to ")
+    assert "No space left on device" in lines[0]
+    assert f"last good checkpoint: {run_dir / 'checkpoints' / 'step_2'}" in lines[0]
+    assert steps_on_disk(run_dir) == ["step_2"] and not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+    crash = run_suite(*args, env=suite_env(SUITE_FAULT_KILL_IN_SAVE_STEP="4"))  # resumes at 2, dies saving 4
+    assert crash.returncode == -signal.SIGKILL, crash.stdout + crash.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_2'} at step 2" in crash.stdout
+    assert steps_on_disk(run_dir) == ["step_2"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert not (run_dir / "checkpoints" / ".tmp-step_4" / "manifest.json").exists()
+
+    done = run_suite(*args, check=True)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_2'} at step 2" in done.stdout
+    assert steps_on_disk(run_dir) == ["step_2", "step_4", "step_6"]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    from suite.train.checkpoint import verify
+
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    assert losses == {r["step"]: r["loss"] for r in read_metrics(sync_run) if "loss" in r}
+    for step in ("step_4", "step_6"):
+        assert verify(run_dir / "checkpoints" / step) is None
+        mine, ref = (
+            final_weights(run_dir / "checkpoints" / step),
+            final_weights(sync_run / "checkpoints" / step),
+        )
+        assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+def test_loss_spike_rolls_back_and_skips_the_batch(tmp_path, tiny_data):
+    run_dir = tmp_path / "spike"
+    proc = run_suite(
+        *args_for(
+            run_dir,
+            tiny_data,
+            "train.max_steps=8",
+            "train.save_every=2",
+            "train.spike_factor=3",
+            "train.spike_window=2",
+            "train.inject_spike_batches=[6]",  # the batch step 6 would train on: its loss x100
+        ),
+        check=True,
+    )
+    rollbacks = [line for line in proc.stdout.splitlines() if "rolled back to" in line]
+    assert len(rollbacks) == 1, proc.stdout
+    assert (
+        rollbacks[0].startswith("step 6: loss ")
+        and "more than train.spike_factor=3 x the mean" in rollbacks[0]
+    )
+    assert (
+        f"rolled back to {run_dir / 'checkpoints' / 'step_4'} (step 4) and skipping batch 6" in rollbacks[0]
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 8 and summary["skipped_batches"] == [6]
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, 9))  # each step once: the rolled-back records were rewritten
+    state = torch.load(run_dir / "checkpoints" / "step_8" / "trainer_state.pt", weights_only=True)
+    assert state["skipped_batches"] == [6] and state["data"]["position"] == 9  # 9 batches drawn, 8 trained

@@ -93,6 +93,22 @@ BAD_INPUTS = [
     (["parallel.sharding_stage=4", "parallel.sharding=2", "launch.nproc_per_node=2"], "sharding_stage=4"),
     (["max_steps"], "is not an override"),
     (["recompute.granularity=some"], "recompute.granularity='some' is not supported"),
+    (["launch.nproc_per_node=4:2"], "the minimum 4 exceeds the maximum 2"),
+    (["launch.nproc_per_node=two"], "use an integer like 4, or an elastic range min:max"),
+    (
+        ["launch.nproc_per_node=2:4", "parallel.sharding=4", "parallel.micro_batch_size=4"],
+        "may shrink the job to 2 processes, but there: parallel degrees sharding=4 multiply to 4",
+    ),
+    (
+        [
+            "launch.nproc_per_node=2:4",
+            "parallel.sharding=auto",
+            "launch.nnodes=2",
+            "parallel.micro_batch_size=2",
+        ],
+        "an elastic process range works on one node",
+    ),
+    (["train.spike_factor=0.5"], "train.spike_factor=0.5 must be above 1"),
     (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], "model.num_experts=0"),
     (["recipe=moe-tiny", "model.top_k=9"], "model.top_k=9 must be between 1 and model.num_experts=8"),
     (
@@ -124,3 +140,13 @@ def test_bad_input_is_one_clear_line(overrides, expected):
     message = str(info.value)
     assert expected in message, message
     assert "\n" not in message
+
+
+def test_an_elastic_range_lists_the_world_sizes_the_degrees_fit():
+    from suite.config.validate import elastic_world_sizes
+
+    overrides = ["launch.nproc_per_node=1:4", "parallel.sharding=auto", "parallel.micro_batch_size=4"]
+    cfg = to_object(compose_config([*overrides, "parallel.global_batch_size=16"]))
+    assert validate(cfg).sharding == 4  # the parent validates at the maximum
+    assert validate(cfg, world=2).sharding == 2  # a worker of a shrunken attempt at its own world
+    assert elastic_world_sizes(cfg) == [4, 2, 1]  # 3 ranks x micro-batch 4 do not divide 16

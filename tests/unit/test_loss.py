@@ -63,7 +63,7 @@ def test_model_loss_with_chunks_equals_the_plain_model_loss(family):
         parallel = ParallelModel(
             model=model, dims=ParallelDims.from_config(ParallelConfig(), 1), loss_chunk_tokens=chunk
         )
-        loss = parallel.model_loss(batch, cross_entropy)
+        loss = parallel.model_loss(*parallel.model_inputs(batch), cross_entropy)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (ref, ref_grads), (got, got_grads) = results
