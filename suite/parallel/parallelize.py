@@ -22,6 +22,7 @@ and compiled regions and gather the parameters once per block.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -35,7 +36,13 @@ from suite.config.schema import OptimConfig, SuiteConfig
 from suite.parallel import memory
 from suite.parallel.dims import ParallelDims
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]  # (logits, targets, reduction="mean"|"sum") -> scalar loss
+
+
+def is_labelled(batch) -> bool:
+    """A finetuning micro-batch (suite.data.sft.SFTBatch: tokens, labels, positions, doc_ids), as
+    opposed to a pretraining token window [b, s+1]."""
+    return hasattr(batch, "labels")
 
 
 def _local_value(loss: torch.Tensor) -> torch.Tensor:
@@ -118,6 +125,15 @@ class ParallelModel:
 
         return tokens, targets, {"positions": document_positions(doc_ids), "mask": document_mask(doc_ids)}
 
+    def data_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank tensor over the data-parallel ranks."""
+        group = self.data_group
+        if group is None:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, group=group)
+        return value
+
     def loss_context(self):
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -135,10 +151,12 @@ class ParallelModel:
         argument), and the loss applies the head chunk by chunk (suite.train.loss.HeadInput), so the
         full logits never exist; one chunk would only add work, so the plain loss runs then. Under
         tensor parallelism the logits are vocab-sharded DTensors and DTensor's loss_parallel already
-        avoids gathering them: that path is kept as it is.
+        avoids gathering them: that path is kept as it is; so is a head that is not a plain nn.Linear
+        (LoRA on `output`), whose forward adds more than `hidden @ weight.T`.
         """
         chunk = self.loss_chunk_tokens
-        if 0 < chunk < targets.numel() and not self.loss_parallel:
+        plain_head = type(getattr(self.model, "output", None)) is nn.Linear  # not a LoRA-wrapped head
+        if 0 < chunk < targets.numel() and plain_head and not self.loss_parallel:
             from suite.train.loss import HeadInput
 
             def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -159,7 +177,12 @@ class ParallelModel:
     def forward_backward(
         self, micro_batches: list[torch.Tensor], loss_fn: LossFn, autocast, scaler
     ) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns the global-batch mean loss (detached)."""
+        """Accumulate gradients over the micro-batches; returns the global-batch mean loss (detached).
+
+        Labelled (finetuning) micro-batches take `_forward_backward_labelled`: token-weighted.
+        """
+        if micro_batches and is_labelled(micro_batches[0]):
+            return self._forward_backward_labelled(micro_batches, loss_fn, autocast, scaler)
         device = self.input_device()
         total = torch.zeros((), device=device)
         count = len(micro_batches)
@@ -184,6 +207,42 @@ class ParallelModel:
         self._note_bytes("grads", memory.gradient_bytes(self.model))
         return self.data_mean(total)
 
+    def _forward_backward_labelled(
+        self, micro_batches: list, loss_fn: LossFn, autocast, scaler
+    ) -> torch.Tensor:
+        """Loss = sum of masked cross-entropy / number of target tokens in the whole global batch.
+
+        Micro-batches and data-parallel ranks hold different numbers of target tokens, so the
+        denominator is counted over all of them first (one all-reduce); every micro-batch then
+        contributes its loss *sum* over that count, times the data-parallel size because the
+        data-parallel wrappers average gradients over the ranks. Any dp / micro-batch split thus
+        gives the gradient and loss of one process taking the global batch at once.
+        """
+        device = self.input_device()
+        local_targets = sum(batch.num_targets for batch in micro_batches)
+        targets = self.data_sum(torch.tensor(float(local_targets), device=device))
+        scale = self.dims.data_parallel_size / max(float(targets), 1.0)
+        summed = functools.partial(loss_fn, reduction="sum")
+        total = torch.zeros((), device=device)
+        count = len(micro_batches)
+        for i, batch in enumerate(micro_batches):
+            last = i == count - 1
+            if self.dp_kind != "none":
+                from suite.parallel.data_parallel import set_gradient_sync
+
+                set_gradient_sync(self.model, self.dp_kind, last)
+            batch = batch.to(device, non_blocking=True)
+            with self.loss_context():
+                with autocast():
+                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed) * scale
+                if last:
+                    self._note_bytes("params", memory.parameter_bytes(self.model))
+                scaler.scale(loss).backward()
+            total += _local_value(loss)
+        self._note_bytes("params", memory.parameter_bytes(self.model))
+        self._note_bytes("grads", memory.gradient_bytes(self.model))
+        return self.data_mean(total)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.mesh is None:
@@ -197,6 +256,17 @@ class ParallelModel:
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor], loss_fn: LossFn, autocast) -> float:
         device = self.input_device()
+        if batches and is_labelled(batches[0]):  # token-weighted over every batch and rank
+            summed = functools.partial(loss_fn, reduction="sum")
+            sums = torch.zeros(2, device=device, dtype=torch.float64)
+            for batch in batches:
+                batch = batch.to(device)
+                with self.loss_context(), autocast():
+                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed)
+                    sums[0] += _local_value(loss).double()
+                sums[1] += batch.num_targets
+            sums = self.data_sum(sums)
+            return float(sums[0] / sums[1].clamp(min=1))
         losses = []
         for batch in batches:
             tokens, targets, kwargs = self.model_inputs(batch.to(device))

@@ -30,10 +30,10 @@ class HeadInput:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int, ignore_index: int):
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, ignore_index: int, mean: bool):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        count = (targets != ignore_index).sum()
+        count = (targets != ignore_index).sum() if mean else torch.ones((), device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -67,7 +67,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * scale.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -76,25 +76,37 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     chunk_tokens: int,
     ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy of logits `hidden @ weight.T` against `targets`, in fp32, `chunk_tokens` at a time.
+    """Cross-entropy (mean or sum) of logits `hidden @ weight.T` against `targets`, in fp32,
+    `chunk_tokens` tokens at a time.
 
-    Equal to `F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=...)` (and so are its
-    gradients); under autocast the projection runs in the autocast dtype, as `nn.Linear` would.
+    Equal to `F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=..., reduction=...)`
+    (and so are its gradients); under autocast the projection runs in the autocast dtype, as
+    `nn.Linear` would.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}; use mean or sum")
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     h = hidden.flatten(0, -2).to(dtype)
     w = weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(h, w, targets.flatten(), chunk_tokens, ignore_index)
+        mean = reduction == "mean"
+        return _ChunkedLinearCrossEntropy.apply(h, w, targets.flatten(), chunk_tokens, ignore_index, mean)
 
 
-def cross_entropy(logits: torch.Tensor | HeadInput, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in fp32; targets of -100 (masked tokens) contribute nothing.
+def cross_entropy(
+    logits: torch.Tensor | HeadInput, targets: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
+    """Next-token loss in fp32 ("mean" or "sum"); targets of -100 (masked tokens) contribute nothing.
 
     `logits` is either the logits [b, s, vocab] or a HeadInput (train.loss_chunk_tokens > 0).
     """
     if isinstance(logits, HeadInput):
-        return chunked_cross_entropy(logits.hidden, logits.weight, targets, logits.chunk_tokens)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return chunked_cross_entropy(
+            logits.hidden, logits.weight, targets, logits.chunk_tokens, reduction=reduction
+        )
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
