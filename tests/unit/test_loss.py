@@ -10,7 +10,7 @@ from suite.config.schema import ModelConfig, ParallelConfig
 from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
 from suite.parallel.parallelize import ParallelModel
-from suite.train.loss import chunked_cross_entropy, cross_entropy
+from suite.train.loss import HeadInput, chunked_cross_entropy, cross_entropy
 
 
 def plain_and_chunked(hidden, weight, targets, chunk):
@@ -79,3 +79,16 @@ def test_evaluation_without_gradients_takes_the_chunked_path():
         got = chunked_cross_entropy(hidden, weight, targets, 4)
     ref = F.cross_entropy((hidden @ weight.t()).flatten(0, 1), targets.flatten())
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_summed_chunked_loss_equals_the_summed_plain_loss():
+    """reduction="sum": finetuning's token-weighted loss over the global batch."""
+    hidden, weight = torch.randn(2, 6, 8, requires_grad=True), torch.randn(20, 8)
+    targets = torch.randint(0, 20, (2, 6))
+    targets[1, 2:] = -100
+    got = cross_entropy(HeadInput(hidden, weight, 5), targets, reduction="sum")
+    (got_h,) = torch.autograd.grad(got, hidden)
+    ref = cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+    (ref_h,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_h, ref_h, rtol=1e-6, atol=1e-6)
