@@ -22,6 +22,8 @@ USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
 
 verbs:
   pretrain   train a language model from scratch (default: gpt-tiny on the embedded corpus)
+  finetune   supervised finetuning (full or LoRA) of a suite or HF checkpoint: suite finetune model.init_from=runs/gpt-tiny
+  eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
   export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
@@ -46,6 +48,28 @@ Common keys:
   model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
 Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json""",
+    "finetune": """usage: suite finetune [recipe=sft-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> [key=value ...]
+
+Supervised finetuning with the pretraining trainer (same parallel layouts, recompute, logging,
+checkpoints, resume). Default recipe: sft-tiny (gpt-tiny from runs/gpt-tiny on the built-in
+reverse-6 task). The base checkpoint gives the architecture and the tokenizer.
+
+Common keys:
+  finetune.method=full|lora  finetune.lora.rank=N  finetune.lora.alpha=X  finetune.lora.dropout=X
+  'finetune.lora.target_modules=[wq,wk,wv,wo,w1,w2,w3]'  finetune.epochs=X (sets train.max_steps)
+  finetune.data.task=reverse-6|sort-6|addition-3  finetune.data.num_train=N  finetune.data.num_eval=N
+  'finetune.data.sources=[{path: data/chat.jsonl}]'  'finetune.data.eval_sources=[{path: ...}]'
+  finetune.data.template=auto|chatml|plain|FILE.jinja  finetune.data.packing=true|false
+  finetune.data.truncation=truncate|skip  finetune.data.on_error=skip|fail  finetune.eval_samples=N
+  run.dir=DIR  train.max_steps=N  train.eval_every=N  optim.lr=X  data.seq_len=N  launch.nproc_per_node=N
+
+Writes: <run.dir>/config.yaml, metrics.jsonl (val_loss, val_accuracy), checkpoints/step_<N>/ (+ lora/),
+tokenizer files with the chat template, task/ (a built-in task's train/eval rows), lora/ (LoRA runs)""",
+    "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
+
+Greedy exact-match accuracy on a built-in task's held-out questions (the ones finetuning held out:
+same finetune.data.task_seed, the first eval.num_samples of them). `task=` is short for eval.task;
+without it, the task the checkpoint was finetuned on.""",
     "prepare": """usage: suite prepare [data=OPTION] [data.path=OUT] ['data.sources=[{path: GLOB_OR_DATASET, weight: W}]']
 
 Trains a byte-level BPE tokenizer (data.vocab_size) and writes packed, memory-mapped token shards
@@ -58,19 +82,27 @@ Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenize
 Samples text with a KV cache. `prompt=` is short for generate.prompt.
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
       generate.seed""",
-    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16]
+    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
 
 Writes a Hugging Face folder (safetensors, config.json, generation_config.json, tokenizer files)
 that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no custom code:
 gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias).
-`format=` and `out=` are short for export.format and export.out (default <run.dir>/export-hf).""",
+`format=` and `out=` are short for export.format and export.out (default <run.dir>/export-hf).
+A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
+weights. A run finetuned with a chat template exports it (chat_template.jinja).""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
                                                  suite pretrain recipe=DEST.yaml""",
 }
 
-SHORTCUTS = {"prompt": "generate.prompt", "format": "export.format", "out": "export.out"}
+SHORTCUTS = {
+    "prompt": "generate.prompt",
+    "format": "export.format",
+    "out": "export.out",
+    "merge_lora": "export.merge_lora",
+    "task": "eval.task",
+}
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
@@ -107,6 +139,65 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     from suite.train.trainer import Trainer
 
     Trainer(cfg, dims, resolved_yaml).train()
+    return 0
+
+
+def _with_base_model(raw):
+    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>)."""
+    from dataclasses import asdict
+
+    from suite.finetune.trainer import base_model_config
+
+    init_from = raw.model.init_from
+    base = asdict(base_model_config(init_from))
+    base["init_from"] = init_from
+    for key, value in base.items():
+        raw.model[key] = value
+    return raw, to_object(raw)
+
+
+def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
+    if not any(o.split("=", 1)[0] == "recipe" for o in overrides):
+        overrides = ["recipe=sft-tiny", *overrides]
+    raw, cfg = _compose(overrides)
+    from suite.config.validate import validate_finetune
+
+    validate_finetune(cfg)
+    raw, cfg = _with_base_model(raw)
+    dims = validate(cfg, needs_data=False)
+    validate_finetune(cfg, dims)
+    resolved_yaml = OmegaConf.to_yaml(raw)
+    if world_size(cfg) > 1:
+        from suite.parallel.launcher import inside_worker, launch
+
+        if not inside_worker():
+            launch("finetune", resolved_yaml, cfg.launch, Path(cfg.run.dir))
+            return 0
+    from suite.finetune.trainer import FinetuneTrainer
+
+    FinetuneTrainer(cfg, dims, resolved_yaml).train()
+    return 0
+
+
+def cmd_eval(overrides: list[str], flags: set[str]) -> int:
+    _, cfg = _compose(overrides)
+    if not cfg.ckpt:
+        raise ConfigError(
+            "ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/sft-tiny"
+        )
+    from suite.infer.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(cfg.ckpt, cfg.eval, device=cfg.train.device)
+    if "--json" in flags:
+        print(json.dumps(result))
+    else:
+        for ex in result["examples"]:
+            mark = "ok " if ex["correct"] else "err"
+            print(f"  {mark} {ex['prompt']!r} -> {ex['prediction']!r} (reference {ex['reference']!r})")
+        print(
+            f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
+            f"held-out questions), {result['ckpt']}"
+        )
     return 0
 
 
@@ -155,8 +246,13 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     import torch
 
     from suite.export.hf import export_hf
-    from suite.infer.generate import load_for_inference
+    from suite.infer.generate import load_for_inference, lora_run
 
+    if lora_run(cfg.ckpt) and not cfg.export.merge_lora:
+        raise ConfigError(
+            f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
+            "exported weights (the adapters alone are in <run.dir>/lora/)"
+        )
     model, tokenizer, folder = load_for_inference(cfg.ckpt, "cpu")
     out = Path(cfg.export.out) if cfg.export.out else folder.parent.parent / f"export-{cfg.export.format}"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
@@ -215,6 +311,8 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
 
 VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
+    "finetune": cmd_finetune,
+    "eval": cmd_eval,
     "prepare": cmd_prepare,
     "generate": cmd_generate,
     "export": cmd_export,

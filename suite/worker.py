@@ -42,6 +42,13 @@ def run(verb: str, config_path: Path) -> int:
 
         Trainer(cfg, dims, resolved_yaml).train()
         return 0
+    if verb == "finetune":
+        from suite.config.validate import validate_finetune
+        from suite.finetune.trainer import FinetuneTrainer
+
+        validate_finetune(cfg, dims)
+        FinetuneTrainer(cfg, dims, resolved_yaml).train()
+        return 0
     raise ConfigError(f"verb {verb!r} does not run under the launcher")
 
 

@@ -156,7 +156,9 @@ class TrainConfig:
     profile_wait: int = 1  # steps skipped before profiling (the first step pays one-off costs)
     profile_warmup: int = 1  # steps traced but discarded (profiler start-up)
     profile_steps: int = 2  # steps recorded
-    loss_chunk_tokens: int = 0  # cross-entropy over chunks of this many tokens, never all logits; 0: off
+    loss_chunk_tokens: int = (
+        1024  # head + cross-entropy over chunks of this many tokens (not all logits at once); 0: off
+    )
     # reliability (docs/reliability.md)
     keep_last: int = 3  # checkpoints kept (newest first); 0 keeps all
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever; 0: off
@@ -187,6 +189,71 @@ class ExportConfig:
     format: str = "hf"  # hf: a save_pretrained folder (safetensors + config + tokenizer)
     out: Optional[str] = None  # None: <run.dir>/export-<format>
     dtype: str = "fp32"  # fp32 | bf16 | fp16
+    merge_lora: bool = False  # a LoRA run: fold the adapters into the weights (needed for format=hf)
+
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # every linear layer of a block
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (finetune.method=lora): y = x W^T + (x A^T) B^T * alpha / rank."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # + output when untied
+
+
+@dataclass
+class SFTSourceConfig:
+    """Chat rows: a local .jsonl/.json/.parquet file, folder or glob, or a `datasets` name."""
+
+    path: str = MISSING
+    split: str = "train"
+    name: Optional[str] = None  # datasets config name
+
+
+@dataclass
+class SFTDataConfig:
+    """What finetuning learns from: a built-in task, or chat rows (see docs/finetuning.md).
+
+    The row-shaping defaults here are the ones suite.data.sft.SFTOptions uses.
+    """
+
+    task: Optional[str] = None  # a built-in task (reverse-N, sort-N, addition-N); generated, no network
+    task_seed: int = 0  # the task's question generator (the held-out split depends on it and num_eval only)
+    num_train: int = 20000  # task questions to train on
+    num_eval: int = 200  # task questions held out
+    sources: list[SFTSourceConfig] = field(default_factory=list)  # chat rows (instead of a task)
+    eval_sources: list[SFTSourceConfig] = field(default_factory=list)  # held-out rows; []: eval_fraction
+    eval_fraction: float = 0.02  # of `sources`' samples held out when eval_sources is empty
+    template: str = "auto"  # chat template: auto (the tokenizer's own, else chatml) | chatml | plain | file
+    packing: bool = True  # several samples per row, no attention across samples
+    truncation: str = "truncate"  # truncate (from the left, the last reply kept whole) | skip
+    on_error: str = "skip"  # malformed rows: skip (counted, reported) | fail (first one's line number)
+    system_prompt: Optional[str] = None  # added to rows without a system message
+
+
+@dataclass
+class FinetuneConfig:
+    """`suite finetune`: supervised finetuning of model.init_from's weights (docs/finetuning.md)."""
+
+    method: str = "full"  # full | lora
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    epochs: Optional[float] = None  # set: train.max_steps = epochs x steps per epoch
+    eval_samples: int = 100  # held-out task questions answered (greedy) at each eval; 0: loss only
+    max_new_tokens: Optional[int] = None  # answer budget in task evaluation; None: the task's + 2
+
+
+@dataclass
+class EvalConfig:
+    """`suite eval task=<name> ckpt=<run>`: held-out exact match by greedy generation."""
+
+    task: Optional[str] = None  # None: the task the checkpoint was finetuned on
+    num_samples: Optional[int] = None  # None: the run's finetune.data.num_eval
+    max_new_tokens: Optional[int] = None  # None: the task's answer length + 2
 
 
 @dataclass
@@ -210,6 +277,8 @@ class SuiteConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
     recipe_name: str = "default"
 

@@ -51,6 +51,10 @@ import torch
 import torch.nn.functional as F
 
 from suite.config.errors import ConfigError
+from suite.config.schema import DataConfig, SFTDataConfig
+
+_SFT_DEFAULTS = SFTDataConfig()  # recipe keys finetune.data.*: the one source of these defaults
+_DATA_DEFAULTS = DataConfig()
 
 IGNORE_INDEX = -100
 SFT_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -466,7 +470,7 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template: str) ->
 # ---- the dataset -----------------------------------------------------------------------------------
 @dataclass
 class SFTOptions:
-    """How rows become training rows. The lead maps recipe keys onto these fields.
+    """How rows become training rows (defaults: finetune.data.* and data.seq_len in the schema).
 
     seq_len: tokens per row (the model sees seq_len positions; a sample may hold seq_len + 1 tokens).
     template: see resolve_chat_template ("auto": the tokenizer's own, else chatml).
@@ -482,14 +486,14 @@ class SFTOptions:
     key: the config key prefix named in error messages.
     """
 
-    seq_len: int = 256
-    template: str = "auto"
-    packing: bool = True
-    truncation: str = "truncate"
-    on_error: str = "skip"
-    system_prompt: str | None = None
+    seq_len: int = _DATA_DEFAULTS.seq_len
+    template: str = _SFT_DEFAULTS.template
+    packing: bool = _SFT_DEFAULTS.packing
+    truncation: str = _SFT_DEFAULTS.truncation
+    on_error: str = _SFT_DEFAULTS.on_error
+    system_prompt: str | None = _SFT_DEFAULTS.system_prompt
     shuffle_seed: int = 0
-    key: str = "data.sft"
+    key: str = "finetune.data"
 
     def check(self) -> None:
         if self.seq_len < 2:

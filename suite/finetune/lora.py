@@ -40,8 +40,9 @@ import torch
 from torch import nn
 
 from suite.config.errors import ConfigError
+from suite.config.schema import LORA_TARGETS, LoRAConfig
 
-DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+DEFAULT_TARGETS = LORA_TARGETS
 BLOCK_LINEARS = frozenset(DEFAULT_TARGETS)
 ADAPTER_FILE = "lora.safetensors"
 ADAPTER_CONFIG = "lora.json"
@@ -55,9 +56,9 @@ def canonical(name: str) -> str:
 
 @dataclass(frozen=True)
 class LoRASpec:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = LoRAConfig.rank
+    alpha: float = LoRAConfig.alpha
+    dropout: float = LoRAConfig.dropout
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
 
     @property
@@ -119,8 +120,8 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 def apply_lora(
     model: nn.Module,
-    rank: int = 8,
-    alpha: float = 16.0,
+    rank: int = LoRAConfig.rank,
+    alpha: float = LoRAConfig.alpha,
     dropout: float = 0.0,
     target_modules: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
     seed: int = 0,

@@ -96,6 +96,44 @@ def evaluate_task(
     return {"accuracy": correct / total, "correct": correct, "total": total, "examples": examples}
 
 
+def evaluate_checkpoint(ckpt: str, eval_cfg, device: str = "auto") -> dict[str, Any]:
+    """`suite eval`: a checkpoint's exact match on a built-in task's held-out questions.
+
+    The questions are the ones finetuning held out (the run's finetune.data.task_seed; the first
+    eval.num_samples, default the run's num_eval), regenerated here, so they never overlap the
+    training questions as long as num_samples <= the run's num_eval.
+    """
+    import tempfile
+
+    from suite.config.compose import load_saved_config
+    from suite.config.schema import SFTDataConfig
+    from suite.data.tasks import get_task, write_task
+    from suite.infer.generate import load_for_inference
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, folder = load_for_inference(ckpt, device)
+    run_data = SFTDataConfig()
+    if not str(ckpt).startswith("hf:"):
+        run_data = load_saved_config(folder / "config.yaml").finetune.data
+    task = eval_cfg.task or run_data.task
+    if not task:
+        raise ConfigError(
+            f"ckpt='{ckpt}' was not finetuned on a built-in task; pass task=<name>, e.g. task=reverse-6"
+        )
+    num = eval_cfg.num_samples or run_data.num_eval
+    with tempfile.TemporaryDirectory(prefix="suite-eval-") as tmp:
+        files = write_task(task, tmp, 0, num, seed=run_data.task_seed)
+        result = evaluate_task(
+            model,
+            tokenizer,
+            task,
+            files["eval"],
+            max_new_tokens=eval_cfg.max_new_tokens or get_task(task).max_answer_chars + 2,
+        )
+    return {"task": get_task(task).name, "ckpt": str(folder), **result}
+
+
 def generate_answer_ids(
     model: torch.nn.Module,
     tokenizer: Any,

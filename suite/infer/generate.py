@@ -28,7 +28,15 @@ def load_for_inference(ckpt: str | Path, device: str = "cpu") -> tuple[Transform
     folder = resolve_checkpoint(ckpt)
     cfg = load_saved_config(folder / "config.yaml")
     model = materialize(build_model(cfg.model), device, seed=0)
-    load_model_weights(folder, model)
+    if cfg.finetune.method == "lora":  # the checkpoint holds base + adapters: fold them in
+        from suite.finetune.lora import apply_lora, merge_lora
+
+        lo = cfg.finetune.lora
+        apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules))
+        load_model_weights(folder, model)
+        merge_lora(model)
+    else:
+        load_model_weights(folder, model)
     model.eval()
     run_dir = folder.parent.parent
     tokenizer_dir = run_dir if (run_dir / "tokenizer.json").is_file() else None
@@ -37,6 +45,14 @@ def load_for_inference(ckpt: str | Path, device: str = "cpu") -> tuple[Transform
             f"ckpt='{ckpt}': no tokenizer.json in {run_dir}; was it written by `suite pretrain`?"
         )
     return model, load_tokenizer(tokenizer_dir), folder
+
+
+def lora_run(ckpt: str | Path) -> bool:
+    """Whether a suite checkpoint was finetuned with LoRA (False for hf: folders)."""
+    if str(ckpt).startswith("hf:"):
+        return False
+    folder = resolve_checkpoint(ckpt)
+    return load_saved_config(folder / "config.yaml").finetune.method == "lora"
 
 
 def sample_next(logits: torch.Tensor, cfg: GenerateConfig, generator: torch.Generator) -> torch.Tensor:

@@ -81,6 +81,93 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, None, input_fn, output_fn)
 
 
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, list]) -> None:
+    """Replace the module's own parameters (not its children's) by DTensors with these placements."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        dt = distribute_tensor(param.data, mesh, placement, src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class LoRAColwise(ParallelStyle):
+    """ColwiseParallel for a LoRA-adapted linear (suite.finetune.lora.LoRALinear): the base weight,
+    its bias and lora_b are split on the output dim (Shard(0)), lora_a is replicated. Then x A^T is
+    whole on every rank and (x A^T) B^T is this rank's slice of the output, like x W^T."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            if name == "":
+                _distribute_params(mod, mesh, {"weight": [Shard(0)], "bias": [Shard(0)]})
+            elif name == "lora_a":
+                _distribute_params(mod, mesh, {"weight": [Replicate()]})
+            elif name == "lora_b":
+                _distribute_params(mod, mesh, {"weight": [Shard(0)]})
+
+        def input_fn(mod, inputs, mesh):
+            x = inputs[0]
+            x = (
+                x.redistribute(mesh, [Replicate()])
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            )
+            return (x, *inputs[1:])
+
+        def output_fn(mod, output, mesh):
+            return output.to_local()  # this rank's heads / hidden slice, as ColwiseParallel gives
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class LoRARowwise(ParallelStyle):
+    """RowwiseParallel for a LoRA-adapted linear: the base weight and lora_a are split on the input
+    dim (Shard(1)), the bias and lora_b replicated. Both x W^T and (x A^T) B^T are then partial sums,
+    and the one reduction (all-reduce, or reduce-scatter along the sequence with sp) covers both."""
+
+    def __init__(self, output_layout=None):
+        super().__init__()
+        self.output_layout = output_layout or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        layout = self.output_layout
+
+        def partition(name, mod, mesh):
+            if name == "":
+                _distribute_params(mod, mesh, {"weight": [Shard(1)], "bias": [Replicate()]})
+            elif name == "lora_a":
+                _distribute_params(mod, mesh, {"weight": [Shard(1)]})
+            elif name == "lora_b":
+                _distribute_params(mod, mesh, {"weight": [Replicate()]})
+
+        def input_fn(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
+            return (x, *inputs[1:])
+
+        def output_fn(mod, output, mesh):
+            return output.redistribute(mesh, [layout]).to_local()
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+def _lora_aware(block: nn.Module, plan: dict[str, ParallelStyle], sp: bool) -> dict[str, ParallelStyle]:
+    """Swap the linear styles for their LoRA versions where the module carries adapters."""
+    out = {}
+    for key, style in plan.items():
+        module = block.get_submodule(key)
+        if hasattr(module, "lora_a"):
+            if isinstance(style, ColwiseParallel):
+                style = LoRAColwise()
+            elif isinstance(style, RowwiseParallel):
+                style = LoRARowwise(Shard(1) if sp else Replicate())
+        out[key] = style
+    return out
+
+
 def block_plan(sp: bool, family: str) -> dict[str, ParallelStyle]:
     del family  # both families use the same module names; GQA / SwiGLU need no special casing
     if not sp:
@@ -128,13 +215,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
         top["pos_embeddings"] = Replicated(shard_output_sequence=sp)
     if getattr(model, "norm", None) is not None:
         top["norm"] = SequenceParallel() if sp else Replicated()
+    if hasattr(getattr(model, "output", None), "lora_a"):
+        from suite.config.errors import ConfigError
+
+        raise ConfigError(
+            "finetune.lora.target_modules includes output, which tensor parallelism does not adapt yet; "
+            "drop it or use tp=1"
+        )
     if getattr(model, "output", None) is not None:
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
     plan = block_plan(sp, family)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if _has(block, k)})
+        block_styles = _lora_aware(block, {k: v for k, v in plan.items() if _has(block, k)}, sp)
+        parallelize_module(block, tp_mesh, block_styles)
     retie_embeddings(model)
 
 

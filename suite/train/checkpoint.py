@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -199,10 +200,15 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     async_group: dist.ProcessGroup | None | bool = False,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path | PendingSave:
     """Collective: every rank calls it. Returns the final folder, or a `PendingSave` when
     `async_group` is given (a gloo process group reserved for checkpoint writes; None when the
-    run is a single process; False: save synchronously)."""
+    run is a single process; False: save synchronously).
+
+    write_extra(folder): rank 0 writes more files into the checkpoint (LoRA adapters) before the
+    manifest, so they are checksummed and appear atomically with the rest.
+    """
     root = checkpoint_root(run_dir)
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp-{STEP_PREFIX}{step}"
@@ -222,6 +228,8 @@ def save_checkpoint(
     if _rank() == 0:
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
+        if write_extra is not None:
+            write_extra(tmp)
     if async_group is not False:
         # the state is copied to CPU memory here; the files are written by a background thread
         future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=async_group)

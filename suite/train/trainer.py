@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -36,6 +35,7 @@ from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
+from suite.train.loss import HeadInput, cross_entropy
 from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
 
@@ -60,11 +60,6 @@ class RunStopped(SystemExit):
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in fp32; targets of -100 (masked tokens) contribute nothing."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-
 class Trainer:
     def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
         self.cfg = cfg
@@ -80,48 +75,25 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.train.seed)
 
-        self.data_dir = ensure_prepared(cfg.data, progress=self.env.is_main)
-        verify_prepared(self.data_dir)  # sizes + sha256 of shards and tokenizer: one-line error if corrupt
-        meta = json.loads((self.data_dir / "meta.json").read_text())
-        if meta["vocab_size"] > cfg.model.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']} "
-                f"tokens in {self.data_dir}; set model.vocab_size>={meta['vocab_size']}"
-            )
-
+        self._setup_data()
         model = build_model(cfg.model, "meta")
+        self._adapt_model(model)
         self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
         self.model = self.parallel.model
-        if cfg.data.doc_mask:  # documents end with EOS in the prepared stream (suite.data.documents)
-            self.parallel.eos_id = int(meta["eos_id"])
+        if cfg.data.doc_mask and self.meta is not None:  # documents end with EOS (suite.data.documents)
+            self.parallel.eos_id = int(self.meta["eos_id"])
+        # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
+        self.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         if self.parallel.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
+        self._load_initial_weights()
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
         dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else nullcontext
         )
-        self.loader = TokenBatches(
-            self.data_dir,
-            "train",
-            cfg.data.seq_len,
-            cfg.parallel.micro_batch_size,
-            cfg.parallel.global_batch_size,
-            self.parallel.dp_rank,
-            dims.data_parallel_size,
-            cfg.train.seed,
-        )
-        self.val_loader = TokenBatches(
-            self.data_dir,
-            "val",
-            cfg.data.seq_len,
-            cfg.parallel.micro_batch_size,
-            cfg.parallel.micro_batch_size * dims.data_parallel_size,
-            self.parallel.dp_rank,
-            dims.data_parallel_size,
-            cfg.train.seed,
-        )
+        self._build_loaders()
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
         self.bad_in_a_row = 0
@@ -143,6 +115,65 @@ class Trainer:
             self._maybe_resume()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(self.device, cfg.train.precision, cfg.train.peak_flops)
+
+    # ---- what finetuning overrides (suite.finetune.trainer) ------------------------------------
+    verb = "pretrain"
+
+    def _setup_data(self) -> None:
+        """Pretraining: the prepared token shards (built on first use), checked against the model."""
+        cfg = self.cfg
+        self.data_dir = ensure_prepared(cfg.data, progress=self.env.is_main)
+        verify_prepared(self.data_dir)  # sizes + sha256 of shards and tokenizer: one-line error if corrupt
+        self.meta = json.loads((self.data_dir / "meta.json").read_text())
+        if self.meta["vocab_size"] > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.meta['vocab_size']} tokens in {self.data_dir}; set model.vocab_size>={self.meta['vocab_size']}"
+            )
+
+    def _adapt_model(self, model: torch.nn.Module) -> None:
+        """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
+
+    def _load_initial_weights(self) -> None:
+        """Replace the seeded initialisation (a base checkpoint); nothing for pretraining."""
+
+    def _build_loaders(self) -> None:
+        cfg, dims = self.cfg, self.dims
+        self.loader = TokenBatches(
+            self.data_dir,
+            "train",
+            cfg.data.seq_len,
+            cfg.parallel.micro_batch_size,
+            cfg.parallel.global_batch_size,
+            self.parallel.dp_rank,
+            dims.data_parallel_size,
+            cfg.train.seed,
+        )
+        self.val_loader = TokenBatches(
+            self.data_dir,
+            "val",
+            cfg.data.seq_len,
+            cfg.parallel.micro_batch_size,
+            cfg.parallel.micro_batch_size * dims.data_parallel_size,
+            self.parallel.dp_rank,
+            dims.data_parallel_size,
+            cfg.train.seed,
+        )
+
+    def _write_run_files(self) -> None:
+        """Rank 0, at the start of train(): the tokenizer beside config.yaml."""
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (self.data_dir / name).is_file():
+                shutil.copyfile(self.data_dir / name, self.run_dir / name)
+
+    def _checkpoint_extra(self):
+        """A callable(tmp_folder) that rank 0 runs inside each checkpoint before its manifest, or None.
+        Collective work (gathering) happens here, on every rank."""
+        return None
+
+    def eval_metrics(self) -> dict:
+        """What each evaluation logs; `val_loss` is required."""
+        return {"val_loss": self.evaluate()}
 
     # ---- state -----------------------------------------------------------------------------
     def _log(self, text: str) -> None:
@@ -193,7 +224,14 @@ class Trainer:
         }
         try:
             result = ckpt.save_checkpoint(
-                self.run_dir, self.step, self.model, self.optimizer, state, self.public_yaml, self.async_group
+                self.run_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                state,
+                self.public_yaml,
+                self.async_group,
+                write_extra=self._checkpoint_extra(),
             )
         except (OSError, CheckpointException) as exc:
             self._save_failed(exc, self.step)
@@ -264,6 +302,15 @@ class Trainer:
             self.finish_pending()
         except BaseException as exc:  # noqa: BLE001 - the first error is the one that propagates
             self._log(str(exc))
+
+    def _gather_floats(self, value: float) -> list[float]:
+        """`value` of every rank, in rank order (collective when distributed)."""
+        if not dist.is_initialized():
+            return [value]
+        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return [float(v) for v in every]
 
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
@@ -383,9 +430,12 @@ class Trainer:
         if self.env.rank == t.fault_kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy(logits, targets)
-        if self.model.training and self.cfg.model.num_experts:  # MoE: + weighted balance (and z) losses
+    def _loss_fn(
+        self, logits: torch.Tensor | HeadInput, targets: torch.Tensor, reduction: str = "mean"
+    ) -> torch.Tensor:
+        loss = cross_entropy(logits, targets, reduction)
+        # MoE balance (and z) losses are per-micro-batch means: only beside a mean loss
+        if self.model.training and self.cfg.model.num_experts and reduction == "mean":
             aux = moe_aux_loss(self.model)
             if aux is not None:
                 loss = loss + aux.to(loss.device)
@@ -403,16 +453,14 @@ class Trainer:
         logger = None
         if self.env.is_main:
             (self.run_dir / "config.yaml").write_text(self.public_yaml)
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                if (self.data_dir / name).is_file():
-                    shutil.copyfile(self.data_dir / name, self.run_dir / name)
+            self._write_run_files()
             config_dict = OmegaConf.to_container(OmegaConf.create(self.public_yaml))
             logger = MetricsLogger(
                 self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed
             )
             n_params = self.parallel.num_params
             logger.print(
-                f"[bold]suite pretrain[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
+                f"[bold]suite {self.verb}[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
                 f"world {self.env.world_size} ({', '.join(f'{k}={v}' for k, v in self.dims.enabled.items()) or 'single process'}), "
                 f"{cfg.train.precision}, run dir {self.run_dir}"
             )
@@ -426,10 +474,10 @@ class Trainer:
             profiler = StepProfiler(cfg.train, self.run_dir, self.device, self.env.rank, self._log)
         try:
             if self.step == 0 and not self.resumed:
-                val = self.evaluate()
-                summary["first_val_loss"] = val
+                metrics = self.eval_metrics()
+                summary |= {f"first_{k}": v for k, v in metrics.items()}
                 if logger:
-                    logger.log({"step": 0, "val_loss": val})
+                    logger.log({"step": 0, **metrics})
             window_start, window_steps = time.perf_counter(), 0
             while self.step < cfg.train.max_steps:
                 batches = self._next_batches()
@@ -469,9 +517,9 @@ class Trainer:
                         )
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
-                    val = self.evaluate()
-                    summary["last_val_loss"] = val
-                    record = (record or {"step": self.step}) | {"val_loss": val}
+                    metrics = self.eval_metrics()
+                    summary |= {f"last_{k}": v for k, v in metrics.items()}
+                    record = (record or {"step": self.step}) | metrics
                     window_start = time.perf_counter()  # keep eval time out of tokens/s
                 if record and logger:
                     logger.log(record)
@@ -524,6 +572,7 @@ class Trainer:
         }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
+        summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
             print(
