@@ -46,6 +46,16 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 DEFAULT_LAYOUTS = [name for name, (world, _) in LAYOUTS.items() if world == 4]
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def shape_args(args: argparse.Namespace) -> list[str]:
     return [
         "recipe=gpt-tiny",
@@ -142,8 +152,8 @@ def main() -> int:
     import torch
 
     header = (
-        f"## Parallel layouts, {started:%Y-%m-%d %H:%M} UTC: `python bench/parallel.py {' '.join(sys.argv[1:])}`\n\n"
-        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"## Parallel layouts, {started:%Y-%m-%d %H:%M} UTC: `{' '.join(['python bench/parallel.py', *sys.argv[1:]])}`\n\n"
+        f"- machine: {cpu_name()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}, gloo, {args.threads} thread(s) per rank; load average at the end {load} (1 / 5 / 15 min)\n"
         f"- shape: `recipe=gpt-tiny` GPT, {args.layers} layers, width {args.width}, {args.heads} heads, vocabulary "
         f"8192, seq {args.seq}, global batch {args.global_batch} (micro-batches of {args.micro_batch}), fp32, "
