@@ -3,10 +3,10 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .cache/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: help install demo test test-fast lint format bench clean
+.PHONY: help install demo test test-fast lint format bench bench-parallel clean
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
@@ -19,8 +19,12 @@ demo: $(STAMP) ## train gpt-tiny on the embedded corpus on this machine, then sa
 	suite pretrain
 	suite generate ckpt=runs/gpt-tiny prompt="The module"
 
-test: $(STAMP) ## run every test (unit, distributed, e2e)
-	$(PYTHON) -m pytest -q tests
+# Two pytest workers, one test file each at a time: single-process tests leave a core idle (torch's import
+# and OMP_NUM_THREADS=1 runs are single-threaded), and a file's shared runs stay in one worker.
+TEST_WORKERS ?= 2
+
+test: $(STAMP) ## run every test (unit, distributed, e2e); TEST_WORKERS=0 runs them in one process
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP) ## unit tests only
 	$(PYTHON) -m pytest -q tests/unit
@@ -35,6 +39,9 @@ format: $(STAMP) ## apply ruff's formatting and safe fixes
 
 bench: $(STAMP) ## CPU benchmark against plain transformers; appends to docs/benchmarks.md
 	$(PYTHON) bench/throughput.py
+
+bench-parallel: $(STAMP) ## parallel layouts at world size 4 on CPU: step time, per-rank memory; appends to docs/benchmarks.md
+	$(PYTHON) bench/parallel.py --append
 
 clean: ## remove runs, caches and build outputs
 	rm -rf runs .cache build dist *.egg-info .pytest_cache .ruff_cache

@@ -150,6 +150,7 @@ def build_suite_step(cfg, dims):
     model = build_model(cfg.model, "meta")
     trainer.parallel = parallelize(model, cfg, dims, trainer.device)
     trainer.model = trainer.parallel.model
+    trainer.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if trainer.parallel.materialized is False:
         materialize(trainer.model, trainer.device, cfg.train.seed)
     if hasattr(trainer.parallel, "build_optimizer"):  # the trainer asks the parallel model (layouts wrap it)

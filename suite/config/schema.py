@@ -156,7 +156,9 @@ class TrainConfig:
     profile_wait: int = 1  # steps skipped before profiling (the first step pays one-off costs)
     profile_warmup: int = 1  # steps traced but discarded (profiler start-up)
     profile_steps: int = 2  # steps recorded
-    loss_chunk_tokens: int = 0  # cross-entropy over chunks of this many tokens, never all logits; 0: off
+    loss_chunk_tokens: int = (
+        1024  # head + cross-entropy over chunks of this many tokens (not all logits at once); 0: off
+    )
     # reliability (docs/reliability.md)
     keep_last: int = 3  # checkpoints kept (newest first); 0 keeps all
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever; 0: off

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -235,11 +236,15 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         hidden: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits for `tokens` [b, s]. Pipeline stages without the embedding pass `hidden` instead.
 
         positions: [s] or [b, s] absolute positions (default: arange from the cache length);
         mask: an optional boolean attention mask (True = attend), e.g. for packed documents.
+        head: called as head(final hidden states, output weight) in place of the output projection, and
+        its result returned: a loss that applies the head itself (chunked cross-entropy) runs inside
+        this forward, where wrappers that gather parameters around forward (FSDP) have the weight whole.
         """
         start = kv_cache.length if kv_cache is not None else 0
         if self.tok_embeddings is not None:
@@ -262,6 +267,8 @@ class Transformer(nn.Module):
             kv_cache.length = start + h.shape[1]
         if self.norm is not None:
             h = self.norm(h)
+        if head is not None and self.output is not None:
+            return head(h, self.output.weight)
         return self.output(h) if self.output is not None else h
 
     # ---- init and accounting ----------------------------------------------------------------

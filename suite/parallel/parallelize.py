@@ -22,6 +22,7 @@ and compiled regions and gather the parameters once per block.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class ParallelModel:
     optim_device: torch.device | None = None
     cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
     eos_id: int | None = None  # data.doc_mask: the document separator (set by the trainer)
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
 
     # ---- communication helpers -----------------------------------------------------------------
     @property
@@ -139,6 +141,30 @@ class ParallelModel:
             return loss_parallel()
         return nullcontext()
 
+    def model_loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """The model's loss on one micro-batch, as `model_inputs` made it (tokens, targets, forward kwargs).
+
+        With loss_chunk_tokens > 0 and more tokens than that in the batch, the model hands its final
+        hidden states and head weight to the loss instead of projecting them (the forward's `head`
+        argument), and the loss applies the head chunk by chunk (suite.train.loss.HeadInput), so the
+        full logits never exist; one chunk would only add work, so the plain loss runs then. Under
+        tensor parallelism the logits are vocab-sharded DTensors and DTensor's loss_parallel already
+        avoids gathering them: that path is kept as it is; so is a head that is not a plain nn.Linear
+        (LoRA on `output`), whose forward adds more than `hidden @ weight.T`.
+        """
+        chunk = self.loss_chunk_tokens
+        plain_head = type(getattr(self.model, "output", None)) is nn.Linear  # not a LoRA-wrapped head
+        if 0 < chunk < targets.numel() and plain_head and not self.loss_parallel:
+            from suite.train.loss import HeadInput
+
+            def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return loss_fn(HeadInput(hidden, weight, chunk), targets)  # type: ignore[arg-type]
+
+            return self.model(tokens, head=head, **kwargs)
+        return loss_fn(self.model(tokens, **kwargs), targets)
+
     def _device(self) -> torch.device:
         param = next(self.model.parameters())
         return getattr(param, "_local_tensor", param).device
@@ -170,8 +196,7 @@ class ParallelModel:
             tokens, targets, kwargs = self.model_inputs(batch)
             with self.loss_context():
                 with autocast():
-                    logits = self.model(tokens, **kwargs)
-                    loss = loss_fn(logits, targets) / count
+                    loss = self.model_loss(tokens, targets, kwargs, loss_fn) / count
                 if last:
                     self._note_bytes("params", memory.parameter_bytes(self.model))
                 scaler.scale(loss).backward()
@@ -197,6 +222,7 @@ class ParallelModel:
         local_targets = sum(batch.num_targets for batch in micro_batches)
         targets = self.data_sum(torch.tensor(float(local_targets), device=device))
         scale = self.dims.data_parallel_size / max(float(targets), 1.0)
+        summed = functools.partial(loss_fn, reduction="sum")
         total = torch.zeros((), device=device)
         count = len(micro_batches)
         for i, batch in enumerate(micro_batches):
@@ -208,8 +234,7 @@ class ParallelModel:
             batch = batch.to(device, non_blocking=True)
             with self.loss_context():
                 with autocast():
-                    logits = self.model(batch.tokens, **batch.model_kwargs())
-                    loss = loss_fn(logits, batch.labels, reduction="sum") * scale
+                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed) * scale
                 if last:
                     self._note_bytes("params", memory.parameter_bytes(self.model))
                 scaler.scale(loss).backward()
@@ -232,12 +257,13 @@ class ParallelModel:
     def evaluate(self, batches: list[torch.Tensor], loss_fn: LossFn, autocast) -> float:
         device = self.input_device()
         if batches and is_labelled(batches[0]):  # token-weighted over every batch and rank
+            summed = functools.partial(loss_fn, reduction="sum")
             sums = torch.zeros(2, device=device, dtype=torch.float64)
             for batch in batches:
                 batch = batch.to(device)
                 with self.loss_context(), autocast():
-                    logits = self.model(batch.tokens, **batch.model_kwargs())
-                    sums[0] += _local_value(loss_fn(logits, batch.labels, reduction="sum")).double()
+                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed)
+                    sums[0] += _local_value(loss).double()
                 sums[1] += batch.num_targets
             sums = self.data_sum(sums)
             return float(sums[0] / sums[1].clamp(min=1))
@@ -245,7 +271,7 @@ class ParallelModel:
         for batch in batches:
             tokens, targets, kwargs = self.model_inputs(batch.to(device))
             with self.loss_context(), autocast():
-                losses.append(_local_value(loss_fn(self.model(tokens, **kwargs), targets)).float())
+                losses.append(_local_value(self.model_loss(tokens, targets, kwargs, loss_fn)).float())
         mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         return float(self.data_mean(mean))
 

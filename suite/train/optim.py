@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from suite.config.schema import OptimConfig
 
@@ -21,8 +22,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, fused where the device supports it (CUDA), foreach otherwise."""
-    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    """AdamW, fused by default where it is known to work: CUDA, and CPU with plain (non-DTensor)
+    parameters; foreach otherwise. optim.fused=true/false forces the choice.
+
+    On CPU the fused kernel took ~6x less CPU time than foreach per step (16.8M parameters, one
+    thread, torch 2.13: 17 ms vs 97-118 ms; docs/performance.md).
+    """
+    fused = cfg.fused
+    if fused is None:
+        plain = not any(isinstance(p, DTensor) for p in model.parameters())
+        fused = device.type == "cuda" or (device.type == "cpu" and plain)
     kwargs = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),

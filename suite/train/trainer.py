@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -36,6 +35,7 @@ from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
+from suite.train.loss import HeadInput, cross_entropy
 from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
 
@@ -60,13 +60,6 @@ class RunStopped(SystemExit):
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token loss in fp32 ("mean" or "sum"); targets of -100 (masked tokens) contribute nothing."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction
-    )
-
-
 class Trainer:
     def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
         self.cfg = cfg
@@ -89,6 +82,8 @@ class Trainer:
         self.model = self.parallel.model
         if cfg.data.doc_mask and self.meta is not None:  # documents end with EOS (suite.data.documents)
             self.parallel.eos_id = int(self.meta["eos_id"])
+        # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
+        self.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         if self.parallel.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
         self._load_initial_weights()
@@ -308,6 +303,15 @@ class Trainer:
         except BaseException as exc:  # noqa: BLE001 - the first error is the one that propagates
             self._log(str(exc))
 
+    def _gather_floats(self, value: float) -> list[float]:
+        """`value` of every rank, in rank order (collective when distributed)."""
+        if not dist.is_initialized():
+            return [value]
+        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return [float(v) for v in every]
+
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
 
@@ -426,7 +430,9 @@ class Trainer:
         if self.env.rank == t.fault_kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def _loss_fn(
+        self, logits: torch.Tensor | HeadInput, targets: torch.Tensor, reduction: str = "mean"
+    ) -> torch.Tensor:
         loss = cross_entropy(logits, targets, reduction)
         # MoE balance (and z) losses are per-micro-batch means: only beside a mean loss
         if self.model.training and self.cfg.model.num_experts and reduction == "mean":
@@ -566,6 +572,7 @@ class Trainer:
         }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
+        summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
             print(

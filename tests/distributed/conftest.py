@@ -35,6 +35,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "sharding2-stage2": (2, ["parallel.sharding=2", "parallel.sharding_stage=2"]),
     "sharding2-stage3": (2, ["parallel.sharding=2", "parallel.sharding_stage=3"]),
     "sharding2-offload": (2, ["parallel.sharding=2", "parallel.sharding_stage=3", "parallel.offload=true"]),
+    # the chunked loss (128 tokens per micro-batch in chunks of 24) reads FSDP's root-held head weight
+    "sharding2-stage3-chunked-loss": (
+        2,
+        ["parallel.sharding=2", "parallel.sharding_stage=3", "train.loss_chunk_tokens=24"],
+    ),
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
     "dp2-tp2": (4, ["parallel.dp=2", "parallel.tp=2"]),

@@ -48,6 +48,7 @@ def check_layout(layout_run, name: str) -> None:
         "sharding2-stage2",
         "sharding2-stage3",
         "sharding2-offload",
+        "sharding2-stage3-chunked-loss",
         "tp2",
         "tp2-sp",
         "llama-tp2",
