@@ -133,7 +133,7 @@ def build_suite_step(cfg, dims):
     A bare Trainer gets the attributes `Trainer.__init__` gives it (same calls, same order), so the
     step timed is `Trainer.train_step` itself; keep this in step with `Trainer.__init__`.
     """
-    from contextlib import nullcontext
+    from collections import deque
 
     import torch
 
@@ -141,7 +141,7 @@ def build_suite_step(cfg, dims):
     from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
     from suite.train.optim import build_optimizer
-    from suite.train.trainer import AUTOCAST_DTYPES, Trainer
+    from suite.train.trainer import Trainer, autocast_factory
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.dims = cfg, dims
@@ -158,13 +158,12 @@ def build_suite_step(cfg, dims):
     else:
         trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
     trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=cfg.train.precision == "fp16")
-    dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-    trainer.autocast = (
-        (lambda: torch.autocast(trainer.device.type, dtype=dtype)) if dtype is not None else nullcontext
-    )
+    trainer.autocast = autocast_factory(trainer.device, cfg.train.precision, cfg.train.param_dtype)
     trainer.step = 0
     trainer.env = DistEnv.from_environ()
     trainer.bad_steps = trainer.bad_in_a_row = 0  # bookkeeping the loop keeps (non-finite steps)
+    trainer.batch_number, trainer.spiked = 0, False  # loss-spike bookkeeping (train.spike_factor=0: off)
+    trainer.loss_window = deque(maxlen=cfg.train.spike_window)
 
     def step(micro_batches):
         out = trainer.train_step(micro_batches)  # (loss, grad_norm, ...): the loop's own call

@@ -75,6 +75,7 @@ class ParallelModel:
     cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
     eos_id: int | None = None  # data.doc_mask: the document separator (set by the trainer)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
+    param_dtype: str = "fp32"  # train.param_dtype without a data-parallel wrapper (bf16: fp32 masters)
 
     # ---- communication helpers -----------------------------------------------------------------
     @property
@@ -281,7 +282,9 @@ class ParallelModel:
         from suite.train.optim import build_optimizer
 
         device = self.optim_device or self._device()
-        optimizer = build_optimizer(self.model, cfg, device)
+        # with data parallelism FSDP2's MixedPrecisionPolicy keeps the fp32 masters (data_parallel.py)
+        param_dtype = self.param_dtype if self.dp_kind == "none" else "fp32"
+        optimizer = build_optimizer(self.model, cfg, device, param_dtype)
         if self.dp_kind == "zero1":
             from suite.parallel.data_parallel import ZeroOneOptimizer
 
@@ -398,7 +401,7 @@ def parallelize(
         _apply_recompute(model, cfg)
         if cfg.train.compile:
             _compile_blocks(model)
-        return ParallelModel(model=model, dims=dims, num_params=num_params)
+        return ParallelModel(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
 
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         got = dist.get_world_size() if dist.is_initialized() else 1
