@@ -150,7 +150,9 @@ class TrainConfig:
     param_dtype: str = "fp32"  # fp32 | bf16 (needs precision=bf16)
     resume: bool = True
     peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
-    compile: bool = False
+    compile: Any = (
+        "auto"  # torch.compile each block: auto (where it pays, docs/performance.md) | true | false
+    )
     device: str = "auto"  # auto | cpu | cuda
     num_threads: Optional[int] = None
     # performance (docs/performance.md)

@@ -328,6 +328,29 @@ def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
     apply_recompute(model, cfg.recompute)
 
 
+COMPILE_AUTO_MIN_HIDDEN = (
+    512  # train.compile=auto: the smallest width where compiling paid (docs/performance.md)
+)
+
+
+def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> bool:
+    """train.compile: true / false as set; `auto` compiles each block where it paid when measured
+    (bench/throughput.py): bf16 or fp16 compute and width >= COMPILE_AUTO_MIN_HIDDEN, on CPU or CUDA.
+    Small models (the tiny recipes, the tests) stay eager: a few seconds of compilation per process
+    outweigh what the fused elementwise kernels save there. Never under context parallelism or the
+    zero-bubble pipeline schedule, which compiled blocks do not support (true is rejected there)."""
+    value = cfg.train.compile
+    if value != "auto":
+        return bool(value)
+    if dims.cp > 1 or (dims.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble"):
+        return False
+    return (
+        cfg.train.precision in ("bf16", "fp16")
+        and cfg.model.hidden_size >= COMPILE_AUTO_MIN_HIDDEN
+        and device.type in ("cpu", "cuda")
+    )
+
+
 def _compile_blocks(model: nn.Module) -> None:
     for block in model.layers.values():
         block.compile()  # in place: parameter names (and so checkpoints) stay the same
@@ -367,7 +390,7 @@ def make_part_parallelizer(
                 ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
             )
         _apply_recompute(part, cfg)
-        if cfg.train.compile:
+        if compile_enabled(cfg, dims, device):
             _compile_blocks(part)
         kind = dpar.apply_data_parallel(
             part,
@@ -399,7 +422,7 @@ def parallelize(
     num_params = model.num_params()
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
-        if cfg.train.compile:
+        if compile_enabled(cfg, dims, device):
             _compile_blocks(model)
         return ParallelModel(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
 

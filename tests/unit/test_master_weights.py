@@ -121,3 +121,30 @@ def test_bad_combinations_are_one_line_errors(overrides, words):
     with pytest.raises(ConfigError) as err:
         _config(*overrides)
     assert words in str(err.value) and "train.param_dtype" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], False),  # gpt-tiny's width: eager
+        (["train.precision=bf16", "model.hidden_size=512", "model.num_heads=8"], True),
+        (["model.hidden_size=512", "model.num_heads=8"], False),  # fp32: eager
+        (
+            ["train.precision=bf16", "train.compile=false", "model.hidden_size=512", "model.num_heads=8"],
+            False,
+        ),
+        (["train.compile=true"], True),
+    ],
+)
+def test_compile_auto_picks_wide_low_precision_models(overrides, expected):
+    from suite.parallel.parallelize import compile_enabled
+
+    cfg, dims = _config(*overrides)
+    assert compile_enabled(cfg, dims, CPU) is expected
+
+
+def test_compile_bad_value_is_a_one_line_error():
+    with pytest.raises(
+        ConfigError, match="train.compile='sometimes' is not supported; use auto, true or false"
+    ):
+        _config("train.compile=sometimes")
