@@ -76,14 +76,14 @@ class MasterWeightOptimizer:
     def step(self, closure=None):
         if closure is not None:
             raise RuntimeError("MasterWeightOptimizer.step does not take a closure")
+        # fp32 gradients exist only during the update, each replacing its bf16 gradient: the model's
+        # state never holds both at once (peak memory at or below the autocast run's fp32 gradients)
         for p, master in zip(self.params, self.masters):
-            if p.grad is None:
-                master.grad = None
-            elif master.grad is None:
-                master.grad = p.grad.float()
-            else:
-                master.grad.copy_(p.grad)  # the fp32 buffer is reused step to step
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
         self.inner.step()
+        for master in self.masters:
+            master.grad = None
         torch._foreach_copy_(self.params, self.masters)  # round the updated masters into the bf16 params
 
     # ---- checkpoints: the masters under the model's names ------------------------------------------
