@@ -10,7 +10,7 @@ reads only its own shard of every tensor (suite.export.stream). Checked:
 - export: `suite export` of each run's checkpoint (streamed tensor by tensor from the DCP files,
   written in several safetensors shards here) loads in transformers with logits within 1e-4 of
   the suite model loaded from the same checkpoint.
-Two launches of two processes in all; the exports run in this process.
+Three launches of two processes in all; the exports run in this process.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.e2e.test_finetune import STEPS, finetune, first_step_loss_in_process
-from tests.helpers import export_and_compare, train_losses
+from tests.helpers import export_and_compare, run_suite, train_losses
 
 VOCAB, SEQ = 512, 64
 
@@ -94,3 +94,37 @@ def test_export_of_a_parallel_checkpoint_loads_in_transformers(request, tmp_path
     # shards of at most 0.2 MB: several files and an index, each written from the tensors it holds
     assert export_and_compare(run, tmp_path / "hf", **{"export.max_shard_mb": 0.2}) <= 1e-4
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+
+
+def test_pretrain_from_hf_under_tp2_starts_from_the_imported_weights(tmp_path, gpt2_hf, tiny_data):
+    """Continued pretraining: step 1's loss is the imported GPT-2's loss on the first global batch."""
+    import torch.nn.functional as F
+
+    from suite.config.schema import TrainConfig
+    from suite.data.loader import TokenBatches
+    from suite.export.hf import load_hf_model
+
+    run = tmp_path / "gpt2-pretrain-tp2"
+    run_suite(
+        "pretrain",
+        f"model.init_from=hf:{gpt2_hf}",
+        f"data.path={tiny_data}",
+        f"run.dir={run}",
+        "data.seq_len=32",
+        "train.max_steps=1",
+        "train.eval_batches=1",
+        "train.precision=fp32",
+        "parallel.micro_batch_size=2",
+        "parallel.global_batch_size=4",
+        "parallel.tp=2",
+        "launch.nproc_per_node=2",
+        "log.wandb=false",
+        "log.progress=false",
+        check=True,
+    )
+    model, _ = load_hf_model(gpt2_hf)
+    batches = TokenBatches(tiny_data, "train", 32, 2, 4, seed=TrainConfig.seed).next_step()
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) for b in batches]
+    expected = float(torch.stack(losses).mean())
+    assert abs(train_losses(run)[1] - expected) <= 1e-4 * expected, (train_losses(run)[1], expected)
