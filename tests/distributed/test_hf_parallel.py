@@ -30,9 +30,10 @@ def _save_hf(model, folder: Path, tiny_data: Path) -> Path:
     from suite.data import load_tokenizer
 
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # non-trivial norms and biases too, so a swapped tensor cannot hide
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    with torch.no_grad():  # non-trivial norms and biases too, and logits far from uniform
+        for name, p in model.named_parameters():
+            gain = name.endswith("weight") and p.dim() == 1  # norm weights: around 1
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if gain else 0.1) + float(gain))
     model.save_pretrained(folder)
     load_tokenizer(tiny_data).save_pretrained(folder)
     return folder
