@@ -31,6 +31,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    # one matmul for q/k/v (attention.wqkv) and for the SwiGLU gate/up (feed_forward.w13); see
+    # suite/models/transformer.py and docs/performance.md (off: it did not pay on the CPU measured)
+    fused_projections: bool = False
     init_std: float = 0.02
     init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
     # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense

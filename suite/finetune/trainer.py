@@ -19,6 +19,7 @@ checkpoints and resume are the Trainer's):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ def load_base_tokenizer(init_from: str) -> Any:
 
 
 @torch.no_grad()
-def load_base_weights(model: nn.Module, init_from: str) -> None:
+def load_base_weights(model: nn.Module, init_from: str, fused_projections: bool = False) -> None:
     """Copy the base checkpoint's weights into `model` (any layout; collective when distributed).
 
     Adapter parameters (not in the base) keep their values. A suite checkpoint is read with DCP
@@ -104,7 +105,8 @@ def load_base_weights(model: nn.Module, init_from: str) -> None:
     if is_hf(init_from):
         from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
 
-        weights = from_hf_state_dict(model_config_from_hf(folder), read_hf_weights(folder))
+        base = dataclasses.replace(model_config_from_hf(folder), fused_projections=fused_projections)
+        weights = from_hf_state_dict(base, read_hf_weights(folder))
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         return
     state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
@@ -209,7 +211,7 @@ class FinetuneTrainer(Trainer):
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules), self.cfg.train.seed)
 
     def _load_initial_weights(self) -> None:
-        load_base_weights(self.model, self.cfg.model.init_from)
+        load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
         if self.cfg.finetune.method == "lora":
             from suite.finetune.lora import count_trainable, init_lora
 

@@ -53,6 +53,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "llama-single": (1, LLAMA),
     "llama-tp2": (2, [*LLAMA, "parallel.tp=2"]),
     "llama-tp2-sp": (2, [*LLAMA, "parallel.tp=2", "parallel.sp=true"]),
+    # fused wqkv / w13 (GQA: 2 kv heads, one whole group per rank) against the unfused reference
+    "llama-tp2-fused": (2, [*LLAMA, "parallel.tp=2", "model.fused_projections=true"]),
 }
 
 

@@ -53,6 +53,7 @@ def check_layout(layout_run, name: str) -> None:
         "tp2-sp",
         "llama-tp2",
         "llama-tp2-sp",
+        "llama-tp2-fused",
     ],
 )
 def test_two_process_layout_matches_single_process(layout_run, name):
