@@ -145,6 +145,8 @@ class Trainer:
 
     def _build_loaders(self) -> None:
         cfg, dims = self.cfg, self.dims
+        on_accelerator = self.device.type != "cpu"
+        prefetch = on_accelerator if cfg.data.prefetch is None else cfg.data.prefetch
         self.loader = TokenBatches(
             self.data_dir,
             "train",
@@ -154,6 +156,8 @@ class Trainer:
             self.parallel.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
+            prefetch=prefetch,
+            pin_memory=self.device.type == "cuda",
         )
         self.val_loader = TokenBatches(
             self.data_dir,

@@ -47,6 +47,7 @@ def check_layout(layout_run, name: str) -> None:
         "sharding2-stage1",
         "sharding2-stage2",
         "sharding2-stage3",
+        "sharding2-stage3-prefetch",
         "sharding2-offload",
         "sharding2-stage3-chunked-loss",
         "tp2",
