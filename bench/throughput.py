@@ -104,13 +104,6 @@ SHAPES: dict[str, Shape] = {
         steps=1,
     ),
 }
-# The same shapes with model.fused_projections=true (one matmul for q/k/v and for gate/up); compare
-# each one's suite/transformers ratio with its unfused twin's (docs/performance.md).
-for _name in ("gpt-tiny", "llama-12x768"):
-    _spec = SHAPES[_name]
-    SHAPES[f"{_name}-fused"] = Shape(
-        _spec.recipe, (*_spec.overrides, "model.fused_projections=true"), _spec.steps
-    )
 DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768")
 WARMUP = 2
 
