@@ -92,3 +92,19 @@ def assert_close_weights(
     for name in ref:
         diff = (ref[name].float() - got[name].float()).norm() / ref[name].float().norm().clamp_min(1e-12)
         assert diff <= tol, (name, float(diff))
+
+
+def export_and_compare(run: Path, out: Path, **overrides: str) -> float:
+    """`suite export` a run's checkpoint (in this process) to `out`; the largest |logit difference|
+    between transformers on the exported folder and the suite model loaded from the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from suite.cli import main
+    from suite.infer.generate import load_for_inference
+
+    assert main(["export", f"ckpt={run}", f"out={out}", *(f"{k}={v}" for k, v in overrides.items())]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ours, _, _ = load_for_inference(run)
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return float((hf(ids).logits - ours(ids)).abs().max())

@@ -200,6 +200,7 @@ class ExportConfig:
     out: Optional[str] = None  # None: <run.dir>/export-<format>
     dtype: str = "fp32"  # fp32 | bf16 | fp16
     merge_lora: bool = False  # a LoRA run: fold the adapters into the weights (needed for format=hf)
+    max_shard_mb: float = 2048.0  # safetensors files of at most this size (+ an index when several)
 
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # every linear layer of a block

@@ -51,22 +51,29 @@ def read_source(src: Any, index: int) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
-def local_files(pattern: str, key: str) -> list[Path] | None:
-    """The sorted files a local path/glob/folder names, or None when it looks like a `datasets` name."""
+def match_local(pattern: str, suffixes: tuple[str, ...]) -> list[Path] | None:
+    """The sorted files a local path/glob/folder names (a folder: its files with `suffixes`), or
+    None when `pattern` looks like a `datasets` name instead."""
     expanded = os.path.expanduser(pattern)
     magic = any(c in expanded for c in "*?[")
     looks_local = (
         magic
         or os.path.exists(expanded)
         or expanded.startswith(("/", "./", "../"))
-        or Path(expanded).suffix in SUPPORTED
+        or Path(expanded).suffix in suffixes
     )
     if not looks_local:
         return None
     if os.path.isdir(expanded):
-        matches = [p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in SUPPORTED]
-    else:
-        matches = [Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
+        return sorted(p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in suffixes)
+    return sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+
+
+def local_files(pattern: str, key: str) -> list[Path] | None:
+    """The sorted files a local path/glob/folder names, or None when it looks like a `datasets` name."""
+    matches = match_local(pattern, SUPPORTED)
+    if matches is None:
+        return None
     if not matches:
         raise ConfigError(
             f"{key}.path='{pattern}' matches no files; give a .txt/.jsonl/.parquet file, folder or glob "
@@ -78,7 +85,7 @@ def local_files(pattern: str, key: str) -> list[Path] | None:
                 f"{key}.path='{pattern}' matches '{path}', which is not {'/'.join(SUPPORTED)}; "
                 "narrow the glob (e.g. *.txt) or convert the file"
             )
-    return sorted(matches)
+    return matches
 
 
 def split_text(text: str, max_chars: int = TXT_DOC_CHARS) -> list[str]:

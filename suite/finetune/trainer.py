@@ -6,7 +6,7 @@ checkpoints and resume are the Trainer's):
     data      finetune.data: a built-in task (generated into <run.dir>/task/) or chat rows from local
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
               packed; batches are SFTBatch (tokens, labels, positions, doc_ids) and the loss is
-              token-weighted over the global batch (ParallelModel._forward_backward_labelled)
+              token-weighted over the global batch (ParallelModel._labelled_loss)
     weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>) replaces the seeded
               initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
@@ -19,7 +19,6 @@ checkpoints and resume are the Trainer's):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -92,7 +91,8 @@ def load_base_weights(model: nn.Module, init_from: str, fused_projections: bool 
     """Copy the base checkpoint's weights into `model` (any layout; collective when distributed).
 
     Adapter parameters (not in the base) keep their values. A suite checkpoint is read with DCP
-    (resharded to this layout); an HF folder is converted and every rank loads the full tensors.
+    (resharded to this layout); from an HF folder each rank reads only its own shard of every
+    tensor (safetensors slices through the lazy HF -> suite mapping: suite.export.stream).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -103,11 +103,9 @@ def load_base_weights(model: nn.Module, init_from: str, fused_projections: bool 
 
     folder = base_folder(init_from)
     if is_hf(init_from):
-        from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+        from suite.export.stream import load_hf_weights
 
-        base = dataclasses.replace(model_config_from_hf(folder), fused_projections=fused_projections)
-        weights = from_hf_state_dict(base, read_hf_weights(folder))
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        load_hf_weights(model, folder, fused_projections)
         return
     state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
     dcp.load({"model": state}, checkpoint_id=str(folder))

@@ -126,18 +126,27 @@ class CoreAttention(nn.Module):
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """wq/wk/wv weights (or biases), stacked on dim 0, into the fused kv-group layout of `wqkv`."""
-    groups = [t.reshape(num_kv_heads, -1, *t.shape[1:]) for t in (q, k, v)]
-    return torch.cat(groups, dim=1).reshape(-1, *q.shape[1:])
+    """wq/wk/wv weights (or biases), stacked on dim 0, into the fused kv-group layout of `wqkv`.
+
+    Only `narrow` and `torch.cat`, which suite.export.lazy keeps lazy: a rank that imports an HF
+    checkpoint into a sharded fused model reads just the rows of its own shard."""
+    rq, rkv = q.shape[0] // num_kv_heads, k.shape[0] // num_kv_heads
+    parts = []
+    for g in range(num_kv_heads):
+        parts += [q.narrow(0, g * rq, rq), k.narrow(0, g * rkv, rkv), v.narrow(0, g * rkv, rkv)]
+    return torch.cat(parts)
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
     """The inverse of fuse_qkv: (wq, wk, wv) weights or biases."""
     per_group = qkv.shape[0] // num_kv_heads  # (r + 2) * head_dim rows
     head_dim = per_group // (num_heads // num_kv_heads + 2)
-    grouped = qkv.reshape(num_kv_heads, per_group, *qkv.shape[1:])
-    parts = grouped.split([per_group - 2 * head_dim, head_dim, head_dim], dim=1)
-    return tuple(t.reshape(-1, *qkv.shape[1:]) for t in parts)
+    rq = per_group - 2 * head_dim
+    spans = ((0, rq), (rq, head_dim), (rq + head_dim, head_dim))
+    return tuple(
+        torch.cat([qkv.narrow(0, g * per_group + start, length) for g in range(num_kv_heads)])
+        for start, length in spans
+    )
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,11 @@ class Trainer:
         """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
 
     def _load_initial_weights(self) -> None:
-        """Replace the seeded initialisation (a base checkpoint); nothing for pretraining."""
+        """Replace the seeded initialisation with model.init_from's weights, when it is set."""
+        if self.cfg.model.init_from:
+            from suite.finetune.trainer import load_base_weights
+
+            load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
 
     def _build_loaders(self) -> None:
         cfg, dims = self.cfg, self.dims

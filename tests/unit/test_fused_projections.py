@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from suite.config.schema import ModelConfig
+from suite.export.lazy import as_lazy
 from suite.finetune.lora import LoRALinear, apply_lora, lora_modules, merge_lora
 from suite.models import build_model, materialize
 from suite.models.transformer import fuse_state_dict, split_qkv, unfuse_state_dict
@@ -60,6 +61,14 @@ def test_fused_model_is_the_unfused_model(name):
     assert all(torch.equal(unfused[k], v) for k, v in plain.state_dict().items())
     refused = fuse_state_dict(fused_cfg, plain.state_dict())
     assert all(torch.equal(refused[k], v) for k, v in fused.state_dict().items())
+    # on lazy tensors (streaming HF import/export): the same values, a shard read as a box
+    lazy = fuse_state_dict(fused_cfg, {k: as_lazy(v) for k, v in plain.state_dict().items()})
+    for k, v in fused.state_dict().items():
+        assert torch.equal(as_lazy(lazy[k]).read(), v), k
+        half = ((0, v.shape[0] // 2), *((0, n) for n in v.shape[1:]))
+        assert torch.equal(as_lazy(lazy[k]).read(half), v[: v.shape[0] // 2]), k
+    lazy_back = unfuse_state_dict(fused_cfg, {k: as_lazy(v) for k, v in fused.state_dict().items()})
+    assert all(torch.equal(as_lazy(lazy_back[k]).read(), v) for k, v in plain.state_dict().items())
     with torch.no_grad():
         torch.testing.assert_close(fused(TOKENS), plain(TOKENS), atol=1e-5, rtol=1e-5)
 

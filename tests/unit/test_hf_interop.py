@@ -170,3 +170,37 @@ def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
     assert from_files.keys() == from_memory.keys()
     for name in from_files:
         torch.testing.assert_close(from_files[name], from_memory[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "mixtral"])
+def test_lazy_import_reads_only_the_requested_box(tmp_path, name):
+    """The HF -> suite mapping run on unread tensors: any box of any suite tensor equals the eager
+    conversion's, and reading a box reads only that many elements from the files (how each rank of
+    a sharded run loads its own shard: suite.export.stream)."""
+    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from suite.export.lazy import Source
+    from suite.export.stream import hf_weights
+
+    hf = HF_MODELS[name]()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    cfg = model_config_from_hf(tmp_path)
+    eager = from_hf_state_dict(cfg, read_hf_weights(tmp_path))
+    read_elements = []
+    with hf_weights(tmp_path) as tensors:
+        for source in tensors.values():
+            inner = source.reader
+            source.reader = lambda box, inner=inner: read_elements.append(inner(box).numel()) or inner(box)
+        assert all(isinstance(t, Source) for t in tensors.values())
+        lazy = from_hf_state_dict(cfg, tensors)
+        assert lazy.keys() == eager.keys()
+        for key, value in eager.items():
+            # the second half of dim 0 (tensor parallel rows, FSDP shards), and of the last dim
+            for dim in {0, value.dim() - 1}:
+                box = [(0, n) for n in value.shape]
+                box[dim] = (value.shape[dim] // 2, value.shape[dim])
+                read_elements.clear()
+                got = lazy[key].read(tuple(box))
+                expected = value[tuple(slice(a, b) for a, b in box)]
+                assert torch.equal(got, expected), (key, box)
+                assert sum(read_elements) == expected.numel(), key
