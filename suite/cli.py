@@ -135,15 +135,22 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     from suite.data import ensure_prepared
 
     ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
+    return _train("pretrain", cfg, dims, resolved_yaml)
+
+
+def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
+    """Train here, or hand the frozen config to the elastic launcher when more processes are asked for."""
     if world_size(cfg) > 1:
         from suite.parallel.launcher import inside_worker, launch
 
         if not inside_worker():
-            launch("pretrain", resolved_yaml, cfg.launch, Path(cfg.run.dir))
+            launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir))
             return 0
-    from suite.train.trainer import Trainer
-
-    Trainer(cfg, dims, resolved_yaml).train()
+    if verb == "finetune":
+        from suite.finetune.trainer import FinetuneTrainer as trainer_class
+    else:
+        from suite.train.trainer import Trainer as trainer_class
+    trainer_class(cfg, dims, resolved_yaml).train()
     return 0
 
 
@@ -173,17 +180,7 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _with_base_model(raw)
     dims = validate(cfg, needs_data=False)
     validate_finetune(cfg, dims)
-    resolved_yaml = OmegaConf.to_yaml(raw)
-    if world_size(cfg) > 1:
-        from suite.parallel.launcher import inside_worker, launch
-
-        if not inside_worker():
-            launch("finetune", resolved_yaml, cfg.launch, Path(cfg.run.dir))
-            return 0
-    from suite.finetune.trainer import FinetuneTrainer
-
-    FinetuneTrainer(cfg, dims, resolved_yaml).train()
-    return 0
+    return _train("finetune", cfg, dims, OmegaConf.to_yaml(raw))
 
 
 def _compose_with_ckpt(overrides: list[str], example: str):

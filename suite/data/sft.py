@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from suite.config.errors import ConfigError
 from suite.config.schema import DataConfig, SFTDataConfig
-from suite.data.sources import match_local
+from suite.data.sources import json_lines, match_local
 
 _SFT_DEFAULTS = SFTDataConfig()  # recipe keys finetune.data.*: the one source of these defaults
 _DATA_DEFAULTS = DataConfig()
@@ -221,15 +221,10 @@ def iter_sft_rows(sources: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                record = (_INVALID_JSON, err.msg)
-            yield f"{path} line {lineno}", record
+    for lineno, record in json_lines(path):
+        if isinstance(record, json.JSONDecodeError):
+            record = (_INVALID_JSON, record.msg)
+        yield f"{path} line {lineno}", record
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,24 +105,32 @@ def split_text(text: str, max_chars: int = TXT_DOC_CHARS) -> list[str]:
     return docs
 
 
-def _read_jsonl(path: Path, field: str, key: str) -> list[str]:
-    docs = []
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, parsed record) for every non-blank line of a JSONL file; a line that
+    is not valid JSON gives its json.JSONDecodeError as the record (each reader decides)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
-                raise ConfigError(
-                    f"{key}: '{path}' line {lineno} is not valid JSON ({err.msg}); fix or remove it"
-                ) from err
-            if not isinstance(record, dict) or field not in record:
-                raise ConfigError(
-                    f"{key}.text_field='{field}' is not a field of '{path}' line {lineno}; "
-                    f"set {key}.text_field to the key that holds the text"
-                )
-            docs.append(str(record[field]))
+                yield lineno, err
+
+
+def _read_jsonl(path: Path, field: str, key: str) -> list[str]:
+    docs = []
+    for lineno, record in json_lines(path):
+        if isinstance(record, json.JSONDecodeError):
+            raise ConfigError(
+                f"{key}: '{path}' line {lineno} is not valid JSON ({record.msg}); fix or remove it"
+            )
+        if not isinstance(record, dict) or field not in record:
+            raise ConfigError(
+                f"{key}.text_field='{field}' is not a field of '{path}' line {lineno}; "
+                f"set {key}.text_field to the key that holds the text"
+            )
+        docs.append(str(record[field]))
     return docs
 
 

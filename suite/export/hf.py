@@ -301,19 +301,19 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
 
 
 def load_hf_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """A suite Transformer holding an HF checkpoint's weights (plus the tokenizer, when present)."""
+    """A suite Transformer holding an HF checkpoint's weights (plus the tokenizer, when present).
+
+    The weights are read tensor by tensor into the model (suite.export.stream), never all at once.
+    """
+    from suite.export.stream import load_hf_weights
     from suite.models import build_model, materialize
 
     folder = Path(folder).expanduser()
     cfg = model_config_from_hf(folder)
     model = materialize(build_model(cfg), device, seed=0)
-    weights = from_hf_state_dict(cfg, read_hf_weights(folder))
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "output.weight")]
-    if missing or unexpected:
-        raise ConfigError(
-            f"hf:{folder}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+    if dtype != torch.float32:
+        model.to(dtype)
+    load_hf_weights(model, folder)
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
