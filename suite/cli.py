@@ -163,6 +163,8 @@ def _with_base_model(raw):
     init_from = raw.model.init_from
     base = asdict(base_model_config(init_from))
     base["init_from"] = init_from
+    if init_from.startswith("hf:"):  # a weight layout, not architecture: an HF base is fused on load
+        base["fused_projections"] = bool(raw.model.get("fused_projections", False))
     for key, value in base.items():
         raw.model[key] = value
     return raw, to_object(raw)

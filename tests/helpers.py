@@ -63,16 +63,19 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's model weights as plain full tensors, whatever layout wrote them."""
+    """The newest checkpoint's model weights as plain full tensors, whatever layout wrote them
+    (under the unfused names when the run fused its projections, so layouts compare)."""
     from suite.config.compose import load_saved_config
     from suite.models import build_model, materialize
+    from suite.models.transformer import unfuse_state_dict
     from suite.train.checkpoint import load_model_weights, resolve_checkpoint
 
     folder = resolve_checkpoint(run_dir)
     cfg = load_saved_config(folder / "config.yaml")
     model = materialize(build_model(cfg.model), "cpu", seed=0)
     load_model_weights(folder, model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return unfuse_state_dict(cfg.model, weights) if cfg.model.fused_projections else weights
 
 
 def assert_close_losses(ref: dict[int, float], got: dict[int, float], rtol: float = 1e-4) -> None:

@@ -7,6 +7,8 @@ llama MoE    <-> MixtralForCausalLM: router = mlp.gate; our stacked experts w1/w
                  transformers 5's fused mlp.experts.gate_up_proj (cat on dim 1), w2 its down_proj;
                  folders saved per expert (block_sparse_moe.experts.N.w1/w2/w3) import too.
 Config files are written through transformers' own config classes, never by hand.
+A model with fused projections (model.fused_projections: wqkv, w13) is converted through the
+unfused names (suite.models.transformer.unfuse_state_dict / fuse_state_dict).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from suite.export.stream import (
     write_hf_weights,
 )
 from suite.models.moe import expert_ffn_size, moe_layer_ids
-from suite.models.transformer import ffn_size, kv_heads
+from suite.models.transformer import ffn_size, fuse_state_dict, kv_heads, unfuse_state_dict
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED = ("gpt2", *LLAMA_LIKE)
@@ -107,6 +109,8 @@ def _mixtral_config(cfg: ModelConfig, common: dict):
 
 def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename (and for GPT-2, fuse and transpose) suite weights into the HF layout."""
+    if cfg.fused_projections:
+        sd = unfuse_state_dict(cfg, sd)
     out: dict[str, torch.Tensor] = {}
     if cfg.family == "gpt":
         out["transformer.wte.weight"] = sd["tok_embeddings.weight"]
@@ -291,6 +295,8 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
                     sd[p + ours] = torch.stack(
                         [hf_sd[f"{q}{e}.{ours}.weight"] for e in range(cfg.num_experts)]
                     )
+    if cfg.fused_projections:
+        sd = fuse_state_dict(cfg, sd)
     return {k: v.contiguous() for k, v in sd.items()}
 
 

@@ -175,11 +175,14 @@ def load_suite_weights(
         raise ConfigError(f"{where}: weights do not match the config (missing {missing[:3]})")
 
 
-def load_hf_weights(model: nn.Module, folder: Path) -> None:
-    """An HF folder's weights into a suite model of any layout (each rank reads its own shards)."""
+def load_hf_weights(model: nn.Module, folder: Path, fused_projections: bool = False) -> None:
+    """An HF folder's weights into a suite model of any layout (each rank reads its own shards);
+    `fused_projections`: the model fuses q/k/v and gate/up (model.fused_projections)."""
+    import dataclasses
+
     from suite.export.hf import from_hf_state_dict, model_config_from_hf
 
-    cfg = model_config_from_hf(folder)
+    cfg = dataclasses.replace(model_config_from_hf(folder), fused_projections=fused_projections)
     with hf_weights(folder) as tensors:
         load_suite_weights(model, from_hf_state_dict(cfg, tensors), f"hf:{folder}")
 

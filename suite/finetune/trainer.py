@@ -87,7 +87,7 @@ def load_base_tokenizer(init_from: str) -> Any:
 
 
 @torch.no_grad()
-def load_base_weights(model: nn.Module, init_from: str) -> None:
+def load_base_weights(model: nn.Module, init_from: str, fused_projections: bool = False) -> None:
     """Copy the base checkpoint's weights into `model` (any layout; collective when distributed).
 
     Adapter parameters (not in the base) keep their values. A suite checkpoint is read with DCP
@@ -105,7 +105,7 @@ def load_base_weights(model: nn.Module, init_from: str) -> None:
     if is_hf(init_from):
         from suite.export.stream import load_hf_weights
 
-        load_hf_weights(model, folder)
+        load_hf_weights(model, folder, fused_projections)
         return
     state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
     dcp.load({"model": state}, checkpoint_id=str(folder))
@@ -209,7 +209,7 @@ class FinetuneTrainer(Trainer):
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules), self.cfg.train.seed)
 
     def _load_initial_weights(self) -> None:
-        load_base_weights(self.model, self.cfg.model.init_from)
+        load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
         if self.cfg.finetune.method == "lora":
             from suite.finetune.lora import count_trainable, init_lora
 

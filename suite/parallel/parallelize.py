@@ -370,6 +370,8 @@ def make_part_parallelizer(
             pcfg.offload,
             device,
             ignored_params=set(expert_params),
+            forward_prefetch=pcfg.fsdp_forward_prefetch,
+            backward_prefetch=pcfg.fsdp_backward_prefetch,
         )
         # offloaded FSDP keeps the sharded parameters (and so the optimizer) on the CPU
         home = torch.device("cpu") if pcfg.offload else device
