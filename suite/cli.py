@@ -83,13 +83,16 @@ Samples text with a KV cache. `prompt=` is short for generate.prompt.
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
       generate.seed""",
     "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
+       [export.max_shard_mb=2048]
 
 Writes a Hugging Face folder (safetensors, config.json, generation_config.json, tokenizer files)
 that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no custom code:
 gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias).
 `format=` and `out=` are short for export.format and export.out (default <run.dir>/export-hf).
 A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
-weights. A run finetuned with a chat template exports it (chat_template.jinja).""",
+weights. A run finetuned with a chat template exports it (chat_template.jinja).
+The checkpoint (any parallel layout wrote it) is read one tensor at a time, never the whole model;
+export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
@@ -125,20 +128,29 @@ def _compose(overrides: list[str]):
 
 def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
+    if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
+        raw, cfg = _with_base_model(raw)
     dims = validate(cfg)
     resolved_yaml = OmegaConf.to_yaml(raw)
     from suite.data import ensure_prepared
 
     ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
+    return _train("pretrain", cfg, dims, resolved_yaml)
+
+
+def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
+    """Train here, or hand the frozen config to the elastic launcher when more processes are asked for."""
     if world_size(cfg) > 1:
         from suite.parallel.launcher import inside_worker, launch
 
         if not inside_worker():
-            launch("pretrain", resolved_yaml, cfg.launch, Path(cfg.run.dir))
+            launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir))
             return 0
-    from suite.train.trainer import Trainer
-
-    Trainer(cfg, dims, resolved_yaml).train()
+    if verb == "finetune":
+        from suite.finetune.trainer import FinetuneTrainer as trainer_class
+    else:
+        from suite.train.trainer import Trainer as trainer_class
+    trainer_class(cfg, dims, resolved_yaml).train()
     return 0
 
 
@@ -151,6 +163,8 @@ def _with_base_model(raw):
     init_from = raw.model.init_from
     base = asdict(base_model_config(init_from))
     base["init_from"] = init_from
+    if init_from.startswith("hf:"):  # a weight layout, not architecture: an HF base is fused on load
+        base["fused_projections"] = bool(raw.model.get("fused_projections", False))
     for key, value in base.items():
         raw.model[key] = value
     return raw, to_object(raw)
@@ -166,39 +180,40 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _with_base_model(raw)
     dims = validate(cfg, needs_data=False)
     validate_finetune(cfg, dims)
-    resolved_yaml = OmegaConf.to_yaml(raw)
-    if world_size(cfg) > 1:
-        from suite.parallel.launcher import inside_worker, launch
+    return _train("finetune", cfg, dims, OmegaConf.to_yaml(raw))
 
-        if not inside_worker():
-            launch("finetune", resolved_yaml, cfg.launch, Path(cfg.run.dir))
-            return 0
-    from suite.finetune.trainer import FinetuneTrainer
 
-    FinetuneTrainer(cfg, dims, resolved_yaml).train()
+def _compose_with_ckpt(overrides: list[str], example: str):
+    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required."""
+    _, cfg = _compose(overrides)
+    if not cfg.ckpt:
+        raise ConfigError(
+            f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
+        )
+    return cfg
+
+
+def _report(flags: set[str], result: dict, text: str) -> int:
+    """The verb's result: one JSON line with --json, else the human-readable text."""
+    print(json.dumps(result) if "--json" in flags else text)
     return 0
 
 
 def cmd_eval(overrides: list[str], flags: set[str]) -> int:
-    _, cfg = _compose(overrides)
-    if not cfg.ckpt:
-        raise ConfigError(
-            "ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/sft-tiny"
-        )
+    cfg = _compose_with_ckpt(overrides, "runs/sft-tiny")
     from suite.infer.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg.ckpt, cfg.eval, device=cfg.train.device)
-    if "--json" in flags:
-        print(json.dumps(result))
-    else:
-        for ex in result["examples"]:
-            mark = "ok " if ex["correct"] else "err"
-            print(f"  {mark} {ex['prompt']!r} -> {ex['prediction']!r} (reference {ex['reference']!r})")
-        print(
-            f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
-            f"held-out questions), {result['ckpt']}"
-        )
-    return 0
+    lines = [
+        f"  {'ok ' if ex['correct'] else 'err'} {ex['prompt']!r} -> {ex['prediction']!r} "
+        f"(reference {ex['reference']!r})"
+        for ex in result["examples"]
+    ]
+    lines.append(
+        f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
+        f"held-out questions), {result['ckpt']}"
+    )
+    return _report(flags, result, "\n".join(lines))
 
 
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
@@ -210,58 +225,53 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
     else:
         out = ensure_prepared(cfg.data, progress=True)
     meta = json.loads((out / "meta.json").read_text())
-    if "--json" in flags:
-        print(json.dumps({"path": str(out), **meta}))
-    else:
-        print(
-            f"prepared {out}: vocab {meta['vocab_size']}, {meta['num_train_tokens']:,} train tokens, "
-            f"{meta['num_val_tokens']:,} validation tokens"
-        )
-    return 0
+    return _report(
+        flags,
+        {"path": str(out), **meta},
+        f"prepared {out}: vocab {meta['vocab_size']}, {meta['num_train_tokens']:,} train tokens, "
+        f"{meta['num_val_tokens']:,} validation tokens",
+    )
 
 
 def cmd_generate(overrides: list[str], flags: set[str]) -> int:
-    _, cfg = _compose(overrides)
-    if not cfg.ckpt:
-        raise ConfigError(
-            "ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny"
-        )
+    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     from suite.infer.generate import generate_from_checkpoint
 
     text = generate_from_checkpoint(cfg.ckpt, cfg.generate, device=cfg.train.device)
-    if "--json" in flags:
-        print(json.dumps({"prompt": cfg.generate.prompt, "text": text}))
-    else:
-        print(cfg.generate.prompt + text)
-    return 0
+    return _report(flags, {"prompt": cfg.generate.prompt, "text": text}, cfg.generate.prompt + text)
 
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
-    _, cfg = _compose(overrides)
-    if not cfg.ckpt:
-        raise ConfigError(
-            "ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt=runs/gpt-tiny"
-        )
+    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     validate(cfg, needs_data=False)
     import torch
 
-    from suite.export.hf import export_hf
-    from suite.infer.generate import load_for_inference, lora_run
+    from suite.export.hf import export_checkpoint_hf
+    from suite.infer.generate import lora_run
+    from suite.train.checkpoint import resolve_checkpoint
 
     if lora_run(cfg.ckpt) and not cfg.export.merge_lora:
         raise ConfigError(
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
             "exported weights (the adapters alone are in <run.dir>/lora/)"
         )
-    model, tokenizer, folder = load_for_inference(cfg.ckpt, "cpu")
-    out = Path(cfg.export.out) if cfg.export.out else folder.parent.parent / f"export-{cfg.export.format}"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
-    export_hf(model, model.cfg, out, tokenizer, dtype)
-    if "--json" in flags:
-        print(json.dumps({"out": str(out), "format": cfg.export.format}))
+    if cfg.export.out:
+        out = Path(cfg.export.out)
+    elif str(cfg.ckpt).startswith("hf:"):
+        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
-        print(f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
-    return 0
+        out = resolve_checkpoint(cfg.ckpt).parent.parent / f"export-{cfg.export.format}"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
+    if cfg.export.max_shard_mb <= 0:
+        raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
+    shard_bytes = int(cfg.export.max_shard_mb * 2**20)
+    # streamed tensor by tensor from the checkpoint files: never the whole model in memory
+    folder = export_checkpoint_hf(cfg.ckpt, out, dtype, shard_bytes)
+    return _report(
+        flags,
+        {"out": str(out), "format": cfg.export.format},
+        f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
+    )
 
 
 def cmd_config(overrides: list[str], flags: set[str]) -> int:

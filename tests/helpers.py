@@ -63,16 +63,19 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's model weights as plain full tensors, whatever layout wrote them."""
+    """The newest checkpoint's model weights as plain full tensors, whatever layout wrote them
+    (under the unfused names when the run fused its projections, so layouts compare)."""
     from suite.config.compose import load_saved_config
     from suite.models import build_model, materialize
+    from suite.models.transformer import unfuse_state_dict
     from suite.train.checkpoint import load_model_weights, resolve_checkpoint
 
     folder = resolve_checkpoint(run_dir)
     cfg = load_saved_config(folder / "config.yaml")
     model = materialize(build_model(cfg.model), "cpu", seed=0)
     load_model_weights(folder, model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return unfuse_state_dict(cfg.model, weights) if cfg.model.fused_projections else weights
 
 
 def assert_close_losses(ref: dict[int, float], got: dict[int, float], rtol: float = 1e-4) -> None:
@@ -89,3 +92,19 @@ def assert_close_weights(
     for name in ref:
         diff = (ref[name].float() - got[name].float()).norm() / ref[name].float().norm().clamp_min(1e-12)
         assert diff <= tol, (name, float(diff))
+
+
+def export_and_compare(run: Path, out: Path, **overrides: str) -> float:
+    """`suite export` a run's checkpoint (in this process) to `out`; the largest |logit difference|
+    between transformers on the exported folder and the suite model loaded from the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from suite.cli import main
+    from suite.infer.generate import load_for_inference
+
+    assert main(["export", f"ckpt={run}", f"out={out}", *(f"{k}={v}" for k, v in overrides.items())]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ours, _, _ = load_for_inference(run)
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return float((hf(ids).logits - ours(ids)).abs().max())

@@ -31,6 +31,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    # one matmul for q/k/v (attention.wqkv) and for the SwiGLU gate/up (feed_forward.w13); see
+    # suite/models/transformer.py and docs/performance.md (off: it did not pay on the CPU measured)
+    fused_projections: bool = False
     init_std: float = 0.02
     init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
     # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense
@@ -62,6 +65,10 @@ class ParallelConfig:
     ep: Any = 1
     micro_batch_size: int = 8
     global_batch_size: int = 16
+    # FSDP2 (sharding_stage 2-3): blocks whose all-gather each block starts ahead in forward / in
+    # backward (docs/performance.md); 0 / 1 are FSDP2's implicit defaults
+    fsdp_forward_prefetch: int = 0
+    fsdp_backward_prefetch: int = 1
 
 
 @dataclass
@@ -98,6 +105,9 @@ class DataConfig:
     cache_dir: Optional[str] = None  # where the embedded corpus is built; None: ~/.cache/suite
     max_corpus_mb: float = 8.0  # size cap of the embedded corpus text
     doc_mask: bool = False  # pretraining: attention stays inside documents, positions restart after EOS
+    # gather the next step's batch in a background thread (pinned memory on CUDA); None: on when
+    # training on an accelerator, off on the CPU (the thread would compete with compute for cores)
+    prefetch: Optional[bool] = None
 
 
 @dataclass
@@ -194,6 +204,7 @@ class ExportConfig:
     out: Optional[str] = None  # None: <run.dir>/export-<format>
     dtype: str = "fp32"  # fp32 | bf16 | fp16
     merge_lora: bool = False  # a LoRA run: fold the adapters into the weights (needed for format=hf)
+    max_shard_mb: float = 2048.0  # safetensors files of at most this size (+ an index when several)
 
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # every linear layer of a block

@@ -5,10 +5,18 @@ and shifted targets in one tensor). Each optimizer step consumes the next `globa
 samples of that epoch's permutation; data-parallel rank r takes the contiguous r-th slice and cuts
 it into micro-batches in order. The samples of a step therefore do not depend on dp or on the
 micro-batch size, which is what makes dp=1 x 2 micro-batches equal dp=2 x 1 micro-batch.
+
+Overlap with compute (`prefetch=True`, data.prefetch; on by default on accelerators): while the
+device runs step n, a background thread gathers step n+1's rows from the memmap and, with
+`pin_memory=True`, copies them into page-locked memory, so the trainer's
+`batch.to(device, non_blocking=True)` is an asynchronous copy that does not stall the host. The
+batches are a pure function of (epoch, position), so prefetching changes no batch and no
+`state_dict()`: resume stays exact.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,8 @@ class TokenBatches:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        prefetch: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         path = Path(prefix_or_dir).expanduser()
         self.data = IndexedTokens(path / split if path.is_dir() else path)
@@ -58,6 +68,9 @@ class TokenBatches:
         self._order_epoch = -1
         self._order = np.zeros(0, dtype=np.int64)
         self._window = np.arange(seq_len + 1, dtype=np.int64)
+        self.pin_memory = pin_memory
+        self._prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
+        self._prefetched: tuple[tuple[int, int], Future] | None = None
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
@@ -70,18 +83,34 @@ class TokenBatches:
         mine = step_samples[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
         rows = self.data.tokens[mine[:, None] * self.seq_len + self._window]  # gathers from the memmap
         rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        if self.pin_memory:
+            rows = rows.pin_memory()  # page-locked: the copy to the device can be asynchronous
         return list(rows.split(self.micro_batch_size))
+
+    def _step_batches(self, order: np.ndarray, position: int) -> list[torch.Tensor]:
+        """The micro-batches at `position` of an epoch's sample order (no state is read or changed)."""
+        g = self.global_batch_size
+        return self._rank_micro_batches(order[position * g : (position + 1) * g])
+
+    def _following(self, epoch: int, position: int) -> tuple[int, int]:
+        """The (epoch, position) the next call of next_step reads, from the state (epoch, position)."""
+        return (epoch + 1, 0) if position >= self.steps_per_epoch else (epoch, position)
 
     def next_step(self) -> list[torch.Tensor]:
         """The micro-batches this rank processes for the next optimizer step."""
-        if self.position >= self.steps_per_epoch:
-            self.epoch += 1
-            self.position = 0
-        order = self._permutation(self.epoch)
-        g = self.global_batch_size
-        step = order[self.position * g : (self.position + 1) * g]
-        self.position += 1
-        return self._rank_micro_batches(step)
+        key = self._following(self.epoch, self.position)
+        self.epoch, position = key
+        self.position = position + 1
+        ready, self._prefetched = self._prefetched, None
+        if ready is not None and ready[0] == key:
+            batches = ready[1].result()
+        else:
+            batches = self._step_batches(self._permutation(self.epoch), position)
+        if self._prefetch_pool is not None:  # gather the step after this one while it computes
+            upcoming = self._following(self.epoch, self.position)
+            order = self._permutation(upcoming[0])  # computed here: the thread only reads its own
+            self._prefetched = (upcoming, self._prefetch_pool.submit(self._step_batches, order, upcoming[1]))
+        return batches
 
     def eval_batches(self, num_batches: int) -> list[torch.Tensor]:
         """The first `num_batches` global batches of the split in stream order (no shuffle), this rank's part.
@@ -106,6 +135,7 @@ class TokenBatches:
         """Continue exactly where `state` left off (same data, seed and global batch size assumed)."""
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self._prefetched = None  # keyed by (epoch, position) anyway; drop the stale one now
 
     @property
     def tokens_per_step(self) -> int:

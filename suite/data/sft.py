@@ -37,9 +37,7 @@ plain causal mask is then enough and `doc_ids` is None.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +50,7 @@ import torch.nn.functional as F
 
 from suite.config.errors import ConfigError
 from suite.config.schema import DataConfig, SFTDataConfig
+from suite.data.sources import json_lines, match_local
 
 _SFT_DEFAULTS = SFTDataConfig()  # recipe keys finetune.data.*: the one source of these defaults
 _DATA_DEFAULTS = DataConfig()
@@ -183,20 +182,9 @@ def _source_spec(source: Any) -> tuple[str, str, str | None]:
 
 def _local_sft_files(pattern: str) -> list[Path] | None:
     """Files a local path/glob/folder names, or None when `pattern` looks like a `datasets` name."""
-    expanded = os.path.expanduser(pattern)
-    magic = any(c in expanded for c in "*?[")
-    looks_local = (
-        magic
-        or os.path.exists(expanded)
-        or expanded.startswith(("/", "./", "../"))
-        or Path(expanded).suffix in SFT_SUFFIXES
-    )
-    if not looks_local:
+    files = match_local(pattern, SFT_SUFFIXES)
+    if files is None:
         return None
-    if os.path.isdir(expanded):
-        files = [p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in SFT_SUFFIXES]
-    else:
-        files = [Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
     bad = [p for p in files if p.suffix not in SFT_SUFFIXES]
     if not files or bad:
         found = f"matches '{bad[0]}', which is not" if bad else "matches no"
@@ -204,7 +192,7 @@ def _local_sft_files(pattern: str) -> list[Path] | None:
             f"SFT source '{pattern}' {found} {'/'.join(SFT_SUFFIXES)} files; give a file, folder or glob of "
             "chat rows, or a `datasets` name"
         )
-    return sorted(files)
+    return files
 
 
 def iter_sft_rows(sources: Any) -> Iterator[tuple[str, Any]]:
@@ -233,15 +221,10 @@ def iter_sft_rows(sources: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                record = (_INVALID_JSON, err.msg)
-            yield f"{path} line {lineno}", record
+    for lineno, record in json_lines(path):
+        if isinstance(record, json.JSONDecodeError):
+            record = (_INVALID_JSON, record.msg)
+        yield f"{path} line {lineno}", record
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:

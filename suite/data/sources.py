@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +52,29 @@ def read_source(src: Any, index: int) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
-def local_files(pattern: str, key: str) -> list[Path] | None:
-    """The sorted files a local path/glob/folder names, or None when it looks like a `datasets` name."""
+def match_local(pattern: str, suffixes: tuple[str, ...]) -> list[Path] | None:
+    """The sorted files a local path/glob/folder names (a folder: its files with `suffixes`), or
+    None when `pattern` looks like a `datasets` name instead."""
     expanded = os.path.expanduser(pattern)
     magic = any(c in expanded for c in "*?[")
     looks_local = (
         magic
         or os.path.exists(expanded)
         or expanded.startswith(("/", "./", "../"))
-        or Path(expanded).suffix in SUPPORTED
+        or Path(expanded).suffix in suffixes
     )
     if not looks_local:
         return None
     if os.path.isdir(expanded):
-        matches = [p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in SUPPORTED]
-    else:
-        matches = [Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)]
+        return sorted(p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in suffixes)
+    return sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+
+
+def local_files(pattern: str, key: str) -> list[Path] | None:
+    """The sorted files a local path/glob/folder names, or None when it looks like a `datasets` name."""
+    matches = match_local(pattern, SUPPORTED)
+    if matches is None:
+        return None
     if not matches:
         raise ConfigError(
             f"{key}.path='{pattern}' matches no files; give a .txt/.jsonl/.parquet file, folder or glob "
@@ -78,7 +86,7 @@ def local_files(pattern: str, key: str) -> list[Path] | None:
                 f"{key}.path='{pattern}' matches '{path}', which is not {'/'.join(SUPPORTED)}; "
                 "narrow the glob (e.g. *.txt) or convert the file"
             )
-    return sorted(matches)
+    return matches
 
 
 def split_text(text: str, max_chars: int = TXT_DOC_CHARS) -> list[str]:
@@ -97,24 +105,32 @@ def split_text(text: str, max_chars: int = TXT_DOC_CHARS) -> list[str]:
     return docs
 
 
-def _read_jsonl(path: Path, field: str, key: str) -> list[str]:
-    docs = []
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, parsed record) for every non-blank line of a JSONL file; a line that
+    is not valid JSON gives its json.JSONDecodeError as the record (each reader decides)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
-                raise ConfigError(
-                    f"{key}: '{path}' line {lineno} is not valid JSON ({err.msg}); fix or remove it"
-                ) from err
-            if not isinstance(record, dict) or field not in record:
-                raise ConfigError(
-                    f"{key}.text_field='{field}' is not a field of '{path}' line {lineno}; "
-                    f"set {key}.text_field to the key that holds the text"
-                )
-            docs.append(str(record[field]))
+                yield lineno, err
+
+
+def _read_jsonl(path: Path, field: str, key: str) -> list[str]:
+    docs = []
+    for lineno, record in json_lines(path):
+        if isinstance(record, json.JSONDecodeError):
+            raise ConfigError(
+                f"{key}: '{path}' line {lineno} is not valid JSON ({record.msg}); fix or remove it"
+            )
+        if not isinstance(record, dict) or field not in record:
+            raise ConfigError(
+                f"{key}.text_field='{field}' is not a field of '{path}' line {lineno}; "
+                f"set {key}.text_field to the key that holds the text"
+            )
+        docs.append(str(record[field]))
     return docs
 
 

@@ -7,11 +7,14 @@ llama MoE    <-> MixtralForCausalLM: router = mlp.gate; our stacked experts w1/w
                  transformers 5's fused mlp.experts.gate_up_proj (cat on dim 1), w2 its down_proj;
                  folders saved per expert (block_sparse_moe.experts.N.w1/w2/w3) import too.
 Config files are written through transformers' own config classes, never by hand.
+A model with fused projections (model.fused_projections: wqkv, w13) is converted through the
+unfused names (suite.models.transformer.unfuse_state_dict / fuse_state_dict).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -19,8 +22,16 @@ from safetensors.torch import load_file
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.export.lazy import LazyTensor
+from suite.export.stream import (
+    MAX_SHARD_BYTES,
+    checkpoint_weights,
+    hf_weights,
+    on_disk_names,
+    write_hf_weights,
+)
 from suite.models.moe import expert_ffn_size, moe_layer_ids
-from suite.models.transformer import ffn_size, kv_heads
+from suite.models.transformer import ffn_size, fuse_state_dict, kv_heads, unfuse_state_dict
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED = ("gpt2", *LLAMA_LIKE)
@@ -98,6 +109,8 @@ def _mixtral_config(cfg: ModelConfig, common: dict):
 
 def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename (and for GPT-2, fuse and transpose) suite weights into the HF layout."""
+    if cfg.fused_projections:
+        sd = unfuse_state_dict(cfg, sd)
     out: dict[str, torch.Tensor] = {}
     if cfg.family == "gpt":
         out["transformer.wte.weight"] = sd["tok_embeddings.weight"]
@@ -282,23 +295,25 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
                     sd[p + ours] = torch.stack(
                         [hf_sd[f"{q}{e}.{ours}.weight"] for e in range(cfg.num_experts)]
                     )
+    if cfg.fused_projections:
+        sd = fuse_state_dict(cfg, sd)
     return {k: v.contiguous() for k, v in sd.items()}
 
 
 def load_hf_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """A suite Transformer holding an HF checkpoint's weights (plus the tokenizer, when present)."""
+    """A suite Transformer holding an HF checkpoint's weights (plus the tokenizer, when present).
+
+    The weights are read tensor by tensor into the model (suite.export.stream), never all at once.
+    """
+    from suite.export.stream import load_hf_weights
     from suite.models import build_model, materialize
 
     folder = Path(folder).expanduser()
     cfg = model_config_from_hf(folder)
     model = materialize(build_model(cfg), device, seed=0)
-    weights = from_hf_state_dict(cfg, read_hf_weights(folder))
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "output.weight")]
-    if missing or unexpected:
-        raise ConfigError(
-            f"hf:{folder}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+    if dtype != torch.float32:
+        model.to(dtype)
+    load_hf_weights(model, folder)
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -309,21 +324,69 @@ def load_hf_model(folder: str | Path, device: str | torch.device = "cpu", dtype:
 
 def export_hf(model, cfg: ModelConfig, out: Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
     """Write a folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load with no custom code."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    return write_hf_folder(cfg, model.state_dict(), out, tokenizer, dtype)
+
+
+def write_hf_folder(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor | LazyTensor],
+    out: Path,
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """The HF folder for suite-named `weights` (tensors, or lazy tensors read one shard at a time)."""
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     config = hf_config(cfg, eos, pad)
     config.dtype = dtype
-    hf_sd = to_hf_state_dict(cfg, {k: v.detach().cpu() for k, v in model.state_dict().items()})
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config)
-    hf_model.load_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, strict=False, assign=True)
-    hf_model.tie_weights()
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    hf_sd = on_disk_names(cfg, to_hf_state_dict(cfg, dict(weights)))
+    if cfg.tie_embeddings:
+        hf_sd.pop("lm_head.weight", None)  # tied: saved once, as the embedding (as transformers does)
     out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out, safe_serialization=True)
+    write_hf_weights(hf_sd, out, dtype, max_shard_bytes)
+    config.save_pretrained(out)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     (out / "suite_export.json").write_text(json.dumps({"family": cfg.family, "name": cfg.name}, indent=1))
     return out
+
+
+def export_checkpoint_hf(
+    ckpt: str | Path, out: Path, dtype: torch.dtype = torch.float32, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
+    """`suite export`: a suite checkpoint (any layout wrote it; LoRA adapters merged) or an hf:
+    folder, streamed tensor by tensor into an HF folder. Returns the checkpoint folder read."""
+    from suite.config.compose import load_saved_config
+    from suite.train.checkpoint import resolve_checkpoint
+
+    if str(ckpt).startswith("hf:"):
+        folder = Path(str(ckpt)[3:]).expanduser()
+        cfg = model_config_from_hf(folder)
+        tokenizer = None
+        if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        with hf_weights(folder) as tensors:
+            write_hf_folder(cfg, from_hf_state_dict(cfg, tensors), out, tokenizer, dtype, max_shard_bytes)
+        return folder
+    from suite.data import load_tokenizer
+
+    folder = resolve_checkpoint(ckpt)
+    saved = load_saved_config(folder / "config.yaml")
+    lora = saved.finetune.lora
+    scaling = lora.alpha / lora.rank if saved.finetune.method == "lora" else None
+    run_dir = folder.parent.parent
+    if not (run_dir / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"ckpt='{ckpt}': no tokenizer.json in {run_dir}; was it written by `suite pretrain`?"
+        )
+    weights = checkpoint_weights(folder, scaling)
+    write_hf_folder(saved.model, weights, out, load_tokenizer(run_dir), dtype, max_shard_bytes)
+    return folder

@@ -43,7 +43,9 @@ from suite.config.errors import ConfigError
 from suite.config.schema import LORA_TARGETS, LoRAConfig
 
 DEFAULT_TARGETS = LORA_TARGETS
-BLOCK_LINEARS = frozenset(DEFAULT_TARGETS)
+# fused projections (model.fused_projections): one layer stands for several unfused names
+FUSED_TARGETS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
+BLOCK_LINEARS = frozenset((*DEFAULT_TARGETS, *FUSED_TARGETS))
 ADAPTER_FILE = "lora.safetensors"
 ADAPTER_CONFIG = "lora.json"
 # Name segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert.
@@ -118,6 +120,17 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
         )
 
 
+def _resolve_fused_targets(model: nn.Module, targets: tuple[str, ...]) -> set[str]:
+    """Module names to adapt: a fused layer (wqkv, w13) is adapted when any name it replaces
+    (wq/wk/wv, w1/w3) is a target and the model has no unfused layer of that name."""
+    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    chosen = set(targets)
+    for fused, parts in FUSED_TARGETS.items():
+        if fused in present and any(t in parts and t not in present for t in targets):
+            chosen.add(fused)
+    return chosen
+
+
 def apply_lora(
     model: nn.Module,
     rank: int = LoRAConfig.rank,
@@ -127,6 +140,10 @@ def apply_lora(
     seed: int = 0,
 ) -> nn.Module:
     """Wrap every nn.Linear whose last name segment is in `target_modules`; freeze everything else.
+
+    On a model with fused projections, targeting any of wq/wk/wv adapts `wqkv` (all three) and
+    any of w1/w3 (SwiGLU) adapts `w13`: one adapter over the fused output, as PEFT does for GPT-2's
+    c_attn. Under tensor parallelism its lora_b is split like the fused weight (whole head groups).
 
     Works on a meta-device model (the adapters stay on meta until materialised; call init_lora
     afterwards). On a materialised model the adapters are initialised at once with `seed`.
@@ -142,10 +159,11 @@ def apply_lora(
     _check_targets(model, targets)
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA adapters (merge_lora first)")
+    chosen = _resolve_fused_targets(model, targets)
     swaps = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in chosen
     ]
     if not swaps:
         raise ConfigError(f"finetune.lora.target_modules={list(targets)} match no linear layer of the model")

@@ -6,7 +6,7 @@ checkpoints and resume are the Trainer's):
     data      finetune.data: a built-in task (generated into <run.dir>/task/) or chat rows from local
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
               packed; batches are SFTBatch (tokens, labels, positions, doc_ids) and the loss is
-              token-weighted over the global batch (ParallelModel._forward_backward_labelled)
+              token-weighted over the global batch (ParallelModel._labelled_loss)
     weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>) replaces the seeded
               initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
@@ -87,11 +87,12 @@ def load_base_tokenizer(init_from: str) -> Any:
 
 
 @torch.no_grad()
-def load_base_weights(model: nn.Module, init_from: str) -> None:
+def load_base_weights(model: nn.Module, init_from: str, fused_projections: bool = False) -> None:
     """Copy the base checkpoint's weights into `model` (any layout; collective when distributed).
 
     Adapter parameters (not in the base) keep their values. A suite checkpoint is read with DCP
-    (resharded to this layout); an HF folder is converted and every rank loads the full tensors.
+    (resharded to this layout); from an HF folder each rank reads only its own shard of every
+    tensor (safetensors slices through the lazy HF -> suite mapping: suite.export.stream).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -102,10 +103,9 @@ def load_base_weights(model: nn.Module, init_from: str) -> None:
 
     folder = base_folder(init_from)
     if is_hf(init_from):
-        from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+        from suite.export.stream import load_hf_weights
 
-        weights = from_hf_state_dict(model_config_from_hf(folder), read_hf_weights(folder))
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        load_hf_weights(model, folder, fused_projections)
         return
     state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
     dcp.load({"model": state}, checkpoint_id=str(folder))
@@ -209,7 +209,7 @@ class FinetuneTrainer(Trainer):
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules), self.cfg.train.seed)
 
     def _load_initial_weights(self) -> None:
-        load_base_weights(self.model, self.cfg.model.init_from)
+        load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
         if self.cfg.finetune.method == "lora":
             from suite.finetune.lora import count_trainable, init_lora
 

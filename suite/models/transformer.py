@@ -7,6 +7,17 @@ No parallel code lives here: suite.parallel rewrites these modules from outside.
 possible, shapes are never derived from the config inside forward (heads are `-1` in views), so a
 tensor-parallel shard of a projection just works, and `layers` is a ModuleDict so pipeline stages
 can drop layers while keeping the names checkpoints use.
+
+`model.fused_projections=true` computes q, k and v with one matmul (`attention.wqkv`) and the
+SwiGLU gate and up projections with one (`feed_forward.w13`). The fused rows are laid out so that
+any contiguous split into whole kv-head groups (or whole gate/up pairs) is itself a valid smaller
+layer, which is what a column-parallel shard is (suite.parallel.tensor_parallel):
+
+    wqkv rows: for each kv head g: [q heads g*r .. g*r+r-1 | k head g | v head g]   (r = heads / kv heads)
+    w13 rows:  gate_0, up_0, gate_1, up_1, ...                                       (interleaved pairs)
+
+`fuse_state_dict` / `unfuse_state_dict` convert between the two layouts (HF import/export use the
+unfused names). A fused model's seeded init equals the unfused model's (the same values, fused).
 """
 
 from __future__ import annotations
@@ -114,6 +125,76 @@ class CoreAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
 
 
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """wq/wk/wv weights (or biases), stacked on dim 0, into the fused kv-group layout of `wqkv`.
+
+    Only `narrow` and `torch.cat`, which suite.export.lazy keeps lazy: a rank that imports an HF
+    checkpoint into a sharded fused model reads just the rows of its own shard."""
+    rq, rkv = q.shape[0] // num_kv_heads, k.shape[0] // num_kv_heads
+    parts = []
+    for g in range(num_kv_heads):
+        parts += [q.narrow(0, g * rq, rq), k.narrow(0, g * rkv, rkv), v.narrow(0, g * rkv, rkv)]
+    return torch.cat(parts)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of fuse_qkv: (wq, wk, wv) weights or biases."""
+    per_group = qkv.shape[0] // num_kv_heads  # (r + 2) * head_dim rows
+    head_dim = per_group // (num_heads // num_kv_heads + 2)
+    rq = per_group - 2 * head_dim
+    spans = ((0, rq), (rq, head_dim), (rq + head_dim, head_dim))
+    return tuple(
+        torch.cat([qkv.narrow(0, g * per_group + start, length) for g in range(num_kv_heads)])
+        for start, length in spans
+    )
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """w1 (gate) and w3 (up) weights into the interleaved rows of `w13`."""
+    return torch.stack((gate, up), dim=1).reshape(-1, *gate.shape[1:])
+
+
+def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = w13.reshape(-1, 2, *w13.shape[1:])
+    return pairs[:, 0], pairs[:, 1]
+
+
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
+
+
+def unfuse_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A fused model's state dict under the unfused names (wq/wk/wv, w1/w3); others untouched."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in sd.items():
+        prefix, _, rest = name.rpartition(".")
+        module_prefix, _, module = prefix.rpartition(".")
+        if module == "wqkv":
+            parts = split_qkv(value, cfg.num_heads, kv_heads(cfg))
+        elif module == "w13":
+            parts = split_gate_up(value)
+        else:
+            out[name] = value
+            continue
+        for part, tensor in zip(_FUSED[module], parts):
+            out[f"{module_prefix}.{part}.{rest}"] = tensor.contiguous()
+    return out
+
+
+def fuse_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An unfused state dict under a fused model's names (wqkv, w13): the inverse of unfuse_state_dict."""
+    out = dict(sd)
+    for name in list(sd):
+        prefix, _, rest = name.rpartition(".")
+        module_prefix, _, module = prefix.rpartition(".")
+        if module == "wq" and f"{module_prefix}.wk.{rest}" in sd:
+            q, k, v = (out.pop(f"{module_prefix}.{m}.{rest}") for m in ("wq", "wk", "wv"))
+            out[f"{module_prefix}.wqkv.{rest}"] = fuse_qkv(q, k, v, kv_heads(cfg))
+        elif module == "w1" and f"{module_prefix}.w3.{rest}" in sd:
+            gate, up = out.pop(name), out.pop(f"{module_prefix}.w3.{rest}")
+            out[f"{module_prefix}.w13.{rest}"] = fuse_gate_up(gate, up)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -121,9 +202,14 @@ class Attention(nn.Module):
         gpt = cfg.family == "gpt"
         qkv_bias = gpt or cfg.qkv_bias
         n_kv = kv_heads(cfg)
-        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
+        self.q_per_kv = cfg.num_heads // n_kv
+        if cfg.fused_projections:
+            fused_out = (cfg.num_heads + 2 * n_kv) * self.head_dim
+            self.wqkv = nn.Linear(cfg.hidden_size, fused_out, bias=qkv_bias)
+        else:
+            self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=qkv_bias)
+            self.wk = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
+            self.wv = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=gpt)
         self.core = CoreAttention(cfg.num_heads, n_kv)
 
@@ -135,9 +221,14 @@ class Attention(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "wqkv"):  # [b, s, kv groups (local under tp), r + 2, head_dim]
+            qkv = self.wqkv(x).view(b, s, -1, self.q_per_kv + 2, self.head_dim)
+            q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, -1, self.head_dim)
+            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        else:
+            q = self.wq(x).view(b, s, -1, self.head_dim)
+            k = self.wk(x).view(b, s, -1, self.head_dim)
+            v = self.wv(x).view(b, s, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -158,11 +249,17 @@ class FeedForward(nn.Module):
         width = ffn_size(cfg)
         self.swiglu = cfg.family == "llama"
         bias = not self.swiglu
-        self.w1 = nn.Linear(cfg.hidden_size, width, bias=bias)  # gate (llama) / fc (gpt)
+        if self.swiglu and cfg.fused_projections:
+            self.w13 = nn.Linear(cfg.hidden_size, 2 * width, bias=False)  # (gate, up) row pairs
+        else:
+            self.w1 = nn.Linear(cfg.hidden_size, width, bias=bias)  # gate (llama) / fc (gpt)
+            self.w3 = nn.Linear(cfg.hidden_size, width, bias=False) if self.swiglu else None  # up
         self.w2 = nn.Linear(width, cfg.hidden_size, bias=bias)  # down / proj
-        self.w3 = nn.Linear(cfg.hidden_size, width, bias=False) if self.swiglu else None  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "w13"):
+            gate_up = self.w13(x).unflatten(-1, (-1, 2))
+            return self.w2(F.silu(gate_up[..., 0]) * gate_up[..., 1])
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
@@ -280,16 +377,24 @@ class Transformer(nn.Module):
         """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, param in self.named_parameters():
+
+        def initial(name: str, shape: torch.Size) -> torch.Tensor:
             if name.endswith("bias"):
-                init = torch.zeros(param.shape)
-            elif "norm" in name:
-                init = torch.ones(param.shape)
+                return torch.zeros(shape)
+            if "norm" in name:
+                return torch.ones(shape)
+            scale = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
+            # One generator per parameter name: the same values whatever layers this rank holds.
+            gen = torch.Generator(device="cpu").manual_seed(seed + zlib.crc32(name.encode()))
+            return torch.randn(shape, generator=gen) * scale
+
+        for name, param in self.named_parameters():
+            if ".wqkv." in name or ".w13." in name:  # the unfused parts' values, fused: same model
+                parts = unfuse_state_dict(self.cfg, {name: torch.empty(param.shape)})
+                fused = fuse_state_dict(self.cfg, {n: initial(n, t.shape) for n, t in parts.items()})
+                init = fused[name]
             else:
-                scale = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
-                # One generator per parameter name: the same values whatever layers this rank holds.
-                gen = torch.Generator(device="cpu").manual_seed(seed + zlib.crc32(name.encode()))
-                init = torch.randn(param.shape, generator=gen) * scale
+                init = initial(name, param.shape)
             param.copy_(init.to(param.dtype))
         if self.rope_inv_freq is not None:
             self.rope_inv_freq.copy_(rope_inv_freq(self.cfg).to(self.rope_inv_freq.device))

@@ -94,10 +94,16 @@ def apply_data_parallel(
     offload: bool,
     device: torch.device,
     ignored_params: set[nn.Parameter] | None = None,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
 ) -> str:
     """Wrap `model` (a Transformer or a pipeline part) per block, then the rest; returns the kind.
 
     `ignored_params` (expert-parallel weights) are left out: their own module reduces them.
+    `forward_prefetch` / `backward_prefetch` (parallel.fsdp_forward_prefetch / fsdp_backward_prefetch,
+    FSDP2 stages 2-3 only): how many following blocks each block's forward (backward) starts
+    all-gathering ahead. 0 forward / 1 backward are FSDP2's own implicit behaviour; more overlaps
+    more communication with compute and holds that many more blocks' parameters whole.
     """
     kind = data_parallel_kind(dims, stage)
     if kind == "none":
@@ -129,7 +135,18 @@ def apply_data_parallel(
     # the root group (embeddings, final norm, head): at stage 3 it is re-sharded after forward too
     # (FSDP2's default would keep the root gathered), so no parameter stays whole between passes
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=after_forward, **mp_off)
+    set_fsdp_prefetch(blocks, forward_prefetch, backward_prefetch)
     return kind
+
+
+def set_fsdp_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
+    """Explicit FSDP2 prefetching: block i gathers blocks i+1..i+forward during its forward and
+    blocks i-1..i-backward during its backward (1 backward is FSDP2's implicit default)."""
+    for i, block in enumerate(blocks):
+        if forward > 0 and blocks[i + 1 : i + 1 + forward]:
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward])
+        if backward > 1 and i > 0:
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - backward) : i][::-1])
 
 
 def set_gradient_sync(model: nn.Module, kind: str, last_micro_batch: bool) -> None:

@@ -169,6 +169,18 @@ class ParallelDims:
                 f"it needs parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
                 f"stage {pcfg.sharding_stage})"
             )
+        if pcfg.fsdp_forward_prefetch < 0 or pcfg.fsdp_backward_prefetch < 1:
+            raise ConfigError(
+                f"parallel.fsdp_forward_prefetch={pcfg.fsdp_forward_prefetch} and parallel.fsdp_backward_prefetch="
+                f"{pcfg.fsdp_backward_prefetch}: use counts of blocks, >= 0 forward and >= 1 backward (defaults 0, 1)"
+            )
+        explicit_prefetch = pcfg.fsdp_forward_prefetch > 0 or pcfg.fsdp_backward_prefetch > 1
+        if explicit_prefetch and (self.sharding == 1 or pcfg.sharding_stage == 1):
+            raise ConfigError(
+                "parallel.fsdp_forward_prefetch / fsdp_backward_prefetch set FSDP2's all-gather prefetching; they "
+                f"need parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
+                f"stage {pcfg.sharding_stage})"
+            )
         if self.world_size > 1 and cfg.train.precision == "fp16":
             raise ConfigError(
                 "train.precision=fp16 (loss scaling) is single-process only; multi-process runs use "

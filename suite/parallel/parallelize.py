@@ -180,37 +180,19 @@ class ParallelModel:
     ) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; returns the global-batch mean loss (detached).
 
-        Labelled (finetuning) micro-batches take `_forward_backward_labelled`: token-weighted.
+        Token batches: the mean of the micro-batches' mean losses. Labelled (finetuning)
+        micro-batches: token-weighted (`_labelled_loss`).
         """
         if micro_batches and is_labelled(micro_batches[0]):
-            return self._forward_backward_labelled(micro_batches, loss_fn, autocast, scaler)
-        device = self.input_device()
-        total = torch.zeros((), device=device)
+            return self._accumulate(
+                micro_batches, *self._labelled_loss(micro_batches, loss_fn), autocast, scaler
+            )
         count = len(micro_batches)
-        for i, batch in enumerate(micro_batches):
-            last = i == count - 1
-            if self.dp_kind != "none":
-                from suite.parallel.data_parallel import set_gradient_sync
+        return self._accumulate(
+            micro_batches, self.model_inputs, loss_fn, lambda loss: loss / count, autocast, scaler
+        )
 
-                set_gradient_sync(self.model, self.dp_kind, last)
-            batch = batch.to(device, non_blocking=True)
-            tokens, targets, kwargs = self.model_inputs(batch)
-            with self.loss_context():
-                with autocast():
-                    loss = self.model_loss(tokens, targets, kwargs, loss_fn) / count
-                if last:
-                    self._note_bytes("params", memory.parameter_bytes(self.model))
-                scaler.scale(loss).backward()
-            total += _local_value(loss)
-        if "after_backward" in self.extras:  # expert parallel: reduce expert gradients over their replicas
-            self.extras["after_backward"]()
-        self._note_bytes("params", memory.parameter_bytes(self.model))
-        self._note_bytes("grads", memory.gradient_bytes(self.model))
-        return self.data_mean(total)
-
-    def _forward_backward_labelled(
-        self, micro_batches: list, loss_fn: LossFn, autocast, scaler
-    ) -> torch.Tensor:
+    def _labelled_loss(self, micro_batches: list, loss_fn: LossFn) -> tuple[Callable, LossFn, Callable]:
         """Loss = sum of masked cross-entropy / number of target tokens in the whole global batch.
 
         Micro-batches and data-parallel ranks hold different numbers of target tokens, so the
@@ -218,12 +200,23 @@ class ParallelModel:
         contributes its loss *sum* over that count, times the data-parallel size because the
         data-parallel wrappers average gradients over the ranks. Any dp / micro-batch split thus
         gives the gradient and loss of one process taking the global batch at once.
+        Returns (inputs of a batch, loss function, weighting of a loss) for `_accumulate`.
         """
-        device = self.input_device()
         local_targets = sum(batch.num_targets for batch in micro_batches)
-        targets = self.data_sum(torch.tensor(float(local_targets), device=device))
+        targets = self.data_sum(torch.tensor(float(local_targets), device=self.input_device()))
         scale = self.dims.data_parallel_size / max(float(targets), 1.0)
         summed = functools.partial(loss_fn, reduction="sum")
+        return (
+            (lambda batch: (batch.tokens, batch.labels, batch.model_kwargs())),
+            summed,
+            lambda loss: loss * scale,
+        )
+
+    def _accumulate(
+        self, micro_batches: list, inputs: Callable, loss_fn: LossFn, weight: Callable, autocast, scaler
+    ) -> torch.Tensor:
+        """Forward and backward of each micro-batch's weight(loss); gradients synchronised on the last."""
+        device = self.input_device()
         total = torch.zeros((), device=device)
         count = len(micro_batches)
         for i, batch in enumerate(micro_batches):
@@ -232,14 +225,16 @@ class ParallelModel:
                 from suite.parallel.data_parallel import set_gradient_sync
 
                 set_gradient_sync(self.model, self.dp_kind, last)
-            batch = batch.to(device, non_blocking=True)
+            tokens, targets, kwargs = inputs(batch.to(device, non_blocking=True))
             with self.loss_context():
                 with autocast():
-                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed) * scale
+                    loss = weight(self.model_loss(tokens, targets, kwargs, loss_fn))
                 if last:
                     self._note_bytes("params", memory.parameter_bytes(self.model))
                 scaler.scale(loss).backward()
             total += _local_value(loss)
+        if "after_backward" in self.extras:  # expert parallel: reduce expert gradients over their replicas
+            self.extras["after_backward"]()
         self._note_bytes("params", memory.parameter_bytes(self.model))
         self._note_bytes("grads", memory.gradient_bytes(self.model))
         return self.data_mean(total)
@@ -401,6 +396,8 @@ def make_part_parallelizer(
             pcfg.offload,
             device,
             ignored_params=set(expert_params),
+            forward_prefetch=pcfg.fsdp_forward_prefetch,
+            backward_prefetch=pcfg.fsdp_backward_prefetch,
         )
         # offloaded FSDP keeps the sharded parameters (and so the optimizer) on the CPU
         home = torch.device("cpu") if pcfg.offload else device

@@ -386,9 +386,11 @@ class PipelineParallelModel(ParallelModel):
         return dist.get_global_rank(self.pp_group, stage % self.dims.pp)
 
     def _send(self, t: torch.Tensor, dst_stage: int) -> None:
-        if isinstance(t, DTensor):
-            raise NotImplementedError(
-                "pipeline evaluate: DTensor activations between stages are not supported"
+        if isinstance(t, DTensor):  # the tp plans return local tensors from every block
+            raise RuntimeError(
+                f"pipeline evaluation sends plain tensors between stages, but stage {dst_stage - 1} produced a "
+                f"DTensor ({t.placements}); its last module's tensor-parallel style must use "
+                "use_local_output=True (suite.parallel.tensor_parallel.block_plan)"
             )
         header = torch.tensor(
             [t.dim(), *t.shape, _DTYPES.index(t.dtype)] + [0] * (6 - t.dim()), dtype=torch.long

@@ -9,6 +9,11 @@ Per block, for both families (GPT and Llama share module names):
     feed_forward.w1 / w3        ColwiseParallel
     feed_forward.w2             RowwiseParallel
 
+    Fused projections (model.fused_projections): attention.wqkv and feed_forward.w13 are plain
+    ColwiseParallel too. Their rows are ordered per kv-head group [q..., k, v] and per (gate, up)
+    pair (suite.models.transformer), so the contiguous Shard(0) slice a rank gets holds whole
+    groups of q, k and v heads (tp divides num_kv_heads) and whole gate/up pairs: no special plan.
+
 Around the blocks:
 
     tok_embeddings              RowwiseParallel   vocabulary-parallel embedding: each rank holds
@@ -177,9 +182,11 @@ def block_plan(sp: bool, family: str) -> dict[str, ParallelStyle]:
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
+            "attention.wqkv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w13": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(),
         }
     return {
@@ -191,11 +198,13 @@ def block_plan(sp: bool, family: str) -> dict[str, ParallelStyle]:
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
+        "attention.wqkv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w13": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
 

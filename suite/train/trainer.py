@@ -104,6 +104,8 @@ class Trainer:
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
         self.bad_in_a_row = 0
+        # (step, loss, grad_norm, ok) of steps whose finiteness flag is still on the device
+        self.unread_steps: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # loss-spike rollback (train.spike_factor): recent good losses, batches never to train on
         self.loss_window: deque[float] = deque(maxlen=cfg.train.spike_window)
         self.skipped_batches: list[int] = []
@@ -116,6 +118,10 @@ class Trainer:
         if cfg.train.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: ckpt.PendingSave | None = None
+        # the per-step SIGTERM check all-reduces a host flag: over gloo when the device is an accelerator
+        self.host_group = None
+        if dist.is_initialized() and self.device.type != "cpu":
+            self.host_group = dist.new_group(backend="gloo")
         self._sigterm = False
         self.resumed = False
         if cfg.train.resume:
@@ -142,10 +148,16 @@ class Trainer:
         """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
 
     def _load_initial_weights(self) -> None:
-        """Replace the seeded initialisation (a base checkpoint); nothing for pretraining."""
+        """Replace the seeded initialisation with model.init_from's weights, when it is set."""
+        if self.cfg.model.init_from:
+            from suite.finetune.trainer import load_base_weights
+
+            load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
 
     def _build_loaders(self) -> None:
         cfg, dims = self.cfg, self.dims
+        on_accelerator = self.device.type != "cpu"
+        prefetch = on_accelerator if cfg.data.prefetch is None else cfg.data.prefetch
         self.loader = TokenBatches(
             self.data_dir,
             "train",
@@ -155,6 +167,8 @@ class Trainer:
             self.parallel.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
+            prefetch=prefetch,
+            pin_memory=self.device.type == "cuda",
         )
         self.val_loader = TokenBatches(
             self.data_dir,
@@ -296,8 +310,10 @@ class Trainer:
         """Each flag made true on every rank when it is true on any rank (one all-reduce)."""
         if not dist.is_initialized():
             return list(flags)
-        values = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        # host flags travel over a gloo group on accelerators: no device synchronisation per step
+        group = getattr(self, "host_group", None)
+        values = torch.tensor([1.0 if f else 0.0 for f in flags], device="cpu" if group else self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         return [bool(v > 0) for v in values.tolist()]
 
     def _finish_pending_quietly(self) -> None:
@@ -323,12 +339,19 @@ class Trainer:
         self._sigterm = True
 
     # ---- one step --------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def train_step(
+        self, micro_batches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
         """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad_norm, ok).
 
-        A non-finite loss or gradient norm (ok=False) skips the optimizer step: gradients are zeroed,
+        A non-finite loss or gradient norm (ok false) skips the optimizer step: gradients are zeroed,
         nothing is updated. Every rank decides alike (loss and norm are global; the flag is all-reduced).
         With fp16 the grad scaler already skips overflowing steps, so only the loss counts there.
+
+        Where the optimizer can skip on the device (fused AdamW's `found_inf`), the decision never
+        leaves the device: `ok` is then a bool tensor that the loop reads at its logging steps, so a
+        step costs no host-device synchronisation. Spike detection (train.spike_factor > 0) and fp16
+        read the loss every step, as they must decide on the host.
         """
         self.model.train()
         lr = lr_at(self.step, self.cfg.optim, self.cfg.sched, self.cfg.train.max_steps)
@@ -337,10 +360,25 @@ class Trainer:
         loss = self.parallel.forward_backward(micro_batches, self._loss_fn, self.autocast, self.scaler)
         if self.step + 1 in self.cfg.train.inject_nan_steps:  # testing aid; empty by default
             loss = loss * float("nan")
-        if self.batch_number in self.cfg.train.inject_spike_batches:  # testing aid; empty by default
+        if getattr(self, "batch_number", 0) in self.cfg.train.inject_spike_batches:  # testing aid
             loss = loss * 100.0
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
+        if self._skips_on_device():
+            self.spiked = False
+            bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+            if dist.is_initialized():  # any rank's non-finite step is every rank's (no host read)
+                bad = bad.to(self.device, torch.float32)
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            found_inf = bad.to(self.device, torch.float32).reshape(())
+            self.optimizer.found_inf, self.optimizer.grad_scale = found_inf, None
+            try:
+                self.optimizer.step()  # fused AdamW leaves parameters and state alone when found_inf
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale
+            self.parallel.note_optimizer(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss, grad_norm, found_inf == 0
         finite = math.isfinite(float(loss))
         if self.cfg.train.precision != "fp16":
             finite = finite and math.isfinite(float(grad_norm))
@@ -352,6 +390,34 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, ok
+
+    def _skips_on_device(self) -> bool:
+        """The non-finite skip can stay on the device: a fused torch Adam/AdamW (it honours
+        `found_inf`), no fp16 grad scaler and no spike detection (both need the loss on the host)."""
+        opt = self.optimizer
+        return (
+            isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+            and bool(opt.defaults.get("fused"))
+            and self.cfg.train.precision != "fp16"
+            and self.cfg.train.spike_factor <= 0
+        )
+
+    def _read_step_flags(self, logger) -> None:
+        """Account the steps whose finiteness is still on the device (one host read for all)."""
+        unread, self.unread_steps = self.unread_steps, []
+        if not unread:
+            return
+        flags = torch.stack([ok for _, _, _, ok in unread]).tolist()
+        for (step, loss, grad_norm, _), ok in zip(unread, flags):
+            self._count_step(step, bool(ok), loss, grad_norm, logger)
+
+    def _count_step(self, step: int, ok: bool, loss, grad_norm, logger) -> None:
+        if ok:
+            self.bad_in_a_row = 0
+            if self.cfg.train.spike_factor > 0:
+                self.loss_window.append(float(loss))
+        else:
+            self._bad_step(loss, grad_norm, logger, step)
 
     def _is_spike(self, loss: float) -> bool:
         """train.spike_factor > 0: the loss exceeds that factor times the mean of the last
@@ -404,20 +470,21 @@ class Trainer:
             f"(skipped so far: {self.skipped_batches})"
         )
 
-    def _bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, logger) -> None:
+    def _bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, logger, step: int | None = None) -> None:
         """Count and report a skipped step; stop after train.max_bad_steps in a row."""
+        step = self.step if step is None else step
         self.bad_steps += 1
         self.bad_in_a_row += 1
         limit = self.cfg.train.max_bad_steps
         self._log(
-            f"step {self.step}: loss {float(loss):.4g}, grad norm {float(grad_norm):.4g}: not finite; "
+            f"step {step}: loss {float(loss):.4g}, grad norm {float(grad_norm):.4g}: not finite; "
             f"optimizer step skipped ({self.bad_in_a_row} in a row, {self.bad_steps} in total)"
         )
         if self.bad_in_a_row >= limit:
             self.finish_pending()
             good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
             raise RunStopped(
-                f"error: stopping at step {self.step}: {self.bad_in_a_row} non-finite steps in a row "
+                f"error: stopping at step {step}: {self.bad_in_a_row} non-finite steps in a row "
                 f"(train.max_bad_steps={limit}); last good checkpoint: {good or 'none'}"
             )
 
@@ -498,13 +565,15 @@ class Trainer:
                 self.step += 1  # a skipped step still counts: the bad batch is not retried
                 window_steps += 1
                 self.finish_pending(only_if_done=True)  # an async save that has finished is completed
-                if ok:
-                    self.bad_in_a_row = 0
-                    self.loss_window.append(float(loss))
+                if isinstance(ok, torch.Tensor):  # decided on the device: read at the next logging step
+                    self.unread_steps.append((self.step, loss, grad_norm, ok))
                 else:
-                    self._bad_step(loss, grad_norm, logger)
+                    self._count_step(self.step, ok, loss, grad_norm, logger)
+                log_now = self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps
+                if log_now or self.step % cfg.train.save_every == 0 or self.step % cfg.train.eval_every == 0:
+                    self._read_step_flags(logger)  # before metrics or a checkpoint count the bad steps
                 record = None
-                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                if log_now:
                     elapsed = time.perf_counter() - window_start
                     tokens_per_s = tokens_per_step * window_steps / elapsed
                     last_loss = float(loss)
@@ -541,6 +610,7 @@ class Trainer:
                         logger.print(f"writing checkpoint {saved} in the background")
                     window_start = time.perf_counter()
                 if self.step < cfg.train.max_steps and self._any_rank(self._sigterm):
+                    self._read_step_flags(logger)
                     # preemption (Slurm sends SIGTERM first): checkpoint this step, then leave
                     saved = (self.finish_pending() or saved) if saved else self.save(wait=True)
                     if logger:
@@ -551,6 +621,7 @@ class Trainer:
                         "run the same command again to resume"
                     )
                     raise SystemExit(SIGTERM_EXIT)
+            self._read_step_flags(logger)
             self.finish_pending()  # the last save, when asynchronous
         except KeyboardInterrupt:
             self._finish_pending_quietly()

@@ -34,6 +34,16 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "sharding2-stage1": (2, ["parallel.sharding=2", "parallel.sharding_stage=1"]),
     "sharding2-stage2": (2, ["parallel.sharding=2", "parallel.sharding_stage=2"]),
     "sharding2-stage3": (2, ["parallel.sharding=2", "parallel.sharding_stage=3"]),
+    # explicit FSDP2 prefetching changes when parameters are gathered, never what is computed
+    "sharding2-stage3-prefetch": (
+        2,
+        [
+            "parallel.sharding=2",
+            "parallel.sharding_stage=3",
+            "parallel.fsdp_forward_prefetch=1",
+            "parallel.fsdp_backward_prefetch=2",
+        ],
+    ),
     "sharding2-offload": (2, ["parallel.sharding=2", "parallel.sharding_stage=3", "parallel.offload=true"]),
     # the chunked loss (128 tokens per micro-batch in chunks of 24) reads FSDP's root-held head weight
     "sharding2-stage3-chunked-loss": (
@@ -56,6 +66,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "llama-single": (1, LLAMA),
     "llama-tp2": (2, [*LLAMA, "parallel.tp=2"]),
     "llama-tp2-sp": (2, [*LLAMA, "parallel.tp=2", "parallel.sp=true"]),
+    # fused wqkv / w13 (GQA: 2 kv heads, one whole group per rank) against the unfused reference
+    "llama-tp2-fused": (2, [*LLAMA, "parallel.tp=2", "model.fused_projections=true"]),
 }
 
 

@@ -47,12 +47,14 @@ def check_layout(layout_run, name: str) -> None:
         "sharding2-stage1",
         "sharding2-stage2",
         "sharding2-stage3",
+        "sharding2-stage3-prefetch",
         "sharding2-offload",
         "sharding2-stage3-chunked-loss",
         "tp2",
         "tp2-sp",
         "llama-tp2",
         "llama-tp2-sp",
+        "llama-tp2-fused",
     ],
 )
 def test_two_process_layout_matches_single_process(layout_run, name):

@@ -4,8 +4,10 @@
   token-weighted over the global batch, so ranks holding different numbers of assistant tokens
   still give one process's loss and gradient.
 - LoRA under tp=2: step 1 (adapters still zero: the base model's loss) equals the single-process
-  step 1, and the tp-trained checkpoint loads and merges in one process, the merged model giving
-  the adapted model's logits.
+  step 1, and the tp-trained checkpoint loads and merges in one process: the merged model gives
+  the adapted model's logits and the held-out loss the tp=2 model logged after its last step
+  (within 1e-4), and `suite export merge_lora=true` of it loads in transformers with logits within
+  1e-4 of the merged model's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.test_finetune import STEPS, finetune, tiny_base
-from tests.helpers import assert_close_losses, train_losses
+from tests.helpers import assert_close_losses, export_and_compare, read_metrics, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,28 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, s
     ids = torch.arange(1, 33).view(1, 32)
     with torch.no_grad():
         assert (merged(ids) - adapted(ids)).abs().max() <= 1e-4
+    logged = [r["val_loss"] for r in read_metrics(run) if r.get("step") == STEPS and "val_loss" in r]
+    assert abs(held_out_loss(run, merged) - logged[0]) <= 1e-4 * logged[0]
+    # the export streams the tp=2 checkpoint tensor by tensor, folding the adapters in
+    assert export_and_compare(run, tmp_path / "hf", merge_lora="true") <= 1e-4
+
+
+def held_out_loss(run_dir: Path, model) -> float:
+    """The held-out loss as the trainer logs it (token-weighted over train.eval_batches batches)."""
+    from suite.config.compose import load_saved_config
+    from suite.data import load_tokenizer
+    from suite.data.sft import IGNORE_INDEX, SFTBatches, SFTDataset, sft_loss
+    from suite.finetune.trainer import sft_options
+
+    cfg = load_saved_config(run_dir / "config.yaml")
+    tokenizer = load_tokenizer(run_dir)
+    data = SFTDataset.build(
+        str(run_dir / "task" / "eval.jsonl"), tokenizer, sft_options(cfg, tokenizer.chat_template)
+    )
+    rows = min(cfg.parallel.micro_batch_size, len(data))
+    batches = SFTBatches(data, rows, rows, seed=cfg.train.seed, split="held-out").eval_batches(
+        cfg.train.eval_batches
+    )
+    with torch.no_grad():
+        total = sum(float(sft_loss(model(b.tokens, **b.model_kwargs()), b.labels, "sum")) for b in batches)
+    return total / sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)

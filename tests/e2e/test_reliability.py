@@ -84,6 +84,22 @@ def test_nans_in_a_row_stop_the_run_naming_step_and_checkpoint(tmp_path, tiny_da
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_bad_steps_are_read_at_logging_steps_and_still_stop_the_run(tmp_path, tiny_data):
+    """The non-finite flag stays on the device between logging steps (fused AdamW skips on its
+    own); reading it every 4 steps still counts each bad step and names the third in a row."""
+    run_dir = tmp_path / "nans_logged"
+    proc = run_suite(
+        *args_for(run_dir, tiny_data, "train.max_steps=12", "train.inject_nan_steps=[5,6,7]"),
+        "train.log_every=4",
+        "train.save_every=100",
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "stopping at step 7: 3 non-finite steps in a row (train.max_bad_steps=3)" in proc.stderr
+    skipped = [line.split(":")[0] for line in proc.stdout.splitlines() if "optimizer step skipped" in line]
+    assert skipped == ["step 5", "step 6", "step 7"], proc.stdout
+    assert [r["bad_steps"] for r in read_metrics(run_dir) if "loss" in r] == [0]  # step 4 only
+
+
 def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, tiny_data):
     run_dir = tmp_path / "term"
     args = args_for(run_dir, tiny_data, "train.max_steps=100000", "train.save_every=100000")

@@ -130,6 +130,11 @@ BAD_INPUTS = [
     (["recipe=moe-tiny", "model.capacity_factor=0"], "model.capacity_factor=0"),
     (["recipe=moe-tiny", "model.moe_layers=[7]"], "names layer 7"),
     (["recipe=moe-tiny", "model.moe_every=5"], "no layer is MoE"),
+    (["parallel.fsdp_backward_prefetch=0"], "parallel.fsdp_backward_prefetch=0: use counts of blocks"),
+    (
+        ["parallel.fsdp_forward_prefetch=1", "parallel.dp=2", "launch.nproc_per_node=2"],
+        "need parallel.sharding>1 with parallel.sharding_stage 2 or 3",
+    ),
 ]
 
 

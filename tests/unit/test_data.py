@@ -318,6 +318,21 @@ def test_loader_resume_from_state_dict(stream_dir: Path) -> None:
         assert all(torch.equal(w, g) for w, g in zip(want, got))
 
 
+def test_prefetching_loader_gives_the_same_batches_and_state(stream_dir: Path) -> None:
+    """data.prefetch gathers step n+1 in a thread while step n runs: same batches, same state,
+    across an epoch boundary and after load_state_dict (a resume or a rollback)."""
+    plain = TokenBatches(stream_dir, "train", 8, 4, 16, seed=2)
+    ahead = TokenBatches(stream_dir, "train", 8, 4, 16, seed=2, prefetch=True)
+    for _ in range(25):  # 23 steps per epoch
+        want, got = plain.next_step(), ahead.next_step()
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        assert plain.state_dict() == ahead.state_dict()
+    state = {"epoch": 0, "position": 5, "seed": 2, "num_samples": plain.num_samples}
+    plain.load_state_dict(state)
+    ahead.load_state_dict(state)  # the prefetched step 26 must not be served
+    assert all(torch.equal(w, g) for w, g in zip(plain.next_step(), ahead.next_step()))
+
+
 def test_loader_eval_batches_in_order(stream_dir: Path) -> None:
     val = TokenBatches(stream_dir, "val", 8, 4, 16)
     batches = val.eval_batches(10)

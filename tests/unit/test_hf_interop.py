@@ -92,8 +92,12 @@ def test_import_matches_transformers_logits(tmp_path, name):
     assert generate_tokens(ours, prompt, greedy) == reference[0, 5:].tolist()
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "llama-qkv-bias", "llama-moe"])
+@pytest.mark.parametrize(
+    "family", ["gpt", "llama", "llama-qkv-bias", "llama-moe", "gpt-fused", "llama-qkv-bias-fused"]
+)
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
+    fused = family.endswith("-fused")
+    family = family.removesuffix("-fused")
     cfg = ModelConfig(
         family=family.split("-")[0],
         num_layers=2,
@@ -107,6 +111,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
         ffn_hidden_size=80,
         num_experts=4 if family.endswith("moe") else 0,
         moe_ffn_hidden_size=48,
+        fused_projections=fused,
     )
     model = materialize(build_model(cfg), "cpu", seed=3)
     _randomise(model)
@@ -121,6 +126,25 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
         "llama-moe": "MixtralForCausalLM",
     }
     assert type(hf).__name__ == expected_class[family]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2-qkv-bias", "mistral", "mixtral"])
+def test_import_into_fused_projections_matches_transformers_logits(tmp_path, name):
+    """HF weights converted into the fused layout (wqkv, w13) give transformers' logits."""
+    import dataclasses
+
+    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+
+    torch.manual_seed(0)
+    hf = HF_MODELS[name]().eval()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    cfg = dataclasses.replace(model_config_from_hf(tmp_path), fused_projections=True)
+    ours = materialize(build_model(cfg), "cpu", seed=0).eval()
+    ours.load_state_dict(from_hf_state_dict(cfg, read_hf_weights(tmp_path)), strict=not cfg.tie_embeddings)
+    assert any(".wqkv." in k for k in ours.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), hf(TOKENS).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_architecture_is_refused(tmp_path):
@@ -146,3 +170,37 @@ def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
     assert from_files.keys() == from_memory.keys()
     for name in from_files:
         torch.testing.assert_close(from_files[name], from_memory[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "mixtral"])
+def test_lazy_import_reads_only_the_requested_box(tmp_path, name):
+    """The HF -> suite mapping run on unread tensors: any box of any suite tensor equals the eager
+    conversion's, and reading a box reads only that many elements from the files (how each rank of
+    a sharded run loads its own shard: suite.export.stream)."""
+    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from suite.export.lazy import Source
+    from suite.export.stream import hf_weights
+
+    hf = HF_MODELS[name]()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    cfg = model_config_from_hf(tmp_path)
+    eager = from_hf_state_dict(cfg, read_hf_weights(tmp_path))
+    read_elements = []
+    with hf_weights(tmp_path) as tensors:
+        for source in tensors.values():
+            inner = source.reader
+            source.reader = lambda box, inner=inner: read_elements.append(inner(box).numel()) or inner(box)
+        assert all(isinstance(t, Source) for t in tensors.values())
+        lazy = from_hf_state_dict(cfg, tensors)
+        assert lazy.keys() == eager.keys()
+        for key, value in eager.items():
+            # the second half of dim 0 (tensor parallel rows, FSDP shards), and of the last dim
+            for dim in {0, value.dim() - 1}:
+                box = [(0, n) for n in value.shape]
+                box[dim] = (value.shape[dim] // 2, value.shape[dim])
+                read_elements.clear()
+                got = lazy[key].read(tuple(box))
+                expected = value[tuple(slice(a, b) for a, b in box)]
+                assert torch.equal(got, expected), (key, box)
+                assert sum(read_elements) == expected.numel(), key
