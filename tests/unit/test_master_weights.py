@@ -21,6 +21,12 @@ from suite.train.trainer import autocast_factory
 from tests.helpers import TINY_MODEL
 
 CPU = torch.device("cpu")
+WIDE_LLAMA = [
+    "model.family=llama",
+    "model.hidden_size=512",
+    "model.num_heads=8",
+    "model.tie_embeddings=false",
+]
 STEPS = 5
 
 
@@ -127,16 +133,14 @@ def test_bad_combinations_are_one_line_errors(overrides, words):
     "overrides, expected",
     [
         ([], False),  # gpt-tiny's width: eager
-        (["train.precision=bf16", "model.hidden_size=512", "model.num_heads=8"], True),
-        (["model.hidden_size=512", "model.num_heads=8"], False),  # fp32: eager
-        (
-            ["train.precision=bf16", "train.compile=false", "model.hidden_size=512", "model.num_heads=8"],
-            False,
-        ),
+        (["train.precision=bf16", *WIDE_LLAMA], True),
+        (["train.precision=bf16", "model.hidden_size=512", "model.num_heads=8"], False),  # gpt: eager
+        ([*WIDE_LLAMA], False),  # fp32: eager
+        (["train.precision=bf16", "train.compile=false", *WIDE_LLAMA], False),
         (["train.compile=true"], True),
     ],
 )
-def test_compile_auto_picks_wide_low_precision_models(overrides, expected):
+def test_compile_auto_picks_wide_low_precision_llama_models(overrides, expected):
     from suite.parallel.parallelize import compile_enabled
 
     cfg, dims = _config(*overrides)
