@@ -17,6 +17,7 @@ ms per step and the ratio to the first variant. On CUDA each variant then runs t
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import statistics
 import sys
@@ -68,6 +69,7 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     trainer.autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype else contextlib.nullcontext
     trainer.step = trainer.batch_number = 0
     trainer.bad_steps = trainer.bad_in_a_row = 0
+    trainer.loss_window, trainer.spiked = collections.deque(maxlen=cfg.train.spike_window), False
     seq, micro = cfg.data.seq_len, cfg.parallel.micro_batch_size
     gen = torch.Generator().manual_seed(0)
     batches = [
