@@ -19,6 +19,7 @@ TINY_MODEL = [
     "model.vocab_size=512",
     "model.max_seq_len=64",
     "data.seq_len=32",
+    "train.precision=fp32",  # the gpt-tiny recipe trains in bf16; layout comparisons need fp32
     "log.wandb=false",
     "log.progress=false",
 ]

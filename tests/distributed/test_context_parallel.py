@@ -30,6 +30,7 @@ MODEL = [
     "model.vocab_size=512",
     f"model.max_seq_len={SEQ}",
     f"data.seq_len={SEQ}",
+    "train.precision=fp32",
     "log.wandb=false",
     "log.progress=false",
 ]
