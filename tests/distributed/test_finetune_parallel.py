@@ -38,7 +38,10 @@ def test_dp2_finetune_matches_single_process(tmp_path, base, single):
     assert_close_losses(train_losses(single), train_losses(run), rtol=1e-4)
 
 
-def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, single):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-projections"])
+def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, single, fused):
+    """With model.fused_projections=true the HF base is imported into wqkv (each tp rank its whole
+    head groups), LoRA adapts the fused layer, and merge / export give back the unfused HF names."""
     from suite.config.compose import load_saved_config
     from suite.finetune.lora import apply_lora, lora_state_dict
     from suite.infer.generate import load_for_inference
@@ -53,6 +56,7 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, s
         "finetune.eval_samples=0",
         "parallel.tp=2",
         "launch.nproc_per_node=2",
+        f"model.fused_projections={str(fused).lower()}",
     )
     assert_close_losses({1: train_losses(single)[1]}, {1: train_losses(run)[1]}, rtol=1e-4)
     assert train_losses(run)[STEPS] != train_losses(run)[1]
@@ -62,6 +66,7 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, s
     adapted = materialize(build_model(cfg.model), "cpu", seed=0)
     apply_lora(adapted, cfg.finetune.lora.rank, cfg.finetune.lora.alpha)
     load_model_weights(folder, adapted)
+    assert fused == any(".wqkv.lora_a." in k for k in lora_state_dict(adapted))
     assert any(v.abs().sum() > 0 for k, v in lora_state_dict(adapted).items() if ".lora_b." in k)
     merged, _, _ = load_for_inference(run)
     ids = torch.arange(1, 33).view(1, 32)
