@@ -66,6 +66,18 @@ class LazyTensor:
     def select(self, dim: int, index: int) -> LazyTensor:
         return _Selected(self, dim % self.dim(), index % self.shape[dim % self.dim()])
 
+    def reshape(self, *shape) -> LazyTensor:
+        """Merging dims 0 and 1 (interleaved rows, as fuse_gate_up makes) stays lazy; any other
+        reshape is deferred."""
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        if self.dim() >= 2:
+            merged = (self.shape[0] * self.shape[1], *self.shape[2:])
+            if len(shape) == len(merged) and all(n in (m, -1) for n, m in zip(shape, merged)):
+                return _MergedLeading(self)
+        return _deferred_call(torch.Tensor.reshape, (self, shape), {})
+
+    view = reshape
+
     def __getitem__(self, index) -> LazyTensor:
         if isinstance(index, int):
             return self.select(0, index)
@@ -179,6 +191,21 @@ class _Selected(LazyTensor):
         inner = list(box)
         inner.insert(self.dim_, (self.index, self.index + 1))
         return self.src.read(tuple(inner)).squeeze(self.dim_)
+
+
+class _MergedLeading(LazyTensor):
+    """src.reshape(src.shape[0] * src.shape[1], *rest): reads the whole rows of dim 0 it spans."""
+
+    def __init__(self, src: LazyTensor):
+        self.src, self.dtype = src, src.dtype
+        self.shape = torch.Size((src.shape[0] * src.shape[1], *src.shape[2:]))
+
+    def _read(self, box: Box) -> torch.Tensor:
+        (a, b), rest = box[0], box[1:]
+        inner = self.src.shape[1]
+        first, last = a // inner, -(-b // inner)
+        rows = self.src.read(((first, last), (0, inner), *rest))
+        return rows.reshape(-1, *rows.shape[2:])[a - first * inner : b - first * inner]
 
 
 class _Concatenated(LazyTensor):

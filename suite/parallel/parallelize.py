@@ -204,7 +204,9 @@ class ParallelModel:
         """
         local_targets = sum(batch.num_targets for batch in micro_batches)
         targets = self.data_sum(torch.tensor(float(local_targets), device=self.input_device()))
-        scale = self.dims.data_parallel_size / max(float(targets), 1.0)
+        # a device tensor, never read on the host: no synchronisation per step (the same value as the
+        # Python division: integers, one correctly rounded float32 quotient)
+        scale = self.dims.data_parallel_size / targets.clamp(min=1.0)
         summed = functools.partial(loss_fn, reduction="sum")
         return (
             (lambda batch: (batch.tokens, batch.labels, batch.model_kwargs())),

@@ -345,7 +345,10 @@ class PipelineParallelModel(ParallelModel):
                 f"the pipeline schedule was built for {self.n_microbatches} micro-batches per step, "
                 f"got {len(micro_batches)}"
             )
-        batch = torch.cat(micro_batches).to(self.input_device(), non_blocking=True)
+        batch = torch.cat(micro_batches)
+        if micro_batches[0].is_pinned():  # keep the copy asynchronous (data.prefetch pins on CUDA)
+            batch = batch.pin_memory()
+        batch = batch.to(self.input_device(), non_blocking=True)
         tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         self._loss_fn = lambda out, tgt: scaler.scale(loss_fn(out, tgt))
         losses: list[torch.Tensor] = []

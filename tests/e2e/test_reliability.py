@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, TINY_MODEL, final_weights, read_metrics, run_suite, suite_env
+from tests.helpers import REPO, TINY_MODEL, final_weights, read_metrics, run_suite, suite_env, train_losses
 
 
 def args_for(run_dir: Path, data: Path, *extra: str) -> list[str]:
@@ -84,20 +84,25 @@ def test_nans_in_a_row_stop_the_run_naming_step_and_checkpoint(tmp_path, tiny_da
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_bad_steps_are_read_at_logging_steps_and_still_stop_the_run(tmp_path, tiny_data):
+def test_bad_steps_are_read_at_logging_steps_and_still_stop_the_run(tmp_path, tiny_data, sync_run):
     """The non-finite flag stays on the device between logging steps (fused AdamW skips on its
-    own); reading it every 4 steps still counts each bad step and names the third in a row."""
+    own); reading it every 4 steps still counts each bad step and names the third in a row.
+    (The loader also prefetches here, data.prefetch=true: the run takes the same batches.)"""
     run_dir = tmp_path / "nans_logged"
     proc = run_suite(
         *args_for(run_dir, tiny_data, "train.max_steps=12", "train.inject_nan_steps=[5,6,7]"),
         "train.log_every=4",
         "train.save_every=100",
+        "data.prefetch=true",
     )
     assert proc.returncode == 1, proc.stderr
     assert "stopping at step 7: 3 non-finite steps in a row (train.max_bad_steps=3)" in proc.stderr
     skipped = [line.split(":")[0] for line in proc.stdout.splitlines() if "optimizer step skipped" in line]
     assert skipped == ["step 5", "step 6", "step 7"], proc.stdout
     assert [r["bad_steps"] for r in read_metrics(run_dir) if "loss" in r] == [0]  # step 4 only
+    step4 = next(r["loss"] for r in read_metrics(run_dir) if r.get("step") == 4 and "loss" in r)
+    # the plain 6-step run (no prefetch; lr still in warm-up, so max_steps does not matter): same batches
+    assert step4 == train_losses(sync_run)[4]
 
 
 def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, tiny_data):

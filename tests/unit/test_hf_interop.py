@@ -172,19 +172,23 @@ def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
         torch.testing.assert_close(from_files[name], from_memory[name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "mixtral"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-gqa-fused", "mixtral"])
 def test_lazy_import_reads_only_the_requested_box(tmp_path, name):
     """The HF -> suite mapping run on unread tensors: any box of any suite tensor equals the eager
     conversion's, and reading a box reads only that many elements from the files (how each rank of
     a sharded run loads its own shard: suite.export.stream)."""
+    import dataclasses
+
     from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
     from suite.export.lazy import Source
     from suite.export.stream import hf_weights
 
-    hf = HF_MODELS[name]()
+    hf = HF_MODELS[name.removesuffix("-fused")]()
     _randomise(hf)
     hf.save_pretrained(tmp_path)
     cfg = model_config_from_hf(tmp_path)
+    if name.endswith("-fused"):  # wqkv (kv-group layout) and w13 (interleaved gate/up rows)
+        cfg = dataclasses.replace(cfg, fused_projections=True)
     eager = from_hf_state_dict(cfg, read_hf_weights(tmp_path))
     read_elements = []
     with hf_weights(tmp_path) as tensors:
