@@ -155,7 +155,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (bf16 where the device has native bf16, else fp32)
     resume: bool = True
     peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
     compile: bool = False
