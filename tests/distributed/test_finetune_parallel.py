@@ -5,7 +5,8 @@
   still give one process's loss and gradient.
 - LoRA under tp=2: step 1 (adapters still zero: the base model's loss) equals the single-process
   step 1, and the tp-trained checkpoint loads and merges in one process: the merged model gives
-  the adapted model's logits and the held-out loss the tp=2 model logged after its last step
+  the adapted model's logits (so do the adapters alone, <run.dir>/lora/, loaded onto the HF base
+  and merged) and the held-out loss the tp=2 model logged after its last step
   (within 1e-4), and `suite export merge_lora=true` of it loads in transformers with logits within
   1e-4 of the merged model's.
 """
@@ -72,6 +73,15 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, s
     ids = torch.arange(1, 33).view(1, 32)
     with torch.no_grad():
         assert (merged(ids) - adapted(ids)).abs().max() <= 1e-4
+    # the adapters alone (<run.dir>/lora/, gathered from the tp ranks) on the HF base, merged
+    from suite.export.stream import load_hf_weights
+    from suite.finetune.lora import load_lora, merge_lora
+
+    from_adapters = materialize(build_model(cfg.model), "cpu", seed=0)
+    load_hf_weights(from_adapters, base, cfg.model.fused_projections)
+    merge_lora(load_lora(from_adapters, run / "lora"))
+    with torch.no_grad():
+        assert (from_adapters(ids) - merged(ids)).abs().max() <= 1e-4
     logged = [r["val_loss"] for r in read_metrics(run) if r.get("step") == STEPS and "val_loss" in r]
     assert abs(held_out_loss(run, merged) - logged[0]) <= 1e-4 * logged[0]
     # the export streams the tp=2 checkpoint tensor by tensor, folding the adapters in
