@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Training throughput of the suite's real step against plain transformers, on the same shapes.
 
-    python bench/throughput.py                      # what `make bench` runs
+    python bench/throughput.py                      # what `make bench` runs: bf16, 3 shapes, compiled peers
     python bench/throughput.py --quick              # a smoke run (gpt-tiny, 1 rep, 1 step)
-    python bench/throughput.py --shapes llama-12x768 --precision bf16 --compile llama-12x768
+    python bench/throughput.py --shapes llama-12x768 --reps 1 --suite-variant eager:train.compile=false
     python bench/throughput.py --quiet-wait 120   # on a shared machine: time only when it is idle
 
 For every shape and precision, each contender trains the same model shape on the same random token
@@ -11,12 +11,14 @@ batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clip
 
 - `suite`: `build_model` on meta -> `parallelize` (world 1) -> `materialize` -> `build_optimizer`, and
   each step is `Trainer.train_step` itself (lr, `ParallelModel.forward_backward` with the trainer's
-  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad).
+  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad), with the suite's fast settings
+  (`SUITE_FAST`: bf16 runs `train.param_dtype=bf16`; `train.compile` stays `auto`). Each
+  `--suite-variant NAME:overrides` adds a suite row with more overrides (what a setting is worth).
 - `hf`: transformers' `GPT2LMHeadModel` / `LlamaForCausalLM` with `torch.optim.AdamW(foreach=True)`
   and a plain loop (autocast forward, fp32 cross-entropy as transformers' own loss does, backward,
   `clip_grad_norm_`, step, zero_grad).
-- `+compile` variants (`--compile SHAPE[:PRECISION]`): `train.compile=true` for the suite (each block
-  compiled), `torch.compile(model)` for transformers. Compile time is reported apart from throughput.
+- `transformers +compile` (`--compile SHAPE[:PRECISION]`, default all): `torch.compile(model)`.
+  Compile time (of either contender) is reported apart from throughput.
 
 Each contender runs in its own process (so its peak memory, `ru_maxrss` above the process's own
 high-water mark after imports, is its alone): it builds the model and warms up 2 steps while nothing
@@ -104,12 +106,18 @@ SHAPES: dict[str, Shape] = {
         steps=1,
     ),
 }
-DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768")
+DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768", "llama-12x768")
 WARMUP = 2
 
 
-def suite_config(shape: str, precision: str, compile_: bool):
-    """The composed, validated suite config of a shape (the source of truth for both contenders)."""
+# What the suite contender runs on top of the shape: its fast settings for the precision (the
+# recipe asking for pure bf16 parameters with fp32 masters); train.compile is left at its default (auto).
+SUITE_FAST = {"bf16": ("train.param_dtype=bf16",), "fp32": ()}
+
+
+def suite_config(shape: str, precision: str, extra: tuple[str, ...] | list[str] = ()):
+    """The composed, validated suite config of a shape (the source of truth for both contenders);
+    `extra`: further overrides (the suite contender's settings)."""
     from suite.config.compose import compose_config, to_object
     from suite.config.validate import validate
 
@@ -118,8 +126,8 @@ def suite_config(shape: str, precision: str, compile_: bool):
         f"recipe={spec.recipe}",
         *spec.overrides,
         f"train.precision={precision}",
-        f"train.compile={str(compile_).lower()}",
         "train.device=cpu",
+        *extra,
     ]
     cfg = to_object(compose_config(overrides))
     dims = validate(cfg, needs_data=False)
@@ -133,7 +141,7 @@ def build_suite_step(cfg, dims):
     A bare Trainer gets the attributes `Trainer.__init__` gives it (same calls, same order), so the
     step timed is `Trainer.train_step` itself; keep this in step with `Trainer.__init__`.
     """
-    from contextlib import nullcontext
+    from collections import deque
 
     import torch
 
@@ -141,7 +149,7 @@ def build_suite_step(cfg, dims):
     from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
     from suite.train.optim import build_optimizer
-    from suite.train.trainer import AUTOCAST_DTYPES, Trainer
+    from suite.train.trainer import Trainer, autocast_factory
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.dims = cfg, dims
@@ -158,13 +166,12 @@ def build_suite_step(cfg, dims):
     else:
         trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
     trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=cfg.train.precision == "fp16")
-    dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-    trainer.autocast = (
-        (lambda: torch.autocast(trainer.device.type, dtype=dtype)) if dtype is not None else nullcontext
-    )
+    trainer.autocast = autocast_factory(trainer.device, cfg.train.precision, cfg.train.param_dtype)
     trainer.step = 0
     trainer.env = DistEnv.from_environ()
     trainer.bad_steps = trainer.bad_in_a_row = 0  # bookkeeping the loop keeps (non-finite steps)
+    trainer.batch_number, trainer.spiked = 0, False  # loss-spike bookkeeping (train.spike_factor=0: off)
+    trainer.loss_window = deque(maxlen=cfg.train.spike_window)
 
     def step(micro_batches):
         out = trainer.train_step(micro_batches)  # (loss, grad_norm, ...): the loop's own call
@@ -286,7 +293,7 @@ def run_worker(spec: dict) -> None:
     from suite.models import flops_per_token
     from suite.train import trainer as _trainer  # noqa: F401
 
-    cfg, dims = suite_config(spec["shape"], spec["precision"], spec["compile"])
+    cfg, dims = suite_config(spec["shape"], spec["precision"], spec.get("overrides", ()))
     seq, micro = cfg.data.seq_len, cfg.parallel.micro_batch_size
     accumulation = dims.accumulation(cfg.parallel)
     tokens = micro * accumulation * seq
@@ -305,7 +312,11 @@ def run_worker(spec: dict) -> None:
     warm = batches(0, WARMUP)
     base_gb = max_rss_gb()
     t0 = time.perf_counter()
+    compiled = spec["compile"]
     if spec["contender"] == "suite":
+        from suite.parallel.parallelize import compile_enabled
+
+        compiled = compile_enabled(cfg, dims, torch.device("cpu"))
         step, model = build_suite_step(cfg, dims)
     else:
         step, model = build_hf_step(cfg, spec["compile"])
@@ -329,6 +340,8 @@ def run_worker(spec: dict) -> None:
             "batch": micro * accumulation,
             "micro": micro,
             "threads": torch.get_num_threads(),
+            "compiled": compiled,
+            "param_dtype": cfg.train.param_dtype if spec["contender"] == "suite" else "fp32",
         },
     )
     for line in sys.stdin:
@@ -426,7 +439,7 @@ class Worker:
 
     def __init__(self, spec: dict, timeout: float):
         self.spec, self.timeout = spec, timeout
-        self.name = f"{spec['shape']} {spec['precision']} {label(spec['contender'], spec['compile'])}"
+        self.name = f"{spec['shape']} {spec['precision']} {label(spec['contender'], spec['variant'])}"
         self.info: dict = {}
         self.windows: list[dict] = []
         self.discarded = 0
@@ -529,17 +542,24 @@ def machine() -> str:
     )
 
 
-def contenders(shape: str, precision: str, compile_for: set[str]) -> list[tuple[str, bool]]:
-    """suite and transformers eager, plus both compiled where `--compile` names the shape[:precision]."""
-    out = [("suite", False), ("hf", False)]
+def contenders(
+    shape: str, precision: str, compile_for: set[str], variants: dict[str, tuple[str, ...]]
+) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(contender, variant, suite overrides): the suite with its fast settings, each `--suite-variant`,
+    transformers eager, and transformers compiled where `--compile` names the shape[:precision]."""
+    fast = SUITE_FAST.get(precision, ())
+    out = [("suite", "", fast)]
+    out += [("suite", name, (*fast, *extra)) for name, extra in variants.items()]
+    out.append(("hf", "eager", ()))
     if {"all", shape, f"{shape}:{precision}"} & compile_for:
-        out += [("suite", True), ("hf", True)]
+        out.append(("hf", "compiled", ()))
     return out
 
 
-def label(contender: str, compile_: bool) -> str:
-    name = "suite" if contender == "suite" else "transformers"
-    return name + (" +compile" if compile_ else "")
+def label(contender: str, variant: str) -> str:
+    if contender == "suite":
+        return "suite" + (f" [{variant}]" if variant else "")
+    return "transformers" + (" +compile" if variant == "compiled" else "")
 
 
 def fmt_table(workers: dict, ceilings: dict) -> str:
@@ -549,8 +569,8 @@ def fmt_table(workers: dict, ceilings: dict) -> str:
         "s/step | CPU share | compile s |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for (shape, precision, contender, compile_), w in workers.items():
-        name = label(contender, compile_)
+    for (shape, precision, contender, variant), w in workers.items():
+        name = label(contender, variant)
         if not w.windows:
             rows.append(f"| {shape} | {precision} | {name} | failed: {w.failed} |" + " |" * 7)
             continue
@@ -559,14 +579,14 @@ def fmt_table(workers: dict, ceilings: dict) -> str:
         ratio = ""
         if contender == "suite":
             parts = []
-            for peer_compile, peer_name in ((False, "eager"), (True, "compiled")):
-                peer = workers.get((shape, precision, "hf", peer_compile))
+            for peer_name in ("eager", "compiled"):
+                peer = workers.get((shape, precision, "hf", peer_name))
                 if peer and peer.windows:
                     parts.append(f"{tps / peer.median('tokens_per_s'):.2f}x {peer_name}")
             ratio = " / ".join(parts)
         mfu = tps * w.info["flops_per_token"] / ceilings[precision]
         step_s = statistics.median(s for x in w.windows for s in x["step_s"])
-        compile_s = f"{w.info['warmup_s'][0] - step_s:.0f}" if compile_ else ""
+        compile_s = f"{w.info['warmup_s'][0] - step_s:.0f}" if w.info.get("compiled") else "eager"
         mem = f"{w.mem_gb:.2f}" if w.mem_gb is not None else "?"
         share = f"{w.median('cpu_share'):.0%}" + (f" ({w.discarded} retimed)" if w.discarded else "")
         rows.append(
@@ -627,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, from: {', '.join(SHAPES)} (default: %(default)s)",
     )
     parser.add_argument(
-        "--precision", default="fp32,bf16", help="comma-separated: fp32, bf16 (default: %(default)s)"
+        "--precision", default="bf16", help="comma-separated: fp32, bf16 (default: %(default)s)"
     )
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions per contender (default: %(default)s)"
@@ -642,9 +662,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--compile",
-        default="gpt-tiny:bf16",
-        help="where to also run the torch.compile variants: comma-separated SHAPE or SHAPE:PRECISION, "
+        default="all",
+        help="where to also run transformers with torch.compile: comma-separated SHAPE or SHAPE:PRECISION, "
         "'all' or 'none' (default: %(default)s; compiling costs about a minute per model on a 2-core CPU)",
+    )
+    parser.add_argument(
+        "--suite-variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="also time the suite with these overrides on top of its fast settings, as a row of its own "
+        "(repeatable), e.g. 'eager:train.compile=false' or 'autocast:train.param_dtype=fp32'",
     )
     parser.add_argument(
         "--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to append to"
@@ -687,9 +715,15 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     compile_for = {c.strip() for c in args.compile.split(",") if c.strip() and c.strip() != "none"}
+    variants: dict[str, tuple[str, ...]] = {}
+    for text in args.suite_variant:
+        name, _, overrides = text.partition(":")
+        if not name or "=" not in overrides:
+            parser.error(f"--suite-variant {text!r}: write NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants[name] = tuple(o.strip() for o in overrides.split(",") if o.strip())
     reps = args.reps
     if args.quick:
-        shapes, precisions, reps, compile_for = ["gpt-tiny"], ["fp32"], 1, set()
+        shapes, precisions, reps, compile_for, variants = ["gpt-tiny"], ["fp32"], 1, set(), {}
         args.steps = 1
     for shape in shapes:
         if shape not in SHAPES:
@@ -712,18 +746,20 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or SHAPES[shape].steps
         for precision in precisions:
             group = []
-            for contender, compile_ in contenders(shape, precision, compile_for):
+            for contender, variant, overrides in contenders(shape, precision, compile_for, variants):
                 spec = {
                     "shape": shape,
                     "precision": precision,
                     "contender": contender,
-                    "compile": compile_,
+                    "variant": variant,
+                    "compile": variant == "compiled",  # transformers: torch.compile(model)
+                    "overrides": list(overrides),  # the suite's settings
                     "steps": steps,
                     "seed": 1,
                 }
                 t0 = time.perf_counter()
                 worker = Worker(spec, args.timeout)  # one at a time: build and warm-up alone on the machine
-                workers[(shape, precision, contender, compile_)] = worker
+                workers[(shape, precision, contender, variant)] = worker
                 if worker.ready():
                     group.append(worker)
                     info = worker.info
@@ -763,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         if not done:
             continue
         info = next(iter(done.values())).info
-        params = ", ".join(f"{label(c, False)} {w.info['params'] / 1e6:.1f}M" for c, w in done.items())
+        params = ", ".join(f"{label(c, '')} {w.info['params'] / 1e6:.1f}M" for c, w in done.items())
         overrides = " ".join(SHAPES[shape].overrides)
         details.append(
             f"- `{shape}`: `recipe={SHAPES[shape].recipe}{' ' + overrides if overrides else ''}`; batch "
@@ -783,8 +819,13 @@ def main(argv: list[str] | None = None) -> int:
             "- matmul ceiling (best square matmul): "
             + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()),
             f"- {reps} repetitions (median; contenders alternate, order reversed every other repetition), "
-            f"{WARMUP} warm-up steps, AdamW (foreach), grad clip and lr from the recipe, the same random tokens "
-            f"for every contender; {time.perf_counter() - started:.0f} s in all",
+            f"{WARMUP} warm-up steps, AdamW (transformers: foreach; the suite: its default, fused on CPU), grad "
+            f"clip and lr from the recipe, the same random tokens for every contender; "
+            f"{time.perf_counter() - started:.0f} s in all",
+            "- suite settings: "
+            + "; ".join(f"{p}: `{' '.join(SUITE_FAST.get(p, ())) or 'the recipe as is'}`" for p in precisions)
+            + ", `train.compile=auto` (compile s column: `eager` where auto chose not to compile)"
+            + "".join(f"; `[{n}]` adds `{' '.join(o)}`" for n, o in variants.items()),
             *details,
             "",
             table,

@@ -156,9 +156,13 @@ class TrainConfig:
     eval_batches: int = 8
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (bf16 where the device has native bf16, else fp32)
+    # bf16: model params/grads in bf16, AdamW on fp32 master copies with fp32 state (docs/performance.md)
+    param_dtype: str = "fp32"  # fp32 | bf16 (needs precision=bf16)
     resume: bool = True
     peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
-    compile: bool = False
+    compile: Any = (
+        "auto"  # torch.compile each block: auto (where it pays, docs/performance.md) | true | false
+    )
     device: str = "auto"  # auto | cpu | cuda
     num_threads: Optional[int] = None
     # performance (docs/performance.md)

@@ -12,6 +12,7 @@ CHOICES = {
     "model.family": ("gpt", "llama"),
     "train.precision": ("fp32", "bf16", "fp16", "auto"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.param_dtype": ("fp32", "bf16"),
     "recompute.granularity": ("none", "full", "full_attn", "core_attn"),
     "optim.name": ("adamw",),
     "sched.name": ("cosine", "linear", "constant"),
@@ -158,6 +159,8 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True, world: int | None = N
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
     if t.profile_steps < 1:
         raise ConfigError(f"train.profile_steps={t.profile_steps} must be a positive integer, e.g. 2")
+    if t.compile not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={t.compile!r} is not supported; use auto, true or false")
     if (t.fault_kill_rank is None) != (t.fault_kill_step is None):
         raise ConfigError("train.fault_kill_rank and train.fault_kill_step go together; set both or neither")
     data_path = cfg.data.path
@@ -175,7 +178,31 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True, world: int | None = N
     dims = resolve_dims(cfg, world or world_size(cfg))
     if low < high and world is None:
         _check_elastic(cfg, low, high)
+    _check_param_dtype(cfg, dims)
     return dims
+
+
+def _check_param_dtype(cfg: SuiteConfig, dims: ParallelDims) -> None:
+    """train.param_dtype=bf16: bf16 compute (precision=bf16); fp32 masters in one process (the
+    optimizer's) or in FSDP2's sharded parameters (any layout with data parallelism)."""
+    t = cfg.train
+    if t.param_dtype == "fp32":
+        return
+    if t.precision != "bf16":
+        raise ConfigError(
+            f"train.param_dtype={t.param_dtype} needs train.precision=bf16 (got {t.precision}); "
+            "set train.precision=bf16 or train.param_dtype=fp32"
+        )
+    if dims.world_size > 1 and dims.data_parallel_size * dims.cp == 1:
+        raise ConfigError(
+            f"train.param_dtype=bf16 with {', '.join(f'{k}={v}' for k, v in dims.enabled.items())} and no data "
+            "parallelism is not supported yet; add parallel.dp or parallel.sharding, or use train.param_dtype=fp32"
+        )
+    if cfg.finetune.method == "lora":
+        raise ConfigError(
+            "train.param_dtype=bf16 with finetune.method=lora is not supported (the frozen base would be "
+            "rounded to bf16); use train.param_dtype=fp32"
+        )
 
 
 def _check_elastic(cfg: SuiteConfig, low: int, high: int) -> None:

@@ -189,7 +189,7 @@ class ParallelDims:
         if self.pp > 1:
             from suite.parallel.pipeline import check_pipeline
 
-            check_pipeline(pcfg, self, cfg.train.precision, cfg.train.compile)
+            check_pipeline(pcfg, self, cfg.train.precision, cfg.train.compile is True)
         launch = cfg.launch
         if not 0 <= launch.node_rank < launch.nnodes:
             raise ConfigError(
@@ -255,7 +255,7 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
             f"parallel.cp={cp} with model.num_experts={cfg.model.num_experts} is not supported (routing "
             "statistics and the balance loss would cover each rank's part of the sequence only); use parallel.cp=1"
         )
-    if cfg.train.compile:
+    if cfg.train.compile is True:  # auto stays off here (suite.parallel.parallelize.compile_enabled)
         raise ConfigError(
             f"train.compile=true is not supported with parallel.cp={cp} (the context-parallel attention "
             "runs collectives inside autograd); use train.compile=false"

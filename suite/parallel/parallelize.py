@@ -75,6 +75,7 @@ class ParallelModel:
     cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
     eos_id: int | None = None  # data.doc_mask: the document separator (set by the trainer)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
+    param_dtype: str = "fp32"  # train.param_dtype without a data-parallel wrapper (bf16: fp32 masters)
 
     # ---- communication helpers -----------------------------------------------------------------
     @property
@@ -278,7 +279,9 @@ class ParallelModel:
         from suite.train.optim import build_optimizer
 
         device = self.optim_device or self._device()
-        optimizer = build_optimizer(self.model, cfg, device)
+        # with data parallelism FSDP2's MixedPrecisionPolicy keeps the fp32 masters (data_parallel.py)
+        param_dtype = self.param_dtype if self.dp_kind == "none" else "fp32"
+        optimizer = build_optimizer(self.model, cfg, device, param_dtype)
         if self.dp_kind == "zero1":
             from suite.parallel.data_parallel import ZeroOneOptimizer
 
@@ -322,6 +325,30 @@ def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
     apply_recompute(model, cfg.recompute)
 
 
+# train.compile=auto: the smallest width where compiling paid (docs/performance.md)
+COMPILE_AUTO_MIN_HIDDEN = 512
+
+
+def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> bool:
+    """train.compile: true / false as set; `auto` compiles each block where it paid when measured
+    (docs/performance.md): Llama-family blocks (RMSNorm, RoPE, SwiGLU: elementwise work that the
+    compiled block fuses) in bf16 or fp16 at width >= COMPILE_AUTO_MIN_HIDDEN. GPT blocks measured no
+    faster compiled on CPU, and small models stay eager: a minute of compilation per process
+    outweighs what fusing saves there. Never under context parallelism or the zero-bubble pipeline
+    schedule, which compiled blocks do not support (true is rejected there)."""
+    value = cfg.train.compile
+    if value != "auto":
+        return bool(value)
+    if dims.cp > 1 or (dims.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble"):
+        return False
+    return (
+        cfg.model.family == "llama"
+        and cfg.train.precision in ("bf16", "fp16")
+        and cfg.model.hidden_size >= COMPILE_AUTO_MIN_HIDDEN
+        and device.type in ("cpu", "cuda")
+    )
+
+
 def _compile_blocks(model: nn.Module) -> None:
     for block in model.layers.values():
         block.compile()  # in place: parameter names (and so checkpoints) stay the same
@@ -361,7 +388,7 @@ def make_part_parallelizer(
                 ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
             )
         _apply_recompute(part, cfg)
-        if cfg.train.compile:
+        if compile_enabled(cfg, dims, device):
             _compile_blocks(part)
         kind = dpar.apply_data_parallel(
             part,
@@ -395,9 +422,9 @@ def parallelize(
     num_params = model.num_params()
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
-        if cfg.train.compile:
+        if compile_enabled(cfg, dims, device):
             _compile_blocks(model)
-        return ParallelModel(model=model, dims=dims, num_params=num_params)
+        return ParallelModel(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
 
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         got = dist.get_world_size() if dist.is_initialized() else 1

@@ -454,7 +454,7 @@ def build_pipeline(
 
     `mesh` is the job's mesh (suite.parallel.mesh.build_mesh: every axis named, `data` flattened).
     """
-    check_pipeline(cfg.parallel, dims, cfg.train.precision, cfg.train.compile)
+    check_pipeline(cfg.parallel, dims, cfg.train.precision, cfg.train.compile is True)
     pp = dims.pp
     vpp = cfg.parallel.vpp if cfg.parallel.pp_schedule in MULTI_STAGE else 1
     num_stages = pp * vpp

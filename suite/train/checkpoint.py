@@ -287,9 +287,17 @@ def _training_state(model: nn.Module, optimizer) -> dict[str, Any]:
         return {"model": get_model_state_dict(model)}
     if hasattr(optimizer, "dcp_state_dict"):
         optim_sd = _merge_param_groups(optimizer.dcp_state_dict())
-        return {"model": get_model_state_dict(model), "optim": optim_sd}
+        return {"model": _model_state(model, optimizer), "optim": optim_sd}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": _merge_param_groups(optim_sd)}
+
+
+def _model_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    """The model's DCP state; an optimizer with fp32 master weights (train.param_dtype=bf16) gives
+    its masters under the model's names instead: they, not the bf16 copies, are the saved truth."""
+    if hasattr(optimizer, "dcp_model_state_dict"):
+        return optimizer.dcp_model_state_dict()
+    return get_model_state_dict(model)
 
 
 def _merge_param_groups(optim_sd: dict[str, Any]) -> dict[str, Any]:
@@ -316,9 +324,12 @@ def load_checkpoint(
     """Collective: load model (+ optimizer) into whatever layout they have now; returns trainer state."""
     if optimizer is not None and hasattr(optimizer, "dcp_state_dict"):
         # an optimizer that owns its sharded state (ZeRO-1): same keys as get_state_dict writes
-        state = {"model": get_model_state_dict(model), "optim": optimizer.dcp_state_dict(for_loading=True)}
+        state = {"model": _model_state(model, optimizer), "optim": optimizer.dcp_state_dict(for_loading=True)}
         dcp.load(state, checkpoint_id=str(folder))
-        set_model_state_dict(model, state["model"])
+        if hasattr(optimizer, "sync_params"):  # fp32 masters were loaded in place: round them into the model
+            optimizer.sync_params()
+        else:
+            set_model_state_dict(model, state["model"])
         optimizer.dcp_load_state_dict(state["optim"])
     elif optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)

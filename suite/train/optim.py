@@ -21,22 +21,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, param_dtype: str = "fp32"
+) -> torch.optim.Optimizer:
     """AdamW, fused by default where it is known to work: CUDA, and CPU with plain (non-DTensor)
     parameters; foreach otherwise. optim.fused=true/false forces the choice.
 
     On CPU the fused kernel took ~6x less CPU time than foreach per step (16.8M parameters, one
     thread, torch 2.13: 17 ms vs 97-118 ms; docs/performance.md).
+    param_dtype="bf16" (train.param_dtype): the model's parameters become bf16 and the AdamW runs on
+    fp32 master copies (suite.train.master_weights); build it right after the fp32 initialisation.
     """
     fused = cfg.fused
     if fused is None:
         plain = not any(isinstance(p, DTensor) for p in model.parameters())
         fused = device.type == "cuda" or (device.type == "cpu" and plain)
     kwargs = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        **kwargs,
-    )
+
+    def adamw(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+
+    groups = param_groups(model, cfg.weight_decay)
+    if param_dtype == "bf16":
+        from suite.train.master_weights import MasterWeightOptimizer
+
+        return MasterWeightOptimizer(model, groups, adamw, torch.bfloat16)  # type: ignore[return-value]
+    return adamw(groups)

@@ -60,6 +60,16 @@ class RunStopped(SystemExit):
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast_factory(device: torch.device, precision: str, param_dtype: str = "fp32"):
+    """What each forward runs under: autocast to the precision's dtype over fp32 parameters, or
+    nothing when the parameters are already in the compute dtype (train.param_dtype=bf16: the
+    weights are not re-cast every step; the loss still runs in fp32, suite.train.loss)."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None or param_dtype != "fp32":
+        return nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
 class Trainer:
     def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
         self.cfg = cfg
@@ -89,10 +99,7 @@ class Trainer:
         self._load_initial_weights()
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
-        dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None else nullcontext
-        )
+        self.autocast = autocast_factory(self.device, cfg.train.precision, cfg.train.param_dtype)
         self._build_loaders()
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)

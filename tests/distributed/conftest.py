@@ -60,6 +60,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
         4,
         ["parallel.dp=2", "parallel.sharding=2", "parallel.sharding_stage=3", "parallel.micro_batch_size=2"],
     ),
+    # train.param_dtype=bf16: the optimizer's fp32 masters (one process) vs FSDP2's MixedPrecisionPolicy
+    "single-bf16-params": (1, ["train.precision=bf16", "train.param_dtype=bf16"]),
+    "sharding2-bf16-params": (2, ["parallel.sharding=2", "train.precision=bf16", "train.param_dtype=bf16"]),
     "llama-single": (1, LLAMA),
     "llama-tp2": (2, [*LLAMA, "parallel.tp=2"]),
     "llama-tp2-sp": (2, [*LLAMA, "parallel.tp=2", "parallel.sp=true"]),
