@@ -42,7 +42,7 @@ the newest good checkpoint (train.resume=true).
 Common keys:
   recipe=gpt-tiny|gpt345m|gpt1.3b|gpt6.7b|gpt13b|gpt175b|llama-tiny|llama2-7b|llama3-8b|./my.yaml
   run.dir=DIR  train.max_steps=N  train.save_every=N  train.log_every=N  train.eval_every=N
-  train.seed=N  train.precision=fp32|bf16|fp16  train.resume=true|false  train.compile=auto|true|false
+  train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.compile=auto|true|false
   parallel.micro_batch_size=N  parallel.global_batch_size=N  parallel.dp/sharding/tp/pp=N
   data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N  model.num_heads=N
   model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false

@@ -184,6 +184,10 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
             OmegaConf.resolve(cfg)
         except OmegaConfBaseException as exc:
             raise ConfigError(_explain(exc)) from None
+        if cfg.train.precision == "auto":  # resolved here, so config.yaml records what ran
+            from suite.parallel.env import auto_precision
+
+            cfg.train.precision = auto_precision(cfg.train.device)
         return cfg
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -10,7 +10,7 @@ from suite.parallel.dims import ParallelDims
 
 CHOICES = {
     "model.family": ("gpt", "llama"),
-    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.precision": ("fp32", "bf16", "fp16", "auto"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.param_dtype": ("fp32", "bf16"),
     "recompute.granularity": ("none", "full", "full_attn", "core_attn"),

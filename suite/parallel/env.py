@@ -41,6 +41,20 @@ def pick_device(requested: str, env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
+def auto_precision(requested_device: str) -> str:
+    """`train.precision=auto`: bf16 autocast where the device computes bf16 natively, else fp32.
+
+    CPUs without AVX-512 BF16 / AMX emulate bf16 matmuls (slower than fp32), so the CPU check asks
+    oneDNN, which is what runs them.
+    """
+    if requested_device != "cpu" and torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    if requested_device == "cuda":
+        return "fp32"  # no GPU visible: validation reports that; keep the choice well defined
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "bf16" if native else "fp32"
+
+
 def init_process_group(
     env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 600
 ) -> None:

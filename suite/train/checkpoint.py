@@ -336,6 +336,7 @@ def load_checkpoint(
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(folder))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _keep_implementation_flags(optimizer)
     else:
         load_model_weights(folder, model)
     rng_file = folder / f"rng_rank{_rank()}.pt"
@@ -345,6 +346,16 @@ def load_checkpoint(
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return torch.load(folder / "trainer_state.pt", weights_only=True)
+
+
+def _keep_implementation_flags(optimizer: torch.optim.Optimizer) -> None:
+    """Loading restores the saving run's param_group options, `fused`/`foreach` among them; those
+    belong to this process's layout (a tp=2 run's DTensor params are not fused, a resumed
+    single-process run's are), so put back the ones this optimizer was built with."""
+    for key in ("fused", "foreach"):
+        if key in optimizer.defaults:
+            for group in optimizer.param_groups:
+                group[key] = optimizer.defaults[key]
 
 
 def load_model_weights(folder: Path, model: nn.Module) -> None:

@@ -397,7 +397,7 @@ class Trainer:
         opt = self.optimizer
         return (
             isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
-            and bool(opt.defaults.get("fused"))
+            and all(group.get("fused") for group in opt.param_groups)
             and self.cfg.train.precision != "fp16"
             and self.cfg.train.spike_factor <= 0
         )

@@ -155,3 +155,15 @@ def test_an_elastic_range_lists_the_world_sizes_the_degrees_fit():
     assert validate(cfg).sharding == 4  # the parent validates at the maximum
     assert validate(cfg, world=2).sharding == 2  # a worker of a shrunken attempt at its own world
     assert elastic_world_sizes(cfg) == [4, 2, 1]  # 3 ranks x micro-batch 4 do not divide 16
+
+
+def test_auto_precision_is_resolved_at_compose_time(monkeypatch):
+    """`auto` never reaches the trainer: bf16 where oneDNN runs bf16 natively, fp32 where it would emulate."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert compose_config(["train.precision=auto"]).train.precision == "bf16"
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert compose_config(["train.precision=auto"]).train.precision == "fp32"
+    assert compose_config(["train.precision=fp16"]).train.precision == "fp16"  # explicit values stay
