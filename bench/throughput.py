@@ -19,6 +19,10 @@ batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clip
   `clip_grad_norm_`, step, zero_grad).
 - `transformers +compile` (`--compile SHAPE[:PRECISION]`, default all): `torch.compile(model)`.
   Compile time (of either contender) is reported apart from throughput.
+- `transformers +kept host memory` (`--peer-host-memory`, default all): transformers eager in a
+  process that made the same glibc malloc setting the suite's trainer makes on the CPU
+  (`train.keep_host_memory`, suite.train.host_memory). Not what a transformers user gets by default,
+  so the headline ratios are over the rows above; this row shows how much of them that setting is.
 
 Each contender runs in its own process (so its peak memory, `ru_maxrss` above the process's own
 high-water mark after imports, is its alone): it builds the model and warms up 2 steps while nothing
@@ -84,7 +88,7 @@ SHAPES: dict[str, Shape] = {
             "parallel.micro_batch_size=4",
             "parallel.global_batch_size=4",
         ),
-        steps=1,
+        steps=2,
     ),
     # Llama-family: ~134M parameters, SwiGLU 2048, untied head, no GQA.
     "llama-12x768": Shape(
@@ -103,7 +107,7 @@ SHAPES: dict[str, Shape] = {
             "parallel.micro_batch_size=4",
             "parallel.global_batch_size=4",
         ),
-        steps=1,
+        steps=2,
     ),
 }
 DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768", "llama-12x768")
@@ -148,12 +152,14 @@ def build_suite_step(cfg, dims):
     from suite.models import build_model, materialize
     from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
+    from suite.train.host_memory import apply_host_memory_setting
     from suite.train.optim import build_optimizer
     from suite.train.trainer import Trainer, autocast_factory
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.dims = cfg, dims
     trainer.device = torch.device("cpu")
+    trainer.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, trainer.device)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, "meta")
     trainer.parallel = parallelize(model, cfg, dims, trainer.device)
@@ -319,6 +325,10 @@ def run_worker(spec: dict) -> None:
         compiled = compile_enabled(cfg, dims, torch.device("cpu"))
         step, model = build_suite_step(cfg, dims)
     else:
+        if spec["variant"] == "kept":
+            from suite.train.host_memory import keep_freed_host_memory
+
+            keep_freed_host_memory()
         step, model = build_hf_step(cfg, spec["compile"])
     build_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -543,23 +553,30 @@ def machine() -> str:
 
 
 def contenders(
-    shape: str, precision: str, compile_for: set[str], variants: dict[str, tuple[str, ...]]
+    shape: str,
+    precision: str,
+    compile_for: set[str],
+    variants: dict[str, tuple[str, ...]],
+    host_memory_for: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str, tuple[str, ...]]]:
     """(contender, variant, suite overrides): the suite with its fast settings, each `--suite-variant`,
-    transformers eager, and transformers compiled where `--compile` names the shape[:precision]."""
+    transformers eager, transformers compiled where `--compile` names the shape[:precision], and
+    transformers eager with the suite's host-memory setting where `--peer-host-memory` names it."""
     fast = SUITE_FAST.get(precision, ())
     out = [("suite", "", fast)]
     out += [("suite", name, (*fast, *extra)) for name, extra in variants.items()]
     out.append(("hf", "eager", ()))
     if {"all", shape, f"{shape}:{precision}"} & compile_for:
         out.append(("hf", "compiled", ()))
+    if {"all", shape, f"{shape}:{precision}"} & host_memory_for:
+        out.append(("hf", "kept", ()))
     return out
 
 
 def label(contender: str, variant: str) -> str:
     if contender == "suite":
         return "suite" + (f" [{variant}]" if variant else "")
-    return "transformers" + (" +compile" if variant == "compiled" else "")
+    return "transformers" + {"compiled": " +compile", "kept": " +kept host memory"}.get(variant, "")
 
 
 def fmt_table(workers: dict, ceilings: dict) -> str:
@@ -579,7 +596,7 @@ def fmt_table(workers: dict, ceilings: dict) -> str:
         ratio = ""
         if contender == "suite":
             parts = []
-            for peer_name in ("eager", "compiled"):
+            for peer_name in ("eager", "compiled", "kept"):
                 peer = workers.get((shape, precision, "hf", peer_name))
                 if peer and peer.windows:
                     parts.append(f"{tps / peer.median('tokens_per_s'):.2f}x {peer_name}")
@@ -613,7 +630,10 @@ unscale, `clip_grad_norm`, optimizer step, zero_grad).
   same precision measured by the harness on the same machine (best of several sizes, before and after).
 - **peak mem**: the process's peak resident set (`ru_maxrss`) minus its high-water mark after imports,
   i.e. what building the model and training it added; each contender runs in its own process.
-- **suite / transformers**: the suite row's median tokens/s over transformers' eager (and, where run, compiled) one.
+- **suite / transformers**: the suite row's median tokens/s over transformers' eager (and, where run, compiled) one,
+  and over `transformers +kept host memory`: transformers eager in a process that made the glibc malloc
+  setting the suite's trainer makes on CPU (`train.keep_host_memory`, docs/performance.md), which shows how
+  much of the lead is that setting and how much the step itself.
 - **CPU share**: median CPU time the contender's process got during its timed steps over wall time x threads.
   A repetition below `--min-share` (85%) means other processes on the machine took cores: it is timed again
   (up to `--retries` times; "N retimed" counts them) and kept as it is after that, so a share well below
@@ -667,6 +687,13 @@ def main(argv: list[str] | None = None) -> int:
         "'all' or 'none' (default: %(default)s; compiling costs about a minute per model on a 2-core CPU)",
     )
     parser.add_argument(
+        "--peer-host-memory",
+        default="all",
+        help="where to also run transformers eager with the suite's host-memory setting (glibc malloc keeps "
+        "freed memory, as `train.keep_host_memory` does): SHAPE or SHAPE:PRECISION, 'all' or 'none' "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--suite-variant",
         action="append",
         default=[],
@@ -715,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     compile_for = {c.strip() for c in args.compile.split(",") if c.strip() and c.strip() != "none"}
+    host_memory_for = frozenset(
+        c.strip() for c in args.peer_host_memory.split(",") if c.strip() and c.strip() != "none"
+    )
     variants: dict[str, tuple[str, ...]] = {}
     for text in args.suite_variant:
         name, _, overrides = text.partition(":")
@@ -724,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps
     if args.quick:
         shapes, precisions, reps, compile_for, variants = ["gpt-tiny"], ["fp32"], 1, set(), {}
+        host_memory_for = frozenset()
         args.steps = 1
     for shape in shapes:
         if shape not in SHAPES:
@@ -746,7 +777,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or SHAPES[shape].steps
         for precision in precisions:
             group = []
-            for contender, variant, overrides in contenders(shape, precision, compile_for, variants):
+            for contender, variant, overrides in contenders(
+                shape, precision, compile_for, variants, host_memory_for
+            ):
                 spec = {
                     "shape": shape,
                     "precision": precision,
@@ -824,7 +857,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - started:.0f} s in all",
             "- suite settings: "
             + "; ".join(f"{p}: `{' '.join(SUITE_FAST.get(p, ())) or 'the recipe as is'}`" for p in precisions)
-            + ", `train.compile=auto` (compile s column: `eager` where auto chose not to compile)"
+            + ", `train.compile=auto` (compile s column: `eager` where auto chose not to compile), "
+            "`train.keep_host_memory=auto` (on: the CPU step keeps freed host memory)"
             + "".join(f"; `[{n}]` adds `{' '.join(o)}`" for n, o in variants.items()),
             *details,
             "",

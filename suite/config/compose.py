@@ -188,6 +188,10 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
             from suite.parallel.env import auto_precision
 
             cfg.train.precision = auto_precision(cfg.train.device)
+        if cfg.model.attention == "auto":
+            from suite.parallel.env import auto_attention
+
+            cfg.model.attention = auto_attention(cfg.train.device, cfg.train.precision, cfg.data.seq_len)
         return cfg
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -34,6 +34,10 @@ class ModelConfig:
     # one matmul for q/k/v (attention.wqkv) and for the SwiGLU gate/up (feed_forward.w13); see
     # suite/models/transformer.py and docs/performance.md (off: it did not pay on the CPU measured)
     fused_projections: bool = False
+    # softmax(QK^T)V: sdpa (F.scaled_dot_product_attention: flash kernels, no score matrix) | explicit
+    # (the score matrix in the compute dtype: 2x faster than the CPU flash kernel in bf16) | auto (explicit
+    # for bf16/fp16 on CPU up to EXPLICIT_ATTENTION_MAX_SEQ tokens, else sdpa; resolved at compose time)
+    attention: str = "auto"
     init_std: float = 0.02
     init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
     # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense
@@ -165,6 +169,9 @@ class TrainConfig:
     )
     device: str = "auto"  # auto | cpu | cuda
     num_threads: Optional[int] = None
+    # keep freed host memory in the process (glibc malloc: no per-step page faults): auto (on for CPU
+    # training) | true | false (suite.train.host_memory, docs/performance.md)
+    keep_host_memory: Any = "auto"
     # performance (docs/performance.md)
     profile: bool = False  # torch profiler trace + top-operator table into <run.dir>/profile/
     profile_wait: int = 1  # steps skipped before profiling (the first step pays one-off costs)

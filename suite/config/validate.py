@@ -161,6 +161,14 @@ def validate(cfg: SuiteConfig, *, needs_data: bool = True, world: int | None = N
         raise ConfigError(f"train.profile_steps={t.profile_steps} must be a positive integer, e.g. 2")
     if t.compile not in (True, False, "auto"):
         raise ConfigError(f"train.compile={t.compile!r} is not supported; use auto, true or false")
+    if cfg.model.attention not in ("sdpa", "explicit", "auto"):
+        raise ConfigError(
+            f"model.attention={cfg.model.attention!r} is not supported; use auto, sdpa or explicit"
+        )
+    if t.keep_host_memory not in (True, False, "auto"):
+        raise ConfigError(
+            f"train.keep_host_memory={t.keep_host_memory!r} is not supported; use auto, true or false"
+        )
     if (t.fault_kill_rank is None) != (t.fault_kill_step is None):
         raise ConfigError("train.fault_kill_rank and train.fault_kill_step go together; set both or neither")
     data_path = cfg.data.path

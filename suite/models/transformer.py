@@ -110,16 +110,38 @@ class KVCache:
         return cls([p.new_zeros(shape) for _ in range(n)], [p.new_zeros(shape) for _ in range(n)])
 
 
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v with the [s, s] scores materialised in q's dtype (causal when
+    `mask` is None). What `model.attention=explicit` runs: Megatron's unfused path (scores in bf16, the
+    softmax accumulating in fp32), which on CPU in bf16 is twice as fast as torch's flash kernel at these
+    lengths, at the cost of keeping the probabilities for the backward. q: [b, heads, s, d]."""
+    if k.shape[1] != q.shape[1]:  # grouped-query: each kv head serves heads / kv heads query heads
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s, t = q.shape[2], k.shape[2]
+    if mask is None:  # causal, aligned top-left like sdpa's is_causal
+        bias = torch.full((s, t), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    else:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + bias
+    return torch.softmax(scores, dim=-1) @ v
+
+
 class CoreAttention(nn.Module):
     """softmax(QK^T)V alone: the unit that `recompute=core_attn` checkpoints."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, explicit: bool = False):
         super().__init__()
         self.gqa = num_kv_heads != num_heads
+        self.explicit = explicit  # model.attention=explicit (for training-length queries; decoding: sdpa)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.explicit and q.shape[2] > 1:
+            return explicit_attention(q, k, v, mask)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=self.gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
@@ -211,7 +233,7 @@ class Attention(nn.Module):
             self.wk = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
             self.wv = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=gpt)
-        self.core = CoreAttention(cfg.num_heads, n_kv)
+        self.core = CoreAttention(cfg.num_heads, n_kv, explicit=cfg.attention == "explicit")
 
     def forward(
         self,

@@ -55,6 +55,21 @@ def auto_precision(requested_device: str) -> str:
     return "bf16" if native else "fp32"
 
 
+EXPLICIT_ATTENTION_MAX_SEQ = 2048  # measured faster than the CPU flash kernel up to here (performance.md)
+
+
+def auto_attention(requested_device: str, precision: str, seq_len: int) -> str:
+    """`model.attention=auto`: the explicit score matrix where it beats the fused kernel, else sdpa.
+
+    On CPU in bf16/fp16 one [seq, seq] matmul + softmax + matmul per head ran fwd+bwd in half the time of
+    torch's CPU flash kernel at seq 256-512 and still ahead at 2048; in fp32 they were even, and on GPUs
+    the flash kernels win (and never hold the [seq, seq] scores).
+    """
+    on_cpu = requested_device == "cpu" or (requested_device == "auto" and not torch.cuda.is_available())
+    low_precision = precision in ("bf16", "fp16")
+    return "explicit" if on_cpu and low_precision and seq_len <= EXPLICIT_ATTENTION_MAX_SEQ else "sdpa"
+
+
 def init_process_group(
     env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 600
 ) -> None:

@@ -42,15 +42,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk_tokens]
             t = targets[start : start + chunk_tokens]
             keep = t != ignore_index
-            safe_t = torch.where(keep, t, 0)
+            safe_t = torch.where(keep, t, 0)[:, None]
+            # Few passes over the [chunk, vocab] logits, the loss's whole non-matmul cost: exp(logits - max)
+            # is computed once, in place, and serves both the log-sum-exp and the softmax gradient.
             logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
-            total += torch.where(keep, lse - target_logit, 0.0).sum()
+            row_max = logits.amax(dim=-1, keepdim=True)
+            target_logit = logits.gather(1, safe_t)
+            exp = logits.sub_(row_max).exp_()
+            sum_exp = exp.sum(dim=-1, keepdim=True)
+            lse = row_max + sum_exp.log()
+            total += torch.where(keep[:, None], lse - target_logit, 0.0).sum()
             if need_hidden or need_weight:
-                grad = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
-                grad[torch.arange(len(t), device=grad.device), safe_t] -= 1.0
-                grad = (grad * keep[:, None]).to(h.dtype)
+                scale = keep[:, None] / sum_exp  # softmax normalisation and the ignore mask, one factor
+                # softmax - one-hot at the targets, computed in fp32 and rounded once into h's dtype
+                target_grad = exp.gather(1, safe_t) * scale - keep[:, None].float()
+                grad = exp.mul_(scale).to(h.dtype).scatter_(1, safe_t, target_grad.to(h.dtype))
                 if need_hidden:
                     grad_hidden[start : start + chunk_tokens] = grad @ weight
                 if need_weight:

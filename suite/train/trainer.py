@@ -34,6 +34,7 @@ from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
+from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.loss import HeadInput, cross_entropy
 from suite.train.profile import StepProfiler
@@ -80,6 +81,7 @@ class Trainer:
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         self.device = pick_device(cfg.train.device, self.env)
+        self.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, self.device)
         init_process_group(self.env, self.device, cfg.launch.backend, cfg.train.collective_timeout_s)
         self.run_dir = Path(cfg.run.dir).expanduser()
         self.run_dir.mkdir(parents=True, exist_ok=True)

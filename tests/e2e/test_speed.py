@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_MODEL, run_suite, train_losses
+from tests.helpers import REPO, TINY_MODEL, run_suite, suite_env, train_losses
 
 BASE = [
     *TINY_MODEL,
@@ -46,3 +48,19 @@ def test_profile_steps_must_be_positive(tmp_path, tiny_data):
     )
     assert proc.returncode == 2
     assert "train.profile_steps=0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_benchmark_harness_runs_and_prints_its_table_last():
+    """`bench/throughput.py --quick`: both contenders train, exit 0, the table is the last thing printed."""
+    out = subprocess.run(
+        [sys.executable, "bench/throughput.py", "--quick", "--no-write"],
+        cwd=REPO,
+        env=suite_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()
+    assert last[-2].startswith("| gpt-tiny | fp32 | suite |"), out.stdout[-2000:]
+    assert last[-1].startswith("| gpt-tiny | fp32 | transformers |"), out.stdout[-2000:]

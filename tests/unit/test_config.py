@@ -130,6 +130,7 @@ BAD_INPUTS = [
     (["recipe=moe-tiny", "model.capacity_factor=0"], "model.capacity_factor=0"),
     (["recipe=moe-tiny", "model.moe_layers=[7]"], "names layer 7"),
     (["recipe=moe-tiny", "model.moe_every=5"], "no layer is MoE"),
+    (["train.keep_host_memory=always"], "train.keep_host_memory='always' is not supported; use auto"),
     (["parallel.fsdp_backward_prefetch=0"], "parallel.fsdp_backward_prefetch=0: use counts of blocks"),
     (
         ["parallel.fsdp_forward_prefetch=1", "parallel.dp=2", "launch.nproc_per_node=2"],
@@ -167,3 +168,16 @@ def test_auto_precision_is_resolved_at_compose_time(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert compose_config(["train.precision=auto"]).train.precision == "fp32"
     assert compose_config(["train.precision=fp16"]).train.precision == "fp16"  # explicit values stay
+
+
+def test_auto_attention_is_resolved_at_compose_time(monkeypatch):
+    """The explicit score matrix for bf16/fp16 on CPU at training lengths; sdpa for fp32, GPUs, long sequences."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bf16 = ["train.precision=bf16", "train.device=cpu"]
+    assert compose_config(bf16).model.attention == "explicit"
+    assert compose_config([*bf16, "data.seq_len=4096"]).model.attention == "sdpa"
+    assert compose_config(["train.precision=fp32"]).model.attention == "sdpa"
+    assert compose_config(["train.precision=bf16", "train.device=cuda"]).model.attention == "sdpa"
+    assert compose_config([*bf16, "model.attention=sdpa"]).model.attention == "sdpa"  # explicit values stay
