@@ -40,8 +40,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "sharding2-pp2": (4, ["parallel.sharding=2", "parallel.pp=2"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "hsdp-dp2-sharding2": (4, ["parallel.dp=2", "parallel.sharding=2"]),
-    # all three axes > 1 needs 8 ranks: opt-in with --layouts dp2-tp2-pp2
+    # 3-D: with all three axes > 1 a layout needs 8 ranks: opt-in with --layouts dp2-tp2-pp2 sharding2-tp2-pp2
     "dp2-tp2-pp2": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]),
+    "sharding2-tp2-pp2": (8, ["parallel.sharding=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]),
 }
 DEFAULT_LAYOUTS = [name for name, (world, _) in LAYOUTS.items() if world == 4]
 

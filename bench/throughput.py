@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training throughput of the suite's real step against plain transformers, on the same shapes.
 
-    python bench/throughput.py                      # what `make bench` runs: bf16, 3 shapes, compiled peers
+    python bench/throughput.py                      # what `make bench` runs: bf16 where the CPU has it natively (else fp32), 3 shapes, compiled peers
     python bench/throughput.py --quick              # a smoke run (gpt-tiny, 1 rep, 1 step)
     python bench/throughput.py --shapes llama-12x768 --reps 1 --suite-variant eager:train.compile=false
     python bench/throughput.py --quiet-wait 120   # on a shared machine: time only when it is idle
@@ -667,7 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, from: {', '.join(SHAPES)} (default: %(default)s)",
     )
     parser.add_argument(
-        "--precision", default="bf16", help="comma-separated: fp32, bf16 (default: %(default)s)"
+        "--precision",
+        default="auto",
+        help="comma-separated: fp32, bf16, or auto: bf16 where this CPU computes it natively (AVX-512 BF16 "
+        "or AMX), else fp32, since emulated bf16 matmuls run ~100x slower than fp32 (default: %(default)s)",
     )
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions per contender (default: %(default)s)"
@@ -741,6 +744,17 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    if "auto" in precisions:
+        from suite.parallel.env import auto_precision
+
+        chosen = auto_precision("cpu")
+        precisions = [chosen if p == "auto" else p for p in precisions]
+        if chosen != "bf16":
+            print(
+                "--precision auto: this CPU has no native bf16 matmul (AVX-512 BF16 / AMX), so bf16 would be "
+                "emulated; benchmarking fp32 (pass --precision bf16 to time the emulation anyway)",
+                flush=True,
+            )
     compile_for = {c.strip() for c in args.compile.split(",") if c.strip() and c.strip() != "none"}
     host_memory_for = frozenset(
         c.strip() for c in args.peer_host_memory.split(",") if c.strip() and c.strip() != "none"
@@ -761,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--shapes: unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     for precision in precisions:
         if precision not in ("fp32", "bf16"):
-            parser.error(f"--precision: {precision!r} is not one of fp32, bf16")
+            parser.error(f"--precision: {precision!r} is not one of fp32, bf16, auto")
     if reps < 1:
         parser.error("--reps must be at least 1")
 

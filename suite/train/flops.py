@@ -27,26 +27,39 @@ def measure_matmul_peak(
     """Best sustained FLOP/s of square matmuls: the ceiling a training step can approach.
 
     The best over a few sizes and repetitions, because a busy machine only ever makes a
-    measurement lower, never higher.
+    measurement lower, never higher. A small probe first: sizes whose one product would outlast
+    twice `seconds` are skipped, so a precision the CPU only emulates (bf16 without
+    AVX-512 BF16, ~1 GFLOP/s) costs a second here, not minutes.
     """
     dtype = DTYPES[precision]
-    best = 0.0
+
+    def product_flops_per_s(a: torch.Tensor, b: torch.Tensor, repeat: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return repeat * 2 * a.shape[0] ** 3 / (time.perf_counter() - start)
+
+    probe = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device).to(dtype)
+    probe @ probe
+    best = product_flops_per_s(probe, probe, 1)
     for size in sizes:
+        if 2 * size**3 / best > 2 * seconds:
+            continue
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
         for _ in range(2):
             a @ b
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(2):
-                a @ b
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = max(best, 2 * 2 * size**3 / (time.perf_counter() - start))
+            best = max(best, product_flops_per_s(a, b, 2))
     return best
+
+
+PROBE_SIZE = 256  # the first, cheap product that tells which sizes fit the time budget
 
 
 def record_peak(key: str, measured: float) -> float:

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -29,7 +30,13 @@ from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.models.moe import moe_aux_loss
 from suite.parallel.dims import ParallelDims
-from suite.parallel.env import DistEnv, barrier, init_process_group, pick_device
+from suite.parallel.env import (
+    DistEnv,
+    barrier,
+    emulates_low_precision,
+    init_process_group,
+    pick_device,
+)
 from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
 from suite.train import checkpoint as ckpt
@@ -82,6 +89,14 @@ class Trainer:
             torch.set_num_threads(cfg.train.num_threads)
         self.device = pick_device(cfg.train.device, self.env)
         self.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, self.device)
+        if self.env.is_main and emulates_low_precision(self.device, cfg.train.precision):
+            print(
+                f"warning: train.precision={cfg.train.precision} on a CPU that does not compute it natively "
+                "(bf16: AVX-512 BF16 / AMX; fp16: AVX-512 FP16 / AMX-FP16): "
+                "its matmuls are emulated, ~100x slower than fp32 here; train.precision=auto picks fp32",
+                file=sys.stderr,
+                flush=True,
+            )
         init_process_group(self.env, self.device, cfg.launch.backend, cfg.train.collective_timeout_s)
         self.run_dir = Path(cfg.run.dir).expanduser()
         self.run_dir.mkdir(parents=True, exist_ok=True)

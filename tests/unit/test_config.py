@@ -170,6 +170,21 @@ def test_auto_precision_is_resolved_at_compose_time(monkeypatch):
     assert compose_config(["train.precision=fp16"]).train.precision == "fp16"  # explicit values stay
 
 
+def test_emulated_low_precision_is_recognised(monkeypatch):
+    """The trainer warns when bf16/fp16 on this CPU would be emulated (~100x slower than fp32 on AVX2 alone)."""
+    import torch
+
+    from suite.parallel.env import emulates_low_precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
+    assert emulates_low_precision(cpu, "bf16") and emulates_low_precision(cpu, "fp16")
+    assert not emulates_low_precision(cpu, "fp32") and not emulates_low_precision(cuda, "bf16")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert not emulates_low_precision(cpu, "bf16") and emulates_low_precision(cpu, "fp16")
+
+
 def test_auto_attention_is_resolved_at_compose_time(monkeypatch):
     """The explicit score matrix for bf16/fp16 on CPU at training lengths; sdpa for fp32, GPUs, long sequences."""
     import torch

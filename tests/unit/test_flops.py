@@ -28,6 +28,17 @@ def test_matmul_ceiling_is_measured():
     assert flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(128,), seconds=0.05) > 0
 
 
+def test_matmul_ceiling_skips_sizes_that_would_outlast_the_budget(monkeypatch):
+    """Emulated bf16 runs ~1 GFLOP/s: the probe's rate tells which sizes to skip (here: all of them)."""
+    sizes_built = []
+    real_randn = torch.randn
+    monkeypatch.setattr(
+        torch, "randn", lambda *shape, **kw: sizes_built.append(shape[0]) or real_randn(*shape, **kw)
+    )
+    assert flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(8192,), seconds=1e-6) > 0
+    assert sizes_built == [flops.PROBE_SIZE]  # the 8192 product (1.1 TFLOP) was never started
+
+
 def test_flops_per_token_counts_six_n_plus_attention():
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=32)
     assert flops_per_token(cfg, 32) == 6 * num_params(cfg) + 12 * 2 * 32 * 64
