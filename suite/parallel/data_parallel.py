@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from suite.parallel.mesh import data_cp_mesh, data_mesh, fsdp_cp_mesh
+from suite.train.optim import WrappedOptimizer
 
 WRAPPER_SEGMENTS = re.compile(
     r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module|module)(?=\.|$)"
@@ -232,7 +233,7 @@ def _row_slice(rows: int, parts: int, index: int) -> tuple[int, int, int]:
     return offset, max(0, min(chunk, rows - offset)), chunk
 
 
-class ZeroOneOptimizer:
+class ZeroOneOptimizer(WrappedOptimizer):
     """An optimizer whose state covers only this rank's 1/N row slice of every parameter.
 
     Wraps an already built optimizer (from suite.train.optim) over the model's parameters and
@@ -298,24 +299,12 @@ class ZeroOneOptimizer:
             "placements": placements,
         }
 
-    # ---- the Optimizer surface the trainer uses -------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none)
         for e in self.entries:
             e["shard"].grad = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise RuntimeError("ZeroOneOptimizer.step does not take a closure")
+    def _update(self) -> None:
         for e in self.entries:
             grad = e["param"].grad
             if grad is None:

@@ -20,8 +20,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from suite.train.optim import WrappedOptimizer
 
-class MasterWeightOptimizer:
+
+class MasterWeightOptimizer(WrappedOptimizer):
     """An optimizer over fp32 master copies of a model whose parameters it turns into `dtype`.
 
     `make_inner(param_groups)` builds the real optimizer (AdamW) over the masters, given groups shaped
@@ -60,22 +62,7 @@ class MasterWeightOptimizer:
             if id(p) in master_of:
                 self.names[name] = master_of[id(p)]
 
-    # ---- the Optimizer surface the trainer uses ----------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise RuntimeError("MasterWeightOptimizer.step does not take a closure")
+    def _update(self) -> None:
         # fp32 gradients exist only during the update, each replacing its bf16 gradient: the model's
         # state never holds both at once (peak memory at or below the autocast run's fp32 gradients)
         for p, master in zip(self.params, self.masters):
