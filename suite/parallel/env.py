@@ -51,21 +51,22 @@ def auto_precision(requested_device: str) -> str:
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     if requested_device == "cuda":
         return "fp32"  # no GPU visible: validation reports that; keep the choice well defined
-    return "bf16" if cpu_has_native_bf16() else "fp32"
+    return "bf16" if cpu_computes_natively("bf16") else "fp32"
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN, which runs CPU matmuls, computes bf16 in hardware (AVX-512 BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def cpu_computes_natively(precision: str) -> bool:
+    """Whether oneDNN, which runs CPU matmuls, computes `precision` in hardware (bf16: AVX-512 BF16 or
+    AMX; fp16: AVX-512 FP16 or AMX-FP16); fp32 always."""
+    if precision not in ("bf16", "fp16"):
+        return True
+    mkldnn = torch.ops.mkldnn
+    supported = mkldnn._is_mkldnn_bf16_supported if precision == "bf16" else mkldnn._is_mkldnn_fp16_supported
+    return torch.backends.mkldnn.is_available() and supported()
 
 
 def emulates_low_precision(device: torch.device, precision: str) -> bool:
-    """bf16/fp16 training on a CPU that would emulate it: bf16 measured ~100x slower than fp32 on AVX2 alone."""
-    if device.type != "cpu" or precision not in ("bf16", "fp16"):
-        return False
-    if precision == "fp16":
-        return not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return not cpu_has_native_bf16()
+    """Training on a CPU that would emulate `precision`: bf16 measured ~100x slower than fp32 on AVX2 alone."""
+    return device.type == "cpu" and not cpu_computes_natively(precision)
 
 
 EXPLICIT_ATTENTION_MAX_SEQ = 2048  # measured faster than the CPU flash kernel up to here (performance.md)

@@ -332,9 +332,10 @@ COMPILE_AUTO_MIN_HIDDEN = 512
 def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> bool:
     """train.compile: true / false as set; `auto` compiles each block where it paid when measured
     (docs/performance.md): Llama-family blocks (RMSNorm, RoPE, SwiGLU: elementwise work that the
-    compiled block fuses) at width >= COMPILE_AUTO_MIN_HIDDEN: on CPU in any precision (bf16: -16% time;
-    fp32: even time, -20% peak memory), on GPUs in bf16 or fp16. GPT blocks measured no faster compiled on CPU, and small models stay eager: a minute of compilation per process
-    outweighs what fusing saves there. Never under context parallelism or the zero-bubble pipeline
+    compiled block fuses) at width >= COMPILE_AUTO_MIN_HIDDEN: on CPU in any precision (bf16: -16%
+    time; fp32: even time, -20% peak memory), on GPUs in bf16 or fp16. GPT blocks measured no faster
+    compiled on CPU, and small models stay eager: a minute of compilation per process outweighs what
+    fusing saves there. Never under context parallelism or the zero-bubble pipeline
     schedule, which compiled blocks do not support (true is rejected there)."""
     value = cfg.train.compile
     if value != "auto":

@@ -21,6 +21,9 @@ GPU_PEAKS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+PROBE_SIZE = 256  # the first, cheap product that tells which sizes fit the time budget
+
+
 def measure_matmul_peak(
     device: torch.device, precision: str, sizes: tuple[int, ...] = (1024, 2048), seconds: float = 0.5
 ) -> float:
@@ -57,9 +60,6 @@ def measure_matmul_peak(
         while time.perf_counter() < deadline:
             best = max(best, product_flops_per_s(a, b, 2))
     return best
-
-
-PROBE_SIZE = 256  # the first, cheap product that tells which sizes fit the time budget
 
 
 def record_peak(key: str, measured: float) -> float:
