@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -63,20 +64,227 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's model weights as plain full tensors, whatever layout wrote them
-    (under the unfused names when the run fused its projections, so layouts compare)."""
+def run_config(run_dir: Path):
+    """The resolved config a run (or checkpoint folder) was trained with."""
     from suite.config.compose import load_saved_config
-    from suite.models import build_model, materialize
-    from suite.models.transformer import unfuse_state_dict
-    from suite.train.checkpoint import load_model_weights, resolve_checkpoint
+    from suite.train.checkpoint import resolve_checkpoint
 
-    folder = resolve_checkpoint(run_dir)
-    cfg = load_saved_config(folder / "config.yaml")
-    model = materialize(build_model(cfg.model), "cpu", seed=0)
-    load_model_weights(folder, model)
+    return load_saved_config(resolve_checkpoint(run_dir) / "config.yaml")
+
+
+def _model_like_run(cfg):
+    """The plain model a run trains (with its LoRA adapters, for a LoRA finetuning run), on meta."""
+    from suite.finetune.lora import apply_lora
+    from suite.models import build_model
+
+    model = build_model(cfg.model, "meta")
+    if _is_lora(cfg):
+        lo = cfg.finetune.lora
+        apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules), cfg.train.seed)
+    return model
+
+
+def _is_lora(cfg) -> bool:
+    return bool(cfg.model.init_from) and cfg.finetune.method == "lora"
+
+
+def _plain_names(cfg, model) -> dict[str, torch.Tensor]:
+    from suite.models.transformer import unfuse_state_dict
+
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return unfuse_state_dict(cfg.model, weights) if cfg.model.fused_projections else weights
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's model weights (a checkpoint folder: that one's) as plain full tensors,
+    whatever layout wrote them (under the unfused names when the run fused its projections, so
+    layouts compare; LoRA adapters included)."""
+    from suite.models import materialize
+    from suite.train.checkpoint import load_model_weights, resolve_checkpoint
+
+    cfg = run_config(run_dir)
+    model = materialize(_model_like_run(cfg), "cpu", seed=0)
+    load_model_weights(resolve_checkpoint(run_dir), model)
+    return _plain_names(cfg, model)
+
+
+def initial_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights a run started from, rebuilt the way the trainer builds them: the seeded init
+    (every layout starts from these values), the base model's weights for finetuning, fresh LoRA
+    adapters (names as `final_weights` gives them). tests/e2e/test_checks.py checks it against a
+    run that cannot move its weights."""
+    from suite.finetune.lora import init_lora
+    from suite.finetune.trainer import load_base_weights
+    from suite.models import materialize
+
+    cfg = run_config(run_dir)
+    model = materialize(_model_like_run(cfg), "cpu", cfg.train.seed)
+    if cfg.model.init_from:
+        load_base_weights(model, cfg.model.init_from, cfg.model.fused_projections)
+    if _is_lora(cfg):
+        init_lora(model, cfg.train.seed)
+    return _plain_names(cfg, model)
+
+
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
+
+
+def step_gradients(run_dir: Path, step: int = 1) -> dict[str, torch.Tensor]:
+    """The gradients `train.save_grads_step=<step>` wrote, merged over the ranks' files (pipeline
+    stages hold different parameters; where ranks share a name their gradients must agree)."""
+    from safetensors.torch import load_file
+
+    from suite.models.transformer import unfuse_state_dict
+
+    files = sorted((Path(run_dir) / "grads" / f"step_{step}").glob("rank*.safetensors"))
+    assert files, f"{run_dir} has no gradients of step {step} (train.save_grads_step={step})"
+    merged: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, grad in load_file(str(path)).items():
+            if name in merged:
+                same = (merged[name] - grad).norm() <= 1e-6 * merged[name].norm().clamp_min(1e-12)
+                assert same, f"{path.name}: the gradient of {name} differs from another rank's"
+            merged[name] = grad
+    cfg = run_config(run_dir)
+    return unfuse_state_dict(cfg.model, merged) if cfg.model.fused_projections else merged
+
+
+# The attention key bias gets no gradient in exact arithmetic (softmax ignores a shift that is the
+# same for every key of a query); in floating point it gets rounding noise, which AdamW turns into
+# ~1e-7 updates whose sign depends on summation order. Compared in absolute terms instead.
+NOISE_ONLY = ("attention.wk.bias",)
+
+
+def assert_equivalent(
+    ref_dir: Path,
+    run_dir: Path,
+    *,
+    loss_rtol: float = 1e-4,
+    norm_rtol: float = 1e-4,
+    grad_rtol: float = 1e-4,
+    update_rtol: float = 1e-4,
+    noise_atol: float = 1e-5,
+    grad_step: int | None = 1,
+    min_update: float = 1e-3,
+    from_step: int = 0,
+    to_step: int | None = None,
+) -> None:
+    """A layout trained like the reference run, checked at every level a scale or sharding bug shows:
+
+    - the loss and the gradient norm of every logged step (a gradient off by a constant factor moves
+      the norm by that factor, while AdamW and clipping hide it from losses and weights);
+    - every parameter's gradient of step `grad_step` (train.save_grads_step), relative per tensor;
+    - every parameter's update (final minus initial weights), relative to the reference's update,
+      after checking that the reference moved each parameter by at least `min_update` of its norm
+      (a tolerance on whole weights would mostly measure the shared initial values).
+    `from_step`: a run resumed from that step's checkpoint logs only the later steps; `to_step`:
+    compare the steps up to that one and the weights of that step's checkpoints (a shorter run).
+    """
+    last = to_step if to_step is not None else 1 << 30
+
+    def later(values: dict[int, float]) -> dict[int, float]:
+        return {step: v for step, v in values.items() if from_step < step <= last}
+
+    def weights_of(run: Path) -> dict[str, torch.Tensor]:
+        return final_weights(run if to_step is None else Path(run) / "checkpoints" / f"step_{to_step}")
+
+    assert_close_losses(later(train_losses(ref_dir)), later(train_losses(run_dir)), rtol=loss_rtol)
+    ref_norms, norms = later(grad_norms(ref_dir)), later(grad_norms(run_dir))
+    assert ref_norms.keys() == norms.keys() and ref_norms, (sorted(ref_norms), sorted(norms))
+    for step, value in ref_norms.items():
+        assert abs(norms[step] - value) <= norm_rtol * abs(value), ("grad_norm", step, value, norms[step])
+    if grad_step is not None:
+        ref_grads, grads = step_gradients(ref_dir, grad_step), step_gradients(run_dir, grad_step)
+        assert ref_grads.keys() == grads.keys(), sorted(ref_grads.keys() ^ grads.keys())
+        for name, ref in ref_grads.items():
+            if name.endswith(NOISE_ONLY):
+                assert float((ref - grads[name]).abs().max()) <= noise_atol, ("grad", name)
+                continue
+            diff = (ref - grads[name]).norm() / ref.norm().clamp_min(1e-12)
+            assert diff <= grad_rtol, ("grad", name, float(diff))
+    start, ref_final, final = initial_weights(ref_dir), weights_of(ref_dir), weights_of(run_dir)
+    assert start.keys() == ref_final.keys() == final.keys(), sorted(start.keys() ^ final.keys())
+    for name, init in start.items():
+        ref_update = (ref_final[name] - init).float()
+        if name.endswith(NOISE_ONLY):
+            assert float((ref_final[name] - final[name]).abs().max()) <= noise_atol, ("weight", name)
+            continue
+        if float(ref_update.abs().max()) == 0.0:  # frozen (a LoRA base weight): frozen here too
+            assert torch.equal(final[name], ref_final[name]), ("frozen weight changed", name)
+            continue
+        if float(init.abs().max()) > 0:  # zero-initialised biases have no scale to compare with
+            moved = ref_update.norm() / init.float().norm()
+            assert moved >= min_update, ("reference update / weight", name, float(moved))
+        diff = (final[name] - ref_final[name]).float().norm() / ref_update.norm()
+        assert diff <= update_rtol, ("update", name, float(diff))
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def override_value(overrides: list[str], key: str, default: str) -> str:
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
+    return values[-1] if values else default
+
+
+BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.w\w+\.weight$")
+
+
+def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
+    """The layout the overrides ask for is the one that ran (summary.json `layout`, read off each
+    rank's model by suite.parallel.describe): world size, degrees, data-parallel kind, and on every
+    rank the placements and wrappers those degrees imply. Returns the layout."""
+    layout = summary(run_dir)["layout"]
+    degrees = {
+        axis: int(override_value(overrides, f"parallel.{axis}", "1"))
+        for axis in ("pp", "dp", "sharding", "cp", "tp", "ep")
+    }
+    assert layout["world_size"] == nproc, layout["world_size"]
+    assert layout["degrees"] == {k: v for k, v in degrees.items() if v > 1 and k != "ep"}, layout["degrees"]
+    stage = int(override_value(overrides, "parallel.sharding_stage", "3"))
+    if degrees["dp"] * degrees["sharding"] * degrees["cp"] == 1:
+        kind = "none"
+    elif degrees["sharding"] == 1:
+        kind = "replicate"
+    else:
+        kind = "zero1" if stage == 1 else ("hsdp" if degrees["dp"] > 1 else "fsdp")
+    assert layout["data_parallel"] == kind, (layout["data_parallel"], kind)
+    assert layout["precision"] == override_value(overrides, "train.precision", "fp32")
+    recompute = override_value(
+        overrides, "recompute.granularity", override_value(overrides, "recompute", "none")
+    )
+    for view in layout["ranks"]:
+        params, modules = view["params"], view["modules"]
+        for name, placement in params.items():
+            if degrees["tp"] > 1 and (BLOCK_MATRIX.match(name) or name == "output.weight"):
+                assert "tp:Shard(dim=" in placement, (name, placement)
+            expert = ".experts." in name  # expert parallel: on their own (edp, ep) mesh, not FSDP's
+            if kind in ("fsdp", "hsdp") and not (expert and degrees["ep"] > 1):
+                assert re.search(r"sharding\w*:(_Strided)?Shard\(dim=0", placement), (name, placement)
+            if kind in ("replicate", "zero1"):
+                assert "Replicate()" in placement, (name, placement)
+            if kind == "none" and degrees["tp"] == 1 and degrees["ep"] == 1:
+                assert placement == "local", (name, placement)
+        if kind in ("replicate", "zero1"):
+            assert "replicate" in modules, modules
+        if kind in ("fsdp", "hsdp"):
+            assert "fsdp" in modules and "replicate" not in modules, modules
+        if degrees["cp"] > 1:
+            assert len(modules.get("context_parallel", [])) == len(view["layers"]), modules
+        if degrees["ep"] > 1:
+            assert modules.get("expert_parallel"), modules
+            experts = [p for n, p in params.items() if ".experts." in n]
+            assert experts and all("ep:Shard(dim=0)" in p for p in experts), experts
+        if recompute != "none":
+            assert any(k == f"recompute:{recompute}" for k in modules), modules
+    if degrees["pp"] > 1:  # each stage's layers, held by every rank of that stage; together all layers
+        stages = [tuple(v["layers"]) for v in layout["ranks"]]
+        assert len(set(stages)) >= degrees["pp"], stages
+        flat = sorted({layer for st in stages for layer in st})
+        assert sum(len(set(st)) for st in set(stages)) == len(flat), stages
+    return layout
 
 
 def assert_close_losses(ref: dict[int, float], got: dict[int, float], rtol: float = 1e-4) -> None:

@@ -188,6 +188,9 @@ class TrainConfig:
     async_save: bool = False  # write checkpoints in a background thread while training goes on
     spike_factor: float = 0.0  # loss-spike rollback: a loss above factor x the running mean; 0: off
     spike_window: int = 20  # good steps in that running mean
+    # layout checks: write this step's gradients (full tensors, before clipping) to
+    # <run.dir>/grads/step_<N>/ (suite.train.grad_dump); 0: off
+    save_grads_step: int = 0
     # fault-injection aids for tests; inert at their defaults
     inject_nan_steps: list[int] = field(default_factory=list)  # steps whose loss is made NaN
     fault_kill_rank: Optional[int] = None  # this rank SIGKILLs itself at fault_kill_step (first attempt only)

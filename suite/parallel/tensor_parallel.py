@@ -37,6 +37,8 @@ embedding's DTensor parameter: one parameter, one gradient, one optimizer state,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -173,40 +175,32 @@ def _lora_aware(block: nn.Module, plan: dict[str, ParallelStyle], sp: bool) -> d
     return out
 
 
-def block_plan(sp: bool, family: str) -> dict[str, ParallelStyle]:
-    del family  # both families use the same module names; GQA / SwiGLU need no special casing
-    if not sp:
-        return {
-            "attention_norm": Replicated(),
-            "ffn_norm": Replicated(),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wqkv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w13": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        }
-    return {
-        "attention_norm": SequenceParallel(),
-        # Attention.forward(x, rope, mask, cache): only x is an activation to gather
-        "attention": PrepareModuleInput(
+def block_plan(sp: bool, cfg) -> dict[str, ParallelStyle]:
+    """The styles of one block's modules, exactly the modules this model config builds (fused or
+    separate projections; SwiGLU's gate and up for Llama): `apply_tensor_parallel` refuses an entry
+    that matches nothing, so a plan can never skip a module quietly."""
+    fused, swiglu = cfg.fused_projections, cfg.family == "llama"
+    qkv = ["attention.wqkv"] if fused else ["attention.wq", "attention.wk", "attention.wv"]
+    if swiglu:
+        up = ["feed_forward.w13"] if fused else ["feed_forward.w1", "feed_forward.w3"]
+    else:
+        up = ["feed_forward.w1"]
+    norm: Callable[[], ParallelStyle] = SequenceParallel if sp else Replicated
+    plan: dict[str, ParallelStyle] = {"attention_norm": norm()}
+    if sp:  # Attention.forward(x, rope, mask, cache): only x is an activation to gather
+        plan["attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wqkv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w13": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+        )
+    plan |= {key: ColwiseParallel() for key in qkv}
+    plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    plan["ffn_norm"] = norm()
+    if sp:
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+    plan |= {key: ColwiseParallel() for key in up}
+    plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    return plan
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
@@ -215,7 +209,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
     Works on any subset of the modules (a pipeline stage may lack embeddings or the head).
     The head's output is a vocab-sharded DTensor: run the loss under `loss_parallel()`.
     """
-    family = model.cfg.family
+    plan = block_plan(sp, model.cfg)
+    for key, block in model.layers.items():  # before anything is rewritten
+        missing = [k for k in plan if not _has(block, k)]
+        if missing:
+            raise RuntimeError(
+                f"tensor-parallel plan entries {missing} match no module of layers.{key} "
+                f"({type(block).__name__}, family {model.cfg.family}): the plan and the model disagree"
+            )
     seq = Shard(1) if sp else Replicate()
     top: dict[str, ParallelStyle] = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -235,10 +236,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
-    plan = block_plan(sp, family)
     for block in model.layers.values():
-        block_styles = _lora_aware(block, {k: v for k, v in plan.items() if _has(block, k)}, sp)
-        parallelize_module(block, tp_mesh, block_styles)
+        parallelize_module(block, tp_mesh, _lora_aware(block, plan, sp))
     retie_embeddings(model)
 
 

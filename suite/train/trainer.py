@@ -352,6 +352,16 @@ class Trainer:
         dist.all_gather(every, mine)
         return [float(v) for v in every]
 
+    def _layout(self) -> dict:
+        """What ran, read off the model (suite.parallel.describe): degrees, data-parallel kind,
+        each rank's parameter placements and wrapped modules. Collective when distributed."""
+        from suite.parallel.describe import describe_layout
+
+        extra = {"precision": self.cfg.train.precision, "param_dtype": self.cfg.train.param_dtype}
+        if self.dims.pp > 1:
+            extra["pp_schedule"] = self.cfg.parallel.pp_schedule
+        return describe_layout(self.model, self.dims, self.parallel.dp_kind, extra)
+
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
 
@@ -380,6 +390,10 @@ class Trainer:
         if getattr(self, "batch_number", 0) in self.cfg.train.inject_spike_batches:  # testing aid
             loss = loss * 100.0
         self.scaler.unscale_(self.optimizer)
+        if self.step + 1 == self.cfg.train.save_grads_step:
+            from suite.train.grad_dump import save_gradients
+
+            save_gradients(self.model, self.run_dir, self.step + 1)
         grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
         if self._skips_on_device():
             self.spiked = False
@@ -668,6 +682,7 @@ class Trainer:
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.parallel.state_bytes()
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
+        summary["layout"] = self._layout()  # what each rank held (collective)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
             print(

@@ -22,6 +22,11 @@ COMMON = [
     "train.eval_batches=2",
     f"parallel.global_batch_size={GLOBAL_BATCH}",
     "parallel.micro_batch_size=4",
+    # large steps from the first one (no long warm-up), so every parameter's update is measurable
+    # and a wrong gradient shows in the next loss (tests/helpers.py: assert_equivalent)
+    "optim.lr=3e-3",
+    "sched.warmup_steps=1",
+    "train.save_grads_step=1",  # first-step gradients, compared tensor by tensor
 ]
 # A Llama-family tiny model: RoPE, RMSNorm, SwiGLU, grouped-query attention (4 heads, 2 KV heads).
 LLAMA = ["recipe=llama-tiny", "model.num_kv_heads=2", "model.ffn_hidden_size=128"]

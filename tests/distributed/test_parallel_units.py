@@ -67,3 +67,36 @@ def test_the_blamed_rank_is_the_root_cause():
     # rank 3 raised first; the others' errors came after it
     failures = {2: _Failure(1, 8, "RuntimeError: peer"), 3: _Failure(1, 3, "ValueError: bad shard")}
     assert _first_failure(_ChildFailed(failures)) == (3, 1, "ValueError: bad shard")
+
+
+def test_tensor_parallel_plan_covers_every_block_matrix_and_nothing_else():
+    """The plan names exactly the modules each model config builds: every linear layer of a block
+    (fused or separate projections, GPT or Llama), no entry that would match nothing."""
+    import pytest
+
+    from suite.parallel.tensor_parallel import _has, block_plan
+
+    for family in ("gpt", "llama"):
+        for fused in (False, True):
+            cfg = ModelConfig(
+                family=family,
+                num_layers=1,
+                hidden_size=64,
+                num_heads=4,
+                vocab_size=64,
+                fused_projections=fused,
+            )
+            block = build_model(cfg, "meta").layers["0"]
+            linears = {n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+            for sp in (False, True):
+                plan = block_plan(sp, cfg)
+                assert all(_has(block, key) for key in plan), (family, fused, sp, plan.keys())
+                assert linears <= plan.keys(), linears - plan.keys()
+
+    from suite.parallel.tensor_parallel import apply_tensor_parallel
+
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=4, vocab_size=64)
+    model = build_model(cfg, "meta")
+    del model.layers["0"].feed_forward.w1  # a model the plan does not describe
+    with pytest.raises(RuntimeError, match=r"feed_forward.w1.*match no module of layers.0"):
+        apply_tensor_parallel(model, None, sp=False)

@@ -1,6 +1,6 @@
 """train.param_dtype=bf16 through the real CLI: one process (bf16 parameters, the optimizer's fp32
 masters) and FSDP2 sharding (its MixedPrecisionPolicy keeps the fp32 shards) train alike, and both
-checkpoints hold fp32 weights."""
+checkpoints hold fp32 weights. Tolerances are tied to the measured bf16 gaps (below)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from suite.train.checkpoint import resolve_checkpoint
-from tests.helpers import assert_close_losses, final_weights, train_losses
+from tests.distributed.conftest import LAYOUTS
+from tests.helpers import assert_equivalent, assert_layout, train_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -21,11 +22,21 @@ def test_checkpoint_weights_are_fp32(layout_run, name):
     assert dtypes == {torch.float32}
 
 
+# Measured (2026-11-24, the shared 10-step runs at lr 3e-3, AVX2 CPU with emulated bf16): sharding=2
+# vs one process, both bf16 parameters with fp32 masters: loss 3.7e-5 relative (max over steps),
+# gradient norm 3.2e-3, step-1 gradients 3.6e-3 (worst tensor), weight updates 1.2e-2 (worst tensor,
+# pos_embeddings). bf16 gradients summed in another order differ by about their rounding (2^-8 =
+# 3.9e-3). Tolerances are 3-5x those gaps; a gradient off by a factor of 2 moves the norm by 100%.
+BF16_TOLERANCES = {"loss_rtol": 2e-4, "norm_rtol": 1e-2, "grad_rtol": 1.5e-2, "update_rtol": 4e-2}
+
+
 def test_sharded_bf16_params_train_like_one_process(layout_run):
     ref, got = layout_run("single-bf16-params"), layout_run("sharding2-bf16-params")
     ref_losses = train_losses(ref)
-    assert len(ref_losses) == 10 and ref_losses[10] < ref_losses[1]
-    assert_close_losses(ref_losses, train_losses(got), rtol=1e-2)  # bf16 compute: summation order differs
-    ref_weights, weights = final_weights(ref), final_weights(got)
-    for key, value in ref_weights.items():
-        assert float((value - weights[key]).abs().max()) < 5e-3, key
+    assert len(ref_losses) == 10 and ref_losses[10] < ref_losses[1] - 0.3  # it learns
+    assert_layout(ref, *LAYOUTS["single-bf16-params"])
+    layout = assert_layout(got, *LAYOUTS["sharding2-bf16-params"])
+    assert layout["param_dtype"] == "bf16"
+    # the key bias (no true gradient, tests/helpers.py NOISE_ONLY) moves by bf16 rounding noise that
+    # AdamW scales up to lr-sized steps: up to lr x steps = 3e-2
+    assert_equivalent(ref, got, noise_atol=3e-2, **BF16_TOLERANCES)
