@@ -1,15 +1,18 @@
-"""Faults from outside the workers: the test finds a worker's pid through /proc and SIGKILLs it, as
-the OOM killer or a failing node would, at a seeded random moment and in the middle of a synchronous
-two-rank save. With launch.max_restarts=1 the job ends like an uninterrupted run (losses and weight
+"""Real faults, nothing injected: the test finds a worker's pid through /proc and SIGKILLs it, as the
+OOM killer or a failing node would, at a seeded random moment and in the middle of a synchronous
+two-rank save; with launch.max_restarts=1 the job ends like an uninterrupted run (losses and weight
 updates), and the steps it redoes are exactly those between the newest complete checkpoint at the
-kill and the step the killed attempt had reached. Nothing in the workers cooperates (no
-fault-injection setting). See docs/reliability.md."""
+kill and the step the killed attempt had reached. And a real full disk: a 2 MB tmpfs (mounted by the
+test, as root) runs out of space in the middle of a two-rank save. Nothing in the workers
+cooperates (no fault-injection setting or environment variable). See docs/reliability.md."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 # imported before any job starts: the kill must follow the moment the test waits for without delay
 from suite.train.checkpoint import MANIFEST, verify
@@ -26,14 +30,16 @@ from tests.helpers import (
     TINY_MODEL,
     assert_close_losses,
     assert_close_updates,
+    final_weights,
     process_gone,
     read_metrics,
+    run_suite,
     suite_env,
     train_losses,
     worker_pids,
 )
 
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+needs_proc = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 
 LAYOUT = "sharding2-stage3"
 SAVE_EVERY = 5  # COMMON's train.save_every
@@ -165,6 +171,7 @@ def _check_redone_steps(out: str, at_kill: dict, run_dir: Path, rank: int) -> tu
 
 
 @pytest.mark.slow
+@needs_proc
 def test_worker_killed_from_outside_at_a_random_moment_is_restarted_exactly(layout_run, tiny_data, tmp_path):
     """A seeded random rank is SIGKILLed a seeded random delay after a seeded random step has been
     logged (the step it lands in depends on the machine's speed; the accounting below does not)."""
@@ -204,6 +211,7 @@ SAVE_KILLS = {
 
 
 @pytest.mark.slow
+@needs_proc
 @pytest.mark.parametrize("case", SAVE_KILLS)
 def test_rank_killed_from_outside_during_a_synchronous_save_is_restarted_exactly(
     case, layout_run, tiny_data, tmp_path
@@ -235,3 +243,74 @@ def test_rank_killed_from_outside_during_a_synchronous_save_is_restarted_exactly
     ref = layout_run(LAYOUT)
     assert_close_losses(train_losses(ref), train_losses(run_dir), rtol=1e-4)
     assert_close_updates(ref, run_dir, tol=1e-4)
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str):
+    """A real small disk: a tmpfs of `size` mounted at `where` (needs root), unmounted afterwards."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs (a real full disk); run the tests as root")
+    if shutil.which("mount") is None:
+        pytest.skip("needs the mount command to mount a small tmpfs (a real full disk)")
+    where.mkdir(parents=True)
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]
+    refused = subprocess.run(cmd, capture_output=True, text=True)
+    if refused.returncode != 0:
+        pytest.skip(f"mounting a tmpfs was refused ({refused.stderr.strip()}): no real full disk to test on")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)  # still busy: detach
+
+
+# 32-wide: a checkpoint (model + AdamW state, 2 ranks) takes about 0.9 MB of the 2 MB disk
+DISK_MODEL = [o for o in TINY_MODEL if not o.startswith("model.hidden_size=")] + ["model.hidden_size=32"]
+FILLER_BYTES = 500_000  # other data on the disk: with it, step_5 fits and step_10 does not
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+    """Needs root: mounts a 2 MB tmpfs (skips, saying why, where mounting is refused) holding the run
+    folder and a 0.5 MB file of other data. The step-5 checkpoint fits; the step-10 save of the two
+    ranks runs out of space for real (ENOSPC inside DCP's writes, nothing injected): one error line,
+    exit 1, step_5 intact (verifies, loads, `latest` names it). With the other file deleted, the same
+    command resumes from step 5 and redoes steps 6-10 with the losses of the failed attempt."""
+    with _tmpfs(tmp_path / "disk", "2m") as disk:
+        filler = disk / "other-data"
+        filler.write_bytes(b"\0" * FILLER_BYTES)
+        run_dir = disk / "run"
+        args = [
+            "pretrain",
+            *DISK_MODEL,
+            f"data.path={tiny_data}",
+            f"run.dir={run_dir}",
+            *COMMON,
+            f"train.max_steps={STEPS}",
+            "parallel.dp=2",
+            "launch.nproc_per_node=2",
+        ]
+        full = run_suite(*args, timeout=420)
+        out = full.stdout + full.stderr
+        assert full.returncode == 1, out
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in out, out
+        root = run_dir / "checkpoints"
+        assert f"could not write the checkpoint of step {STEPS} to {root}" in errors[0], errors[0]
+        assert "No space left on device" in errors[0] and "injected" not in errors[0], errors[0]
+        assert f"last good checkpoint: {root / f'step_{SAVE_EVERY}'}" in errors[0], errors[0]
+        assert sorted(p.name for p in root.iterdir()) == ["latest", f"step_{SAVE_EVERY}"]
+        assert (root / "latest").read_text().strip() == f"step_{SAVE_EVERY}"
+        assert verify(root / f"step_{SAVE_EVERY}") is None
+        weights = final_weights(run_dir)  # loads step_5
+        assert all(torch.isfinite(w).all() for w in weights.values())
+        failed = train_losses(run_dir)  # the failed attempt logged every step before its save failed
+        assert sorted(failed) == list(range(1, STEPS + 1))
+
+        filler.unlink()  # space freed
+        again = run_suite(*args, timeout=420, check=True)
+        assert f"resumed from {root / f'step_{SAVE_EVERY}'} at step {SAVE_EVERY}" in again.stdout, (
+            again.stdout
+        )
+        assert_close_losses(failed, train_losses(run_dir), rtol=1e-4)
+        assert verify(root / f"step_{STEPS}") is None
