@@ -9,6 +9,7 @@ cooperates (no fault-injection setting or environment variable). See docs/reliab
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import re
@@ -266,19 +267,27 @@ def _tmpfs(where: Path, size: str):
 
 # 32-wide: a checkpoint (model + AdamW state, 2 ranks) takes about 0.9 MB of the 2 MB disk
 DISK_MODEL = [o for o in TINY_MODEL if not o.startswith("model.hidden_size=")] + ["model.hidden_size=32"]
-FILLER_BYTES = 500_000  # other data on the disk: with it, step_5 fits and step_10 does not
+# bytes of other data on the disk, so that step_5 fits and step_10 does not, and where it runs out:
+FULL_DISKS = {
+    # about 0.6 MB left after step_5: the two ranks' DCP data files do not fit
+    "in-the-dcp-writes": 500_000,
+    # about 16 kB left: the rank-local small files (RNG states, trainer state, config) do not fit
+    "in-the-rank-local-files": 1_095_000,
+}
 
 
 @pytest.mark.slow
-def test_a_real_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+@pytest.mark.parametrize("where", FULL_DISKS)
+def test_a_real_full_disk_during_a_save_keeps_the_previous_checkpoint(where, tiny_data, tmp_path):
     """Needs root: mounts a 2 MB tmpfs (skips, saying why, where mounting is refused) holding the run
-    folder and a 0.5 MB file of other data. The step-5 checkpoint fits; the step-10 save of the two
-    ranks runs out of space for real (ENOSPC inside DCP's writes, nothing injected): one error line,
-    exit 1, step_5 intact (verifies, loads, `latest` names it). With the other file deleted, the same
-    command resumes from step 5 and redoes steps 6-10 with the losses of the failed attempt."""
+    folder and a file of other data. The step-5 checkpoint fits; the step-10 save of the two ranks
+    runs out of space for real (nothing injected), inside DCP's writes or in a rank's own small files:
+    one error line, exit 1, no traceback from any rank, step_5 intact (verifies, loads, `latest` names
+    it), no `.tmp-step_10` left. With the other file deleted, the same command resumes from step 5
+    and redoes steps 6-10 with the losses of the failed attempt."""
     with _tmpfs(tmp_path / "disk", "2m") as disk:
         filler = disk / "other-data"
-        filler.write_bytes(b"\0" * FILLER_BYTES)
+        filler.write_bytes(b"\0" * FULL_DISKS[where])
         run_dir = disk / "run"
         args = [
             "pretrain",
@@ -296,8 +305,17 @@ def test_a_real_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_data,
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in out, out
         root = run_dir / "checkpoints"
-        assert f"could not write the checkpoint of step {STEPS} to {root}" in errors[0], errors[0]
-        assert "No space left on device" in errors[0] and "injected" not in errors[0], errors[0]
+        failed_in = re.findall(
+            rf"could not write the checkpoint of step {STEPS} to (\S+): No space left", out
+        )
+        assert len(failed_in) == 1 and "injected" not in errors[0], errors[0]
+        small_file = re.fullmatch(
+            r"(rng_rank\d+\.pt|trainer_state\.pt|config\.yaml)", Path(failed_in[0]).name
+        )
+        if where == "in-the-rank-local-files":
+            assert small_file and Path(failed_in[0]).parent == root / f".tmp-step_{STEPS}", errors[0]
+        else:
+            assert not small_file and failed_in[0].startswith(str(root / f".tmp-step_{STEPS}")), errors[0]
         assert f"last good checkpoint: {root / f'step_{SAVE_EVERY}'}" in errors[0], errors[0]
         assert sorted(p.name for p in root.iterdir()) == ["latest", f"step_{SAVE_EVERY}"]
         assert (root / "latest").read_text().strip() == f"step_{SAVE_EVERY}"
@@ -314,3 +332,20 @@ def test_a_real_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_data,
         )
         assert_close_losses(failed, train_losses(run_dir), rtol=1e-4)
         assert verify(root / f"step_{STEPS}") is None
+
+
+def test_a_full_disk_inside_dcp_writes_is_an_os_error_naming_the_file(tmp_path):
+    """Needs root (a 64 kB tmpfs). DCP writes tensors with torch.save, whose C++ writer turns the
+    ENOSPC of Python's write into a bare RuntimeError ('unexpected pos'); the suite's writer raises
+    the OSError behind it, so the trainer recognises the full disk."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from suite.train.checkpoint import _Writer
+    from suite.train.trainer import os_error_in
+
+    with _tmpfs(tmp_path / "disk", "64k") as disk, pytest.raises(CheckpointException) as failed:
+        dcp.save({"w": torch.zeros(100_000)}, storage_writer=_Writer(disk / "ckpt", 3))
+    err = os_error_in(failed.value)
+    assert err is not None and err.errno == errno.ENOSPC, failed.value
+    assert err.filename == str(disk / "ckpt" / "__0_0.distcp")
