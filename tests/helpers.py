@@ -287,6 +287,57 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
     return layout
 
 
+def assert_close_updates(ref_run: Path, got_run: Path, tol: float = 1e-4) -> None:
+    """Per tensor, the weight updates (final minus initial) of two runs that started from the same
+    weights: ||got_update - ref_update|| / ||ref_update|| <= tol. Comparing whole weights would
+    mostly compare the shared initial values."""
+    start = initial_weights(ref_run)
+    ref, got = final_weights(ref_run), final_weights(got_run)
+    assert ref.keys() == got.keys() == start.keys()
+    for name in ref:
+        if name.endswith(NOISE_ONLY):  # no true gradient: rounding noise, compared in absolute terms
+            assert float((ref[name] - got[name]).abs().max()) <= 1e-5, name
+            continue
+        ref_update = ref[name].float() - start[name].float()
+        diff = (got[name].float() - ref[name].float()).norm() / ref_update.norm().clamp_min(1e-12)
+        assert ref_update.norm() > 0, f"{name} did not move: the comparison would prove nothing"
+        assert diff <= tol, (name, float(diff))
+
+
+def worker_pids(parent: int, attempt: int | None = None) -> dict[int, int]:
+    """{global rank: pid} of the live `suite.worker` processes whose parent is `parent` (the
+    launching `suite` process), found from outside through /proc; with `attempt`, only those of
+    that restart attempt (TORCHELASTIC_RESTART_COUNT, 0 for the first group)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(
+                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
+            )
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid != parent or b"suite.worker" not in cmdline or b"RANK" not in environ:
+            continue
+        if attempt is not None and int(environ.get(b"TORCHELASTIC_RESTART_COUNT", b"0")) != attempt:
+            continue
+        found[int(environ[b"RANK"])] = int(entry.name)
+    return found
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (no longer in /proc, or a zombie its parent has not reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def assert_close_losses(ref: dict[int, float], got: dict[int, float], rtol: float = 1e-4) -> None:
     assert ref.keys() == got.keys(), (sorted(ref), sorted(got))
     for step in ref:

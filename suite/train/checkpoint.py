@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import signal
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -150,19 +153,71 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+class _WriteErrors(FileSystem):
+    """DCP's file system, keeping the first OSError that a write to one of its files raised.
+
+    DCP writes every tensor with torch.save into the open file; when the disk fills, Python's write
+    raises OSError(ENOSPC), but torch.save's C++ zip writer swallows it and raises a bare
+    `RuntimeError: ... unexpected pos`, which would not read as a full disk. `_Writer` raises the
+    kept OSError instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: OSError | None = None
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _KeepWriteErrors(stream, path, self) if "w" in mode else stream
+
+
+class _KeepWriteErrors:
+    """A file that tells `keeper` of the OSError its write or flush raised, naming the file (and
+    still raises it)."""
+
+    def __init__(self, stream, path, keeper: _WriteErrors):
+        self._stream, self._path, self._keeper = stream, path, keeper
+
+    def _keep(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as exc:
+            if self._keeper.error is None:
+                self._keeper.error = OSError(
+                    exc.errno, exc.strerror or str(exc), exc.filename or str(self._path)
+                )
+            raise
+
+    def write(self, data):
+        return self._keep(self._stream.write, data)
+
+    def flush(self):
+        return self._keep(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer with two fault-injection aids for tests, inert unless their environment
-    variable names this step: `SUITE_FAULT_ENOSPC_STEP=N` fails the save of step N as a full disk
-    would, and `SUITE_FAULT_KILL_IN_SAVE_STEP=N` SIGKILLs the process in the middle of that save
-    (in the background thread when the save is asynchronous). Both act after this rank's model
-    files are written and before the save is complete."""
+    """DCP's file writer whose failed writes raise the OSError behind them (see `_WriteErrors`), with
+    two fault-injection aids for tests, inert unless their environment variable names this step:
+    `SUITE_FAULT_ENOSPC_STEP=N` fails the save of step N as a full disk would, and
+    `SUITE_FAULT_KILL_IN_SAVE_STEP=N` SIGKILLs the process in the middle of that save (in the
+    background thread when the save is asynchronous). Both act after this rank's model files are
+    written and before the save is complete."""
 
     def __init__(self, path: Path, step: int):
         super().__init__(str(path))
+        self.fs = _WriteErrors()
         self.step = str(step)
 
     def write_data(self, plan, planner):
-        written = super().write_data(plan, planner)
+        try:
+            written = super().write_data(plan, planner)
+        except Exception as exc:
+            if isinstance(exc, OSError) or self.fs.error is None:
+                raise
+            raise self.fs.error from exc
         if os.environ.get(KILL_IN_SAVE_ENV) == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
         if os.environ.get(ENOSPC_ENV) == self.step:
@@ -212,34 +267,85 @@ def save_checkpoint(
     root = checkpoint_root(run_dir)
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp-{STEP_PREFIX}{step}"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    with _RankLocalWrites() as local:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    local.check()  # every rank, after rank 0 made the folder (a barrier)
     state = _training_state(model, optimizer)
     # the small files capture this step's state now, before training moves on
-    torch.save(
-        {
+    with _RankLocalWrites() as local:
+        rng = {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        },
-        tmp / f"rng_rank{_rank()}.pt",
-    )
-    if _rank() == 0:
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-        if write_extra is not None:
-            write_extra(tmp)
+        }
+        _torch_save(rng, tmp / f"rng_rank{_rank()}.pt")
+        if _rank() == 0:
+            _torch_save(trainer_state, tmp / "trainer_state.pt")
+            _write_bytes(tmp / "config.yaml", config_yaml.encode())
+            if write_extra is not None:
+                write_extra(tmp)
+    local.check()
     if async_group is not False:
         # the state is copied to CPU memory here; the files are written by a background thread
         future = dcp.async_save(state, storage_writer=_Writer(tmp, step), process_group=async_group)
         return PendingSave(step, tmp, final, future)
     dcp.save(state, storage_writer=_Writer(tmp, step))
     _barrier()
-    if _rank() == 0:
-        _commit(tmp, final, step)
-    _barrier()
+    with _RankLocalWrites() as local:
+        if _rank() == 0:
+            _commit(tmp, final, step)
+    local.check()  # the others wait for rank 0's commit, and hear of its failure
     return final
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through Python's file writes: a full disk raises OSError(ENOSPC) naming the file,
+    where torch.save(obj, path) raises a bare RuntimeError from its C++ stream."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _write_bytes(path, buffer.getvalue())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """path.write_bytes, with the file named in the OSError of a failed write (a full disk)."""
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), exc.filename or str(path)) from exc
+
+
+class _RankLocalWrites:
+    """Rank-local writes whose OSError (a full disk, a quota, an I/O error) every rank must hear of:
+    `with _RankLocalWrites() as local: <writes>` keeps the error, and `local.check()` (collective)
+    raises an OSError on every rank when any rank failed: the failing rank's own, an equal one on the
+    others. Without it the other ranks would go on into the next collective and fail there on a
+    closed connection, with a traceback instead of the one-line full-disk message."""
+
+    def __enter__(self) -> _RankLocalWrites:
+        self.error: OSError | None = None
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, OSError):
+            self.error = exc
+            return True
+        return False
+
+    def check(self) -> None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            if self.error is not None:
+                raise self.error
+            return
+        err = self.error
+        mine = None if err is None else (err.errno, err.strerror or str(err), err.filename)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if self.error is not None:
+            raise self.error
+        first = next((e for e in every if e is not None), None)
+        if first is not None:
+            raise OSError(*first)
 
 
 def _commit(tmp: Path, final: Path, step: int) -> None:

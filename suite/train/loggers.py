@@ -31,23 +31,27 @@ class JsonlWriter:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= resume_step
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
+            self._keep_up_to(resume_step)
         elif resume_step is None and path.exists():
             path.unlink()
         self.file = path.open("a")
 
+    def _keep_up_to(self, step: int) -> None:
+        """Rewrite the file with the records of steps <= `step`. A last line that is not whole JSON
+        is dropped: a full disk (a short write) or a kill can cut the line being written."""
+        lines = [line for line in self.path.read_text().splitlines() if line]
+        if lines:
+            try:
+                json.loads(lines[-1])
+            except ValueError:
+                lines.pop()
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
     def rewind(self, step: int) -> None:
         """Drop the records past `step` (a loss-spike rollback went back to it)."""
         self.file.close()
-        kept = [
-            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        self._keep_up_to(step)
         self.file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:

@@ -15,7 +15,16 @@ import pytest
 from suite.cli import main as cli_main
 from suite.parallel.launcher import rendezvous_endpoint
 from tests.distributed.conftest import COMMON
-from tests.helpers import REPO, TINY_MODEL, assert_close_losses, free_port, run_suite, suite_env, train_losses
+from tests.helpers import (
+    REPO,
+    TINY_MODEL,
+    assert_close_losses,
+    free_port,
+    run_suite,
+    suite_env,
+    train_losses,
+    worker_pids,
+)
 
 # (overrides, words the one-line error must contain)
 BAD_LAYOUTS = [
@@ -160,27 +169,6 @@ def test_two_loopback_nodes_train_like_one_process(layout_run, tiny_data, tmp_pa
     assert_close_losses(train_losses(layout_run("single")), train_losses(run_dir), rtol=1e-4)
 
 
-def _worker_pids(parent: int) -> dict[int, int]:
-    """{global rank: pid} of the suite workers whose parent is `parent`."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != parent or b"suite.worker" not in cmdline:
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(entry.name)
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
@@ -208,7 +196,7 @@ def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
             if metrics.is_file() and '"loss"' in metrics.read_text():
                 break
             time.sleep(0.5)
-        workers = _worker_pids(job.pid)
+        workers = worker_pids(job.pid)
         assert 1 in workers, (workers, log.read_text())
         os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would
         code = job.wait(timeout=120)
