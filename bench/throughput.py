@@ -32,7 +32,8 @@ repetition, so drift of the machine hits all contenders alike, and no process is
 one of ours computes. The table reports medians over `--reps` repetitions and each contender's CPU
 share during its windows: a window that got less than `--min-share` of the cores (other processes
 ran) is timed again, up to `--retries` times, and `--quiet-wait S` waits for idle CPUs before each
-window. MFU = tokens/s * (6*params + 12*layers*seq*width) / the matmul ceiling this script measures
+window. MFU = tokens/s * matmul FLOPs/token (suite.models.flops_per_token, one formula for every contender:
+no embedding lookup, causal attention at half) / the matmul ceiling this script measures
 on the same machine and precision (best of square matmuls of several sizes, before and after the
 runs). The table is printed last and appended to docs/benchmarks.md with the date and the machine.
 """
@@ -626,8 +627,10 @@ unscale, `clip_grad_norm`, optimizer step, zero_grad).
 - **tokens/s**: median over repetitions of the tokens of the timed steps over their wall time. Each contender
   runs in its own process, builds its model and warms up 2 steps alone, then the contenders take turns: every
   repetition times each of them once, in alternating order. **range** is the min-max over repetitions.
-- **MFU**: tokens/s x (6 x params + 12 x layers x seq x width) / the matmul ceiling, a square matmul in the
-  same precision measured by the harness on the same machine (best of several sizes, before and after).
+- **MFU**: tokens/s x matmul FLOPs per token (`suite.models.flops_per_token`, the same function for every
+  contender: projections, MLP or routed experts, output head, causal attention at half; no embedding lookup)
+  / the matmul ceiling, a square matmul in the same precision measured by the harness on the same machine
+  (best of several sizes, before and after).
 - **peak mem**: the process's peak resident set (`ru_maxrss`) minus its high-water mark after imports,
   i.e. what building the model and training it added; each contender runs in its own process.
 - **suite / transformers**: the suite row's median tokens/s over transformers' eager (and, where run, compiled) one,
