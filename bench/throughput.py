@@ -11,12 +11,18 @@ batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clip
 
 - `suite`: `build_model` on meta -> `parallelize` (world 1) -> `materialize` -> `build_optimizer`, and
   each step is `Trainer.train_step` itself (lr, `ParallelModel.forward_backward` with the trainer's
-  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad), with the suite's fast settings
-  (`SUITE_FAST`: bf16 runs `train.param_dtype=bf16`; `train.compile` stays `auto`). Each
+  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad), with the recipe as it is: fp32 weights
+  (bf16: under autocast, the same scheme as the peer), `train.compile=auto`, `model.attention=auto`.
+- `suite [bf16 params]` (bf16 only): the same with `train.param_dtype=bf16` (bf16 parameters and
+  gradients, fp32 masters): a different precision scheme from the peer's, so a row of its own. Each
   `--suite-variant NAME:overrides` adds a suite row with more overrides (what a setting is worth).
-- `hf`: transformers' `GPT2LMHeadModel` / `LlamaForCausalLM` with `torch.optim.AdamW(foreach=True)`
-  and a plain loop (autocast forward, fp32 cross-entropy as transformers' own loss does, backward,
-  `clip_grad_norm_`, step, zero_grad).
+- `hf`: transformers' `GPT2LMHeadModel` / `LlamaForCausalLM` with what a user would pick for speed,
+  `torch.optim.AdamW(fused=True)` (fused runs on CPU as on GPU), and a plain loop (fp32 weights,
+  autocast forward in bf16, fp32 cross-entropy as transformers' own loss does, backward,
+  `clip_grad_norm_`, step, zero_grad); sdpa attention, transformers' default.
+
+Every row records (table column "setup", and `--raw`) the optimizer, the weights' dtype, the compute
+dtype (autocast or the weights') and the attention kernel it ran.
 - `transformers +compile` (`--compile SHAPE[:PRECISION]`, default all): `torch.compile(model)`.
   Compile time (of either contender) is reported apart from throughput.
 - `transformers +kept host memory` (`--peer-host-memory`, default all): transformers eager in a
@@ -115,9 +121,9 @@ DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768", "llama-12x768")
 WARMUP = 2
 
 
-# What the suite contender runs on top of the shape: its fast settings for the precision (the
-# recipe asking for pure bf16 parameters with fp32 masters); train.compile is left at its default (auto).
-SUITE_FAST = {"bf16": ("train.param_dtype=bf16",), "fp32": ()}
+# Suite rows besides the recipe as is, per precision: bf16 parameters with fp32 masters is another
+# precision scheme than the peer's (fp32 weights + autocast), so it is labelled and compared apart.
+SUITE_EXTRA_ROWS = {"bf16": {"bf16 params": ("train.param_dtype=bf16",)}, "fp32": {}}
 
 
 def suite_config(shape: str, precision: str, extra: tuple[str, ...] | list[str] = ()):
@@ -185,6 +191,7 @@ def build_suite_step(cfg, dims):
         trainer.step += 1
         return out[0]
 
+    step.optimizer = trainer.optimizer  # read by step_setup: what the row ran
     return step, trainer.model
 
 
@@ -238,7 +245,7 @@ def hf_model(cfg):
 
 
 def build_hf_step(cfg, compile_: bool):
-    """What a user would write with transformers: AdamW(foreach), autocast, clip, step."""
+    """What a user would write with transformers for speed: fused AdamW, autocast, clip, step."""
     from contextlib import nullcontext
 
     import torch
@@ -254,7 +261,7 @@ def build_hf_step(cfg, compile_: bool):
         lr=o.lr,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
-        foreach=True,
+        fused=True,  # the fastest AdamW torch has, on CPU too; what the suite's optimizer picks there
     )
     forward = torch.compile(model) if compile_ else model
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
@@ -276,7 +283,38 @@ def build_hf_step(cfg, compile_: bool):
         optimizer.zero_grad(set_to_none=True)
         return total
 
+    step.optimizer = optimizer
     return step, model
+
+
+def step_setup(contender: str, cfg, model, step) -> dict:
+    """What the timed step ran, read from the built objects: optimizer, weights, compute dtype, attention."""
+    import torch
+
+    weights = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    weight_dtype = weights.get(next(model.parameters()).dtype, str(next(model.parameters()).dtype))
+    optimizer = step.optimizer
+    optimizer = getattr(optimizer, "inner", optimizer)  # fp32-master wrapper: the AdamW inside
+    kind = (
+        "fused"
+        if optimizer.defaults.get("fused")
+        else "foreach"
+        if optimizer.defaults.get("foreach")
+        else "for-loop"
+    )
+    autocast = cfg.train.precision if cfg.train.precision != "fp32" and weight_dtype == "fp32" else None
+    if contender == "suite":
+        attention = cfg.model.attention  # resolved at compose time (auto -> explicit or sdpa)
+        masters = ", fp32 masters" if weight_dtype != "fp32" else ""
+    else:
+        attention = model.config._attn_implementation
+        masters = ""
+    return {
+        "optimizer": f"{type(optimizer).__name__} {kind}",
+        "weights": weight_dtype + masters,
+        "compute": f"{autocast} autocast" if autocast else weight_dtype,
+        "attention": attention,
+    }
 
 
 def max_rss_gb() -> float:
@@ -353,6 +391,7 @@ def run_worker(spec: dict) -> None:
             "threads": torch.get_num_threads(),
             "compiled": compiled,
             "param_dtype": cfg.train.param_dtype if spec["contender"] == "suite" else "fp32",
+            **step_setup(spec["contender"], cfg, model, step),
         },
     )
     for line in sys.stdin:
@@ -560,12 +599,13 @@ def contenders(
     variants: dict[str, tuple[str, ...]],
     host_memory_for: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(contender, variant, suite overrides): the suite with its fast settings, each `--suite-variant`,
-    transformers eager, transformers compiled where `--compile` names the shape[:precision], and
-    transformers eager with the suite's host-memory setting where `--peer-host-memory` names it."""
-    fast = SUITE_FAST.get(precision, ())
-    out = [("suite", "", fast)]
-    out += [("suite", name, (*fast, *extra)) for name, extra in variants.items()]
+    """(contender, variant, suite overrides): the suite as the recipe is, its labelled extra rows for the
+    precision (bf16: bf16 parameters), each `--suite-variant`, transformers eager, transformers compiled
+    where `--compile` names the shape[:precision], and transformers eager with the suite's host-memory
+    setting where `--peer-host-memory` names it."""
+    out = [("suite", "", ())]
+    out += [("suite", name, extra) for name, extra in SUITE_EXTRA_ROWS.get(precision, {}).items()]
+    out += [("suite", name, extra) for name, extra in variants.items()]
     out.append(("hf", "eager", ()))
     if {"all", shape, f"{shape}:{precision}"} & compile_for:
         out.append(("hf", "compiled", ()))
@@ -580,17 +620,31 @@ def label(contender: str, variant: str) -> str:
     return "transformers" + {"compiled": " +compile", "kept": " +kept host memory"}.get(variant, "")
 
 
+def setup_text(info: dict) -> str:
+    """The "setup" column: optimizer; weights; compute dtype; attention kernel."""
+    if "optimizer" not in info:
+        return ""
+    return f"{info['optimizer']}; {info['weights']} weights; {info['compute']} compute; {info['attention']} attention"
+
+
+def mfu(w: Worker, ceilings: dict) -> float:
+    """Median tokens/s x matmul FLOPs/token (the one formula for every contender) / the ceiling."""
+    return w.median("tokens_per_s") * w.info["flops_per_token"] / ceilings[w.spec["precision"]]
+
+
 def fmt_table(workers: dict, ceilings: dict) -> str:
     """One row per contender; suite rows compare with transformers eager and, where run, compiled."""
     rows = [
-        "| shape | precision | contender | tokens/s | range | suite / transformers | MFU | peak mem GB | "
+        "| shape | precision | contender | setup | tokens/s | range | suite / transformers | MFU | peak mem GB | "
         "s/step | CPU share | compile s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (shape, precision, contender, variant), w in workers.items():
         name = label(contender, variant)
         if not w.windows:
-            rows.append(f"| {shape} | {precision} | {name} | failed: {w.failed} |" + " |" * 7)
+            rows.append(
+                f"| {shape} | {precision} | {name} | {setup_text(w.info)} | failed: {w.failed} |" + " |" * 7
+            )
             continue
         tps = w.median("tokens_per_s")
         lo, hi = min(x["tokens_per_s"] for x in w.windows), max(x["tokens_per_s"] for x in w.windows)
@@ -602,13 +656,13 @@ def fmt_table(workers: dict, ceilings: dict) -> str:
                 if peer and peer.windows:
                     parts.append(f"{tps / peer.median('tokens_per_s'):.2f}x {peer_name}")
             ratio = " / ".join(parts)
-        mfu = tps * w.info["flops_per_token"] / ceilings[precision]
         step_s = statistics.median(s for x in w.windows for s in x["step_s"])
         compile_s = f"{w.info['warmup_s'][0] - step_s:.0f}" if w.info.get("compiled") else "eager"
         mem = f"{w.mem_gb:.2f}" if w.mem_gb is not None else "?"
         share = f"{w.median('cpu_share'):.0%}" + (f" ({w.discarded} retimed)" if w.discarded else "")
         rows.append(
-            f"| {shape} | {precision} | {name} | {tps:,.0f} | {lo:,.0f}-{hi:,.0f} | {ratio} | {mfu:.1%} | {mem} | "
+            f"| {shape} | {precision} | {name} | {setup_text(w.info)} | {tps:,.0f} | {lo:,.0f}-{hi:,.0f} | {ratio} "
+            f"| {mfu(w, ceilings):.1%} | {mem} | "
             f"{step_s:.2f} | {share} | {compile_s} |"
         )
     return "\n".join(rows)
@@ -618,11 +672,15 @@ def append_docs(out: Path, text: str) -> None:
     intro = """# Benchmarks
 
 Training throughput of the suite on the machine at hand, measured side by side with what a user would
-otherwise run: plain transformers (`GPT2LMHeadModel` / `LlamaForCausalLM`) with `torch.optim.AdamW` and a
-plain loop, on the same shapes, batch, sequence length, precision, optimizer settings and random token
-batches. The suite side is its real training step: `build_model` on meta, `parallelize`, `materialize`,
+otherwise run: plain transformers (`GPT2LMHeadModel` / `LlamaForCausalLM`, sdpa attention) with the fastest
+AdamW torch has, `torch.optim.AdamW(fused=True)`, and a plain loop, on the same shapes, batch, sequence length,
+precision scheme (fp32 weights; in bf16 an autocast forward), optimizer settings and random token batches.
+The suite side is its real training step: `build_model` on meta, `parallelize`, `materialize`,
 `build_optimizer`, then `Trainer.train_step` (lr, `ParallelModel.forward_backward` with the trainer's loss,
-unscale, `clip_grad_norm`, optimizer step, zero_grad).
+unscale, `clip_grad_norm`, optimizer step, zero_grad), with the recipe as it is. Its bf16-parameter mode
+(`train.param_dtype=bf16`: bf16 weights and gradients, fp32 masters) is another precision scheme: in bf16 it
+is a row of its own, `suite [bf16 params]`. The **setup** column of every row says what it ran: optimizer,
+weights, compute dtype, attention kernel.
 
 - **tokens/s**: median over repetitions of the tokens of the timed steps over their wall time. Each contender
   runs in its own process, builds its model and warms up 2 steps alone, then the contenders take turns: every
@@ -671,9 +729,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--precision",
-        default="auto",
+        default=None,
         help="comma-separated: fp32, bf16, or auto: bf16 where this CPU computes it natively (AVX-512 BF16 "
-        "or AMX), else fp32, since emulated bf16 matmuls run ~100x slower than fp32 (default: %(default)s)",
+        "or AMX), else fp32, since emulated bf16 matmuls run ~100x slower than fp32 (default: auto; "
+        "--quick: fp32)",
     )
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions per contender (default: %(default)s)"
@@ -704,8 +763,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME:KEY=VALUE,...",
-        help="also time the suite with these overrides on top of its fast settings, as a row of its own "
-        "(repeatable), e.g. 'eager:train.compile=false' or 'autocast:train.param_dtype=fp32'",
+        help="also time the suite with these overrides on top of the recipe, as a row of its own "
+        "(repeatable), e.g. 'eager:train.compile=false' or 'sdpa:model.attention=sdpa'",
     )
     parser.add_argument(
         "--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to append to"
@@ -713,7 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--raw", help="also write every measurement as JSON to this file")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: gpt-tiny, fp32, 1 rep, 1 step, no compile"
+        "--quick",
+        action="store_true",
+        help="smoke run: gpt-tiny, 1 rep, 1 step, no compile, fp32 unless --precision says otherwise",
     )
     parser.add_argument(
         "--timeout", type=float, default=900, help="seconds per worker run (default: %(default)s)"
@@ -746,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    asked = args.precision or ("fp32" if args.quick else "auto")
+    precisions = [p.strip() for p in asked.split(",") if p.strip()]
     if "auto" in precisions:
         from suite.parallel.env import auto_precision
 
@@ -770,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         variants[name] = tuple(o.strip() for o in overrides.split(",") if o.strip())
     reps = args.reps
     if args.quick:
-        shapes, precisions, reps, compile_for, variants = ["gpt-tiny"], ["fp32"], 1, set(), {}
+        shapes, reps, compile_for, variants = ["gpt-tiny"], 1, set(), {}
         host_memory_for = frozenset()
         args.steps = 1
     for shape in shapes:
@@ -869,12 +931,16 @@ def main(argv: list[str] | None = None) -> int:
             "- matmul ceiling (best square matmul): "
             + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()),
             f"- {reps} repetitions (median; contenders alternate, order reversed every other repetition), "
-            f"{WARMUP} warm-up steps, AdamW (transformers: foreach; the suite: its default, fused on CPU), grad "
+            f"{WARMUP} warm-up steps, AdamW as the setup column says (transformers: fused; the suite: its default), grad "
             f"clip and lr from the recipe, the same random tokens for every contender; "
             f"{time.perf_counter() - started:.0f} s in all",
-            "- suite settings: "
-            + "; ".join(f"{p}: `{' '.join(SUITE_FAST.get(p, ())) or 'the recipe as is'}`" for p in precisions)
-            + ", `train.compile=auto` (compile s column: `eager` where auto chose not to compile), "
+            "- suite settings: the recipe as is (fp32 weights; bf16: under autocast, as the peer), "
+            + "".join(
+                f"`[{n}]` adds `{' '.join(o)}` ({p} only); "
+                for p in precisions
+                for n, o in SUITE_EXTRA_ROWS.get(p, {}).items()
+            )
+            + "`train.compile=auto` (compile s column: `eager` where auto chose not to compile), "
             "`train.keep_host_memory=auto` (on: the CPU step keeps freed host memory)"
             + "".join(f"; `[{n}]` adds `{' '.join(o)}`" for n, o in variants.items()),
             *details,
@@ -886,7 +952,16 @@ def main(argv: list[str] | None = None) -> int:
         raw = {
             "ceilings": ceilings,
             "runs": [
-                {**w.spec, "info": w.info, "windows": w.windows, "memory": w.memory, "failed": w.failed}
+                {
+                    **w.spec,
+                    "label": w.name,
+                    "info": w.info,
+                    "windows": w.windows,
+                    "memory": w.memory,
+                    "failed": w.failed,
+                    "tokens_per_s": w.median("tokens_per_s") if w.windows else None,
+                    "mfu": mfu(w, ceilings) if w.windows else None,
+                }
                 for w in workers.values()
             ],
         }
