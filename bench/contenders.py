@@ -242,7 +242,7 @@ def step_setup(contender: str, cfg, model, step) -> dict:
     autocast = cfg.train.precision if cfg.train.precision != "fp32" and weight_dtype == "fp32" else None
     if contender == "suite":
         attention = cfg.model.attention  # resolved at compose time (auto -> explicit or sdpa)
-        masters = ", fp32 masters" if weight_dtype != "fp32" else ""
+        masters = " (fp32 masters)" if weight_dtype != "fp32" else ""
     else:
         attention = model.config._attn_implementation
         masters = ""
