@@ -225,7 +225,8 @@ def build_hf_step(cfg, compile_: bool):
 
 
 def step_setup(contender: str, cfg, model, step) -> dict:
-    """What the timed step ran, read from the built objects: optimizer, weights, compute dtype, attention."""
+    """What the timed step ran: optimizer and weights read from the built objects, the compute dtype from
+    the precision and the weights (both steps autocast over fp32 weights only), the attention kernel."""
     import torch
 
     weights = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
