@@ -8,6 +8,10 @@ the largest rank's parameters + gradients + optimizer state (summary.json `state
     python bench/parallel.py                     # every layout, table printed last
     python bench/parallel.py --layouts dp4 tp4   # a subset
     python bench/parallel.py --append            # also append the table to docs/benchmarks.md
+    python bench/parallel.py --precision bf16    # train.precision for every layout (default fp32)
+
+The precision is passed to every run (`train.precision`, fp32 unless `--precision` says otherwise) and each
+row reports the precision the run recorded in its config.yaml, so a recipe default never decides it silently.
 
 Timings on a shared machine move with its load: the table records the load average with it.
 """
@@ -25,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,6 +79,7 @@ def shape_args(args: argparse.Namespace) -> list[str]:
         f"train.save_every={args.steps * 10}",  # only the final checkpoint
         "log.wandb=false",
         "log.progress=false",
+        f"train.precision={args.precision}",
     ]
 
 
@@ -91,12 +98,14 @@ def run_layout(name: str, args: argparse.Namespace, root: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     windows = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first pays start-up
     summary = json.loads((run_dir / "summary.json").read_text())
+    ran = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["precision"]  # what the run resolved
     tokens_per_s = statistics.median(windows)
     per_rank = summary.get("mem_gb_per_rank") or [records[-1].get("mem_gb", 0.0)]
     return {
         "layout": name,
         "world": world,
         "overrides": " ".join(overrides),
+        "precision": ran,
         "tokens_per_s": tokens_per_s,
         "step_s": args.global_batch * args.seq / tokens_per_s,
         "mem_gb_per_rank": per_rank,
@@ -108,16 +117,18 @@ def run_layout(name: str, args: argparse.Namespace, root: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| layout | ranks | overrides | tokens/s | s/step | peak RSS GB per rank | state MB (largest rank) | final loss |",
-        "|---|---:|---|---:|---:|---|---:|---:|",
+        "| layout | ranks | overrides | precision | tokens/s | s/step | peak RSS GB per rank | state MB (largest rank) "
+        "| final loss |",
+        "|---|---:|---|---|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['layout']} | {r['world']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['layout']} | {r['world']} | failed: {r['error']} | | | | | | |")
             continue
         mems = " / ".join(f"{m:.2f}" for m in r["mem_gb_per_rank"])
         lines.append(
-            f"| {r['layout']} | {r['world']} | `{r['overrides']}` | {r['tokens_per_s']:,.0f} | {r['step_s']:.2f} "
+            f"| {r['layout']} | {r['world']} | `{r['overrides']}` | {r['precision']} | {r['tokens_per_s']:,.0f} "
+            f"| {r['step_s']:.2f} "
             f"| {mems} | {r['state_mb']:.1f} | {r['final_loss']:.4f} |"
         )
     return "\n".join(lines)
@@ -137,6 +148,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--log-every", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "auto"],
+        help="train.precision for every layout (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per layout")
     parser.add_argument("--append", action="store_true", help="append the table to docs/benchmarks.md")
     args = parser.parse_args()
@@ -157,7 +174,8 @@ def main() -> int:
         f"- machine: {cpu_name()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}, gloo, {args.threads} thread(s) per rank; load average at the end {load} (1 / 5 / 15 min)\n"
         f"- shape: `recipe=gpt-tiny` GPT, {args.layers} layers, width {args.width}, {args.heads} heads, vocabulary "
-        f"8192, seq {args.seq}, global batch {args.global_batch} (micro-batches of {args.micro_batch}), fp32, "
+        f"8192, seq {args.seq}, global batch {args.global_batch} (micro-batches of {args.micro_batch}), "
+        f"`train.precision={args.precision}` (the precision column: what each run recorded), "
         f"AdamW; {args.steps} steps, tokens/s = median of the logged windows of {args.log_every} steps after the first\n"
         "- peak RSS is each rank's peak resident set (the whole process: Python, torch, gloo buffers), state MB "
         "the largest rank's parameters + gradients + optimizer state\n"

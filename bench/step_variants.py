@@ -33,7 +33,7 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     """A bare Trainer for `shape` on `device`, plus the micro-batches of one step (already there)."""
     import torch
 
-    import bench.throughput as tp
+    import bench.contenders as tp
     from suite.config.compose import compose_config, to_object
     from suite.config.validate import validate
     from suite.models import build_model, materialize

@@ -11,12 +11,18 @@ batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clip
 
 - `suite`: `build_model` on meta -> `parallelize` (world 1) -> `materialize` -> `build_optimizer`, and
   each step is `Trainer.train_step` itself (lr, `ParallelModel.forward_backward` with the trainer's
-  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad), with the suite's fast settings
-  (`SUITE_FAST`: bf16 runs `train.param_dtype=bf16`; `train.compile` stays `auto`). Each
+  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad), with the recipe as it is: fp32 weights
+  (bf16: under autocast, the same scheme as the peer), `train.compile=auto`, `model.attention=auto`.
+- `suite [bf16 params]` (bf16 only): the same with `train.param_dtype=bf16` (bf16 parameters and
+  gradients, fp32 masters): a different precision scheme from the peer's, so a row of its own. Each
   `--suite-variant NAME:overrides` adds a suite row with more overrides (what a setting is worth).
-- `hf`: transformers' `GPT2LMHeadModel` / `LlamaForCausalLM` with `torch.optim.AdamW(foreach=True)`
-  and a plain loop (autocast forward, fp32 cross-entropy as transformers' own loss does, backward,
-  `clip_grad_norm_`, step, zero_grad).
+- `hf`: transformers' `GPT2LMHeadModel` / `LlamaForCausalLM` with what a user would pick for speed,
+  `torch.optim.AdamW(fused=True)` (fused runs on CPU as on GPU), and a plain loop (fp32 weights,
+  autocast forward in bf16, fp32 cross-entropy as transformers' own loss does, backward,
+  `clip_grad_norm_`, step, zero_grad); sdpa attention, transformers' default.
+
+Every row records (table column "setup", and `--raw`) the optimizer, the weights' dtype, the compute
+dtype (autocast or the weights') and the attention kernel it ran.
 - `transformers +compile` (`--compile SHAPE[:PRECISION]`, default all): `torch.compile(model)`.
   Compile time (of either contender) is reported apart from throughput.
 - `transformers +kept host memory` (`--peer-host-memory`, default all): transformers eager in a
@@ -32,7 +38,8 @@ repetition, so drift of the machine hits all contenders alike, and no process is
 one of ours computes. The table reports medians over `--reps` repetitions and each contender's CPU
 share during its windows: a window that got less than `--min-share` of the cores (other processes
 ran) is timed again, up to `--retries` times, and `--quiet-wait S` waits for idle CPUs before each
-window. MFU = tokens/s * (6*params + 12*layers*seq*width) / the matmul ceiling this script measures
+window. MFU = tokens/s * matmul FLOPs/token (suite.models.flops_per_token, one formula for every contender:
+no embedding lookup, causal attention at half) / the matmul ceiling this script measures
 on the same machine and precision (best of square matmuls of several sizes, before and after the
 runs). The table is printed last and appended to docs/benchmarks.md with the date and the machine.
 """
@@ -42,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import select
 import statistics
@@ -50,232 +56,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_TAG = "BENCH_RESULT "
-SECTION_PREFIX = "## Throughput, "  # each run's section in docs/benchmarks.md
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from bench.contenders import (  # noqa: E402  (after the path fix above)
+    SHAPES,
+    SUITE_EXTRA_ROWS,
+    WARMUP,
+    build_hf_step,
+    build_suite_step,
+    step_setup,
+    suite_config,
+)
+from bench.report import SECTION_PREFIX, append_docs, fmt_table, label, machine, mfu  # noqa: E402
 
-# ---- shapes -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shape:
-    """A suite recipe plus overrides; the transformers model is derived from the composed config."""
-
-    recipe: str
-    overrides: tuple[str, ...] = ()
-    steps: int = 3  # timed steps per repetition (--steps overrides)
-
-
-SHAPES: dict[str, Shape] = {
-    # Exactly the CPU default recipe: 4x256, 4 heads, vocab 8192, seq 256, micro 8 x 2 accumulation.
-    "gpt-tiny": Shape("gpt-tiny", steps=3),
-    # GPT-2 small-like: ~110M parameters (tied head), GELU 3072.
-    "gpt-12x768": Shape(
-        "gpt-tiny",
-        (
-            "model.name=gpt-12x768",
-            "model.num_layers=12",
-            "model.hidden_size=768",
-            "model.num_heads=12",
-            "model.vocab_size=32000",
-            "model.max_seq_len=512",
-            "data.seq_len=512",
-            "parallel.micro_batch_size=4",
-            "parallel.global_batch_size=4",
-        ),
-        steps=2,
-    ),
-    # Llama-family: ~134M parameters, SwiGLU 2048, untied head, no GQA.
-    "llama-12x768": Shape(
-        "llama-tiny",
-        (
-            "model.name=llama-12x768",
-            "model.num_layers=12",
-            "model.hidden_size=768",
-            "model.num_heads=12",
-            "model.num_kv_heads=12",
-            "model.ffn_hidden_size=2048",
-            "model.vocab_size=32000",
-            "model.max_seq_len=512",
-            "model.tie_embeddings=false",
-            "data.seq_len=512",
-            "parallel.micro_batch_size=4",
-            "parallel.global_batch_size=4",
-        ),
-        steps=2,
-    ),
-}
 DEFAULT_SHAPES = ("gpt-tiny", "gpt-12x768", "llama-12x768")
-WARMUP = 2
-
-
-# What the suite contender runs on top of the shape: its fast settings for the precision (the
-# recipe asking for pure bf16 parameters with fp32 masters); train.compile is left at its default (auto).
-SUITE_FAST = {"bf16": ("train.param_dtype=bf16",), "fp32": ()}
-
-
-def suite_config(shape: str, precision: str, extra: tuple[str, ...] | list[str] = ()):
-    """The composed, validated suite config of a shape (the source of truth for both contenders);
-    `extra`: further overrides (the suite contender's settings)."""
-    from suite.config.compose import compose_config, to_object
-    from suite.config.validate import validate
-
-    spec = SHAPES[shape]
-    overrides = [
-        f"recipe={spec.recipe}",
-        *spec.overrides,
-        f"train.precision={precision}",
-        "train.device=cpu",
-        *extra,
-    ]
-    cfg = to_object(compose_config(overrides))
-    dims = validate(cfg, needs_data=False)
-    return cfg, dims
-
-
-# ---- the contenders (run inside a worker subprocess) --------------------------------------------
-def build_suite_step(cfg, dims):
-    """The suite's step exactly as `Trainer` builds and runs it, minus data, logging and checkpoints.
-
-    A bare Trainer gets the attributes `Trainer.__init__` gives it (same calls, same order), so the
-    step timed is `Trainer.train_step` itself; keep this in step with `Trainer.__init__`.
-    """
-    from collections import deque
-
-    import torch
-
-    from suite.models import build_model, materialize
-    from suite.parallel.env import DistEnv
-    from suite.parallel.parallelize import parallelize
-    from suite.train.host_memory import apply_host_memory_setting
-    from suite.train.optim import build_optimizer
-    from suite.train.trainer import Trainer, autocast_factory
-
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.dims = cfg, dims
-    trainer.device = torch.device("cpu")
-    trainer.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, trainer.device)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, "meta")
-    trainer.parallel = parallelize(model, cfg, dims, trainer.device)
-    trainer.model = trainer.parallel.model
-    trainer.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-    if trainer.parallel.materialized is False:
-        materialize(trainer.model, trainer.device, cfg.train.seed)
-    if hasattr(trainer.parallel, "build_optimizer"):  # the trainer asks the parallel model (layouts wrap it)
-        trainer.optimizer = trainer.parallel.build_optimizer(cfg.optim)
-    else:
-        trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
-    trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=cfg.train.precision == "fp16")
-    trainer.autocast = autocast_factory(trainer.device, cfg.train.precision, cfg.train.param_dtype)
-    trainer.step = 0
-    trainer.env = DistEnv.from_environ()
-    trainer.bad_steps = trainer.bad_in_a_row = 0  # bookkeeping the loop keeps (non-finite steps)
-    trainer.batch_number, trainer.spiked = 0, False  # loss-spike bookkeeping (train.spike_factor=0: off)
-    trainer.loss_window = deque(maxlen=cfg.train.spike_window)
-
-    def step(micro_batches):
-        out = trainer.train_step(micro_batches)  # (loss, grad_norm, ...): the loop's own call
-        trainer.step += 1
-        return out[0]
-
-    return step, trainer.model
-
-
-def hf_model(cfg):
-    """transformers' own class for the shape, with the same sizes, no dropout, SDPA attention."""
-    m = cfg.model
-    if m.family == "gpt":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=m.vocab_size,
-            n_positions=m.max_seq_len,
-            n_embd=m.hidden_size,
-            n_layer=m.num_layers,
-            n_head=m.num_heads,
-            n_inner=m.ffn_hidden_size,
-            activation_function="gelu_new",
-            resid_pdrop=m.dropout,
-            embd_pdrop=m.dropout,
-            attn_pdrop=m.dropout,
-            layer_norm_epsilon=m.norm_eps,
-            initializer_range=m.init_std,
-            tie_word_embeddings=m.tie_embeddings,
-            use_cache=False,
-        )
-        config._attn_implementation = "sdpa"
-        return GPT2LMHeadModel(config)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from suite.models.transformer import ffn_size
-
-    config = LlamaConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=ffn_size(m),
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads or m.num_heads,
-        max_position_embeddings=m.max_seq_len,
-        rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta,
-        attention_bias=m.qkv_bias,
-        mlp_bias=False,
-        attention_dropout=m.dropout,
-        initializer_range=m.init_std,
-        tie_word_embeddings=m.tie_embeddings,
-        use_cache=False,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
-
-
-def build_hf_step(cfg, compile_: bool):
-    """What a user would write with transformers: AdamW(foreach), autocast, clip, step."""
-    from contextlib import nullcontext
-
-    import torch
-    import torch.nn.functional as F
-
-    torch.manual_seed(cfg.train.seed)
-    model = hf_model(cfg).train()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        foreach=True,
-    )
-    forward = torch.compile(model) if compile_ else model
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else nullcontext
-    vocab = cfg.model.vocab_size
-
-    def step(micro_batches):
-        total = torch.zeros(())
-        for batch in micro_batches:
-            with autocast():
-                logits = forward(input_ids=batch[:, :-1], use_cache=False).logits
-                # transformers' ForCausalLMLoss: logits.float(), mean cross-entropy over the tokens.
-                loss = F.cross_entropy(logits.float().view(-1, vocab), batch[:, 1:].reshape(-1))
-                loss = loss / len(micro_batches)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return total
-
-    return step, model
 
 
 def max_rss_gb() -> float:
@@ -352,6 +152,7 @@ def run_worker(spec: dict) -> None:
             "threads": torch.get_num_threads(),
             "compiled": compiled,
             "param_dtype": cfg.train.param_dtype if spec["contender"] == "suite" else "fp32",
+            **step_setup(spec["contender"], cfg, model, step),
         },
     )
     for line in sys.stdin:
@@ -531,27 +332,6 @@ class Worker:
         return self.memory["peak_rss_gb"] - self.memory["base_rss_gb"]
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    except (OSError, StopIteration):
-        isa = []
-    return (
-        f"{cpu} ({', '.join(isa) or 'no AVX info'}), {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), Python {platform.python_version()}, {platform.system()}"
-    )
-
-
 def contenders(
     shape: str,
     precision: str,
@@ -559,102 +339,19 @@ def contenders(
     variants: dict[str, tuple[str, ...]],
     host_memory_for: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(contender, variant, suite overrides): the suite with its fast settings, each `--suite-variant`,
-    transformers eager, transformers compiled where `--compile` names the shape[:precision], and
-    transformers eager with the suite's host-memory setting where `--peer-host-memory` names it."""
-    fast = SUITE_FAST.get(precision, ())
-    out = [("suite", "", fast)]
-    out += [("suite", name, (*fast, *extra)) for name, extra in variants.items()]
+    """(contender, variant, suite overrides): the suite as the recipe is, its labelled extra rows for the
+    precision (bf16: bf16 parameters), each `--suite-variant`, transformers eager, transformers compiled
+    where `--compile` names the shape[:precision], and transformers eager with the suite's host-memory
+    setting where `--peer-host-memory` names it."""
+    out = [("suite", "", ())]
+    out += [("suite", name, extra) for name, extra in SUITE_EXTRA_ROWS.get(precision, {}).items()]
+    out += [("suite", name, extra) for name, extra in variants.items()]
     out.append(("hf", "eager", ()))
     if {"all", shape, f"{shape}:{precision}"} & compile_for:
         out.append(("hf", "compiled", ()))
     if {"all", shape, f"{shape}:{precision}"} & host_memory_for:
         out.append(("hf", "kept", ()))
     return out
-
-
-def label(contender: str, variant: str) -> str:
-    if contender == "suite":
-        return "suite" + (f" [{variant}]" if variant else "")
-    return "transformers" + {"compiled": " +compile", "kept": " +kept host memory"}.get(variant, "")
-
-
-def fmt_table(workers: dict, ceilings: dict) -> str:
-    """One row per contender; suite rows compare with transformers eager and, where run, compiled."""
-    rows = [
-        "| shape | precision | contender | tokens/s | range | suite / transformers | MFU | peak mem GB | "
-        "s/step | CPU share | compile s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for (shape, precision, contender, variant), w in workers.items():
-        name = label(contender, variant)
-        if not w.windows:
-            rows.append(f"| {shape} | {precision} | {name} | failed: {w.failed} |" + " |" * 7)
-            continue
-        tps = w.median("tokens_per_s")
-        lo, hi = min(x["tokens_per_s"] for x in w.windows), max(x["tokens_per_s"] for x in w.windows)
-        ratio = ""
-        if contender == "suite":
-            parts = []
-            for peer_name in ("eager", "compiled", "kept"):
-                peer = workers.get((shape, precision, "hf", peer_name))
-                if peer and peer.windows:
-                    parts.append(f"{tps / peer.median('tokens_per_s'):.2f}x {peer_name}")
-            ratio = " / ".join(parts)
-        mfu = tps * w.info["flops_per_token"] / ceilings[precision]
-        step_s = statistics.median(s for x in w.windows for s in x["step_s"])
-        compile_s = f"{w.info['warmup_s'][0] - step_s:.0f}" if w.info.get("compiled") else "eager"
-        mem = f"{w.mem_gb:.2f}" if w.mem_gb is not None else "?"
-        share = f"{w.median('cpu_share'):.0%}" + (f" ({w.discarded} retimed)" if w.discarded else "")
-        rows.append(
-            f"| {shape} | {precision} | {name} | {tps:,.0f} | {lo:,.0f}-{hi:,.0f} | {ratio} | {mfu:.1%} | {mem} | "
-            f"{step_s:.2f} | {share} | {compile_s} |"
-        )
-    return "\n".join(rows)
-
-
-def append_docs(out: Path, text: str) -> None:
-    intro = """# Benchmarks
-
-Training throughput of the suite on the machine at hand, measured side by side with what a user would
-otherwise run: plain transformers (`GPT2LMHeadModel` / `LlamaForCausalLM`) with `torch.optim.AdamW` and a
-plain loop, on the same shapes, batch, sequence length, precision, optimizer settings and random token
-batches. The suite side is its real training step: `build_model` on meta, `parallelize`, `materialize`,
-`build_optimizer`, then `Trainer.train_step` (lr, `ParallelModel.forward_backward` with the trainer's loss,
-unscale, `clip_grad_norm`, optimizer step, zero_grad).
-
-- **tokens/s**: median over repetitions of the tokens of the timed steps over their wall time. Each contender
-  runs in its own process, builds its model and warms up 2 steps alone, then the contenders take turns: every
-  repetition times each of them once, in alternating order. **range** is the min-max over repetitions.
-- **MFU**: tokens/s x (6 x params + 12 x layers x seq x width) / the matmul ceiling, a square matmul in the
-  same precision measured by the harness on the same machine (best of several sizes, before and after).
-- **peak mem**: the process's peak resident set (`ru_maxrss`) minus its high-water mark after imports,
-  i.e. what building the model and training it added; each contender runs in its own process.
-- **suite / transformers**: the suite row's median tokens/s over transformers' eager (and, where run, compiled) one,
-  and over `transformers +kept host memory`: transformers eager in a process that made the glibc malloc
-  setting the suite's trainer makes on CPU (`train.keep_host_memory`, docs/performance.md), which shows how
-  much of the lead is that setting and how much the step itself.
-- **CPU share**: median CPU time the contender's process got during its timed steps over wall time x threads.
-  A repetition below `--min-share` (85%) means other processes on the machine took cores: it is timed again
-  (up to `--retries` times; "N retimed" counts them) and kept as it is after that, so a share well below
-  ~95% marks a row whose tokens/s understates the contender.
-- **compile s**: first warm-up step minus a steady step (torch.compile variants only).
-
-Reproduce with `make bench` (`python bench/throughput.py`; `--help` lists the options: `--shapes`,
-`--precision`, `--reps`, `--steps`, `--compile`, `--quiet-wait`, `--min-share`, `--retries`, `--quick`). Each
-run appends a section below. On a shared or busy machine the absolute numbers move; the ratios, measured
-interleaved, are the more stable figure, and `--quiet-wait 120` times only when the CPUs are otherwise idle.
-"""
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(intro)
-    doc = out.read_text()
-    # Keep the throughput runs together, right after the intro and the earlier runs, before the
-    # sections of other benchmarks that share the file.
-    runs = [i for i in range(len(doc)) if doc.startswith("\n" + SECTION_PREFIX, i)]
-    following = doc.find("\n## ", runs[-1] + 1 if runs else 0)
-    cut = following if following != -1 else len(doc)
-    out.write_text(doc[:cut].rstrip() + "\n\n" + text.rstrip() + "\n" + doc[cut:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -668,9 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--precision",
-        default="auto",
+        default=None,
         help="comma-separated: fp32, bf16, or auto: bf16 where this CPU computes it natively (AVX-512 BF16 "
-        "or AMX), else fp32, since emulated bf16 matmuls run ~100x slower than fp32 (default: %(default)s)",
+        "or AMX), else fp32, since emulated bf16 matmuls run ~100x slower than fp32 (default: auto; "
+        "--quick: fp32)",
     )
     parser.add_argument(
         "--reps", type=int, default=3, help="repetitions per contender (default: %(default)s)"
@@ -701,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME:KEY=VALUE,...",
-        help="also time the suite with these overrides on top of its fast settings, as a row of its own "
-        "(repeatable), e.g. 'eager:train.compile=false' or 'autocast:train.param_dtype=fp32'",
+        help="also time the suite with these overrides on top of the recipe, as a row of its own "
+        "(repeatable), e.g. 'eager:train.compile=false' or 'sdpa:model.attention=sdpa'",
     )
     parser.add_argument(
         "--out", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to append to"
@@ -710,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--raw", help="also write every measurement as JSON to this file")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: gpt-tiny, fp32, 1 rep, 1 step, no compile"
+        "--quick",
+        action="store_true",
+        help="smoke run: gpt-tiny, 1 rep, 1 step, no compile, fp32 unless --precision says otherwise",
     )
     parser.add_argument(
         "--timeout", type=float, default=900, help="seconds per worker run (default: %(default)s)"
@@ -743,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    asked = args.precision or ("fp32" if args.quick else "auto")
+    precisions = [p.strip() for p in asked.split(",") if p.strip()]
     if "auto" in precisions:
         from suite.parallel.env import auto_precision
 
@@ -767,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         variants[name] = tuple(o.strip() for o in overrides.split(",") if o.strip())
     reps = args.reps
     if args.quick:
-        shapes, precisions, reps, compile_for, variants = ["gpt-tiny"], ["fp32"], 1, set(), {}
+        shapes, reps, compile_for, variants = ["gpt-tiny"], 1, set(), {}
         host_memory_for = frozenset()
         args.steps = 1
     for shape in shapes:
@@ -866,12 +567,16 @@ def main(argv: list[str] | None = None) -> int:
             "- matmul ceiling (best square matmul): "
             + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in ceilings.items()),
             f"- {reps} repetitions (median; contenders alternate, order reversed every other repetition), "
-            f"{WARMUP} warm-up steps, AdamW (transformers: foreach; the suite: its default, fused on CPU), grad "
+            f"{WARMUP} warm-up steps, AdamW as the setup column says (transformers: fused; the suite: its default), grad "
             f"clip and lr from the recipe, the same random tokens for every contender; "
             f"{time.perf_counter() - started:.0f} s in all",
-            "- suite settings: "
-            + "; ".join(f"{p}: `{' '.join(SUITE_FAST.get(p, ())) or 'the recipe as is'}`" for p in precisions)
-            + ", `train.compile=auto` (compile s column: `eager` where auto chose not to compile), "
+            "- suite settings: the recipe as is (fp32 weights; bf16: under autocast, as the peer), "
+            + "".join(
+                f"`[{n}]` adds `{' '.join(o)}` ({p} only); "
+                for p in precisions
+                for n, o in SUITE_EXTRA_ROWS.get(p, {}).items()
+            )
+            + "`train.compile=auto` (compile s column: `eager` where auto chose not to compile), "
             "`train.keep_host_memory=auto` (on: the CPU step keeps freed host memory)"
             + "".join(f"; `[{n}]` adds `{' '.join(o)}`" for n, o in variants.items()),
             *details,
@@ -883,7 +588,16 @@ def main(argv: list[str] | None = None) -> int:
         raw = {
             "ceilings": ceilings,
             "runs": [
-                {**w.spec, "info": w.info, "windows": w.windows, "memory": w.memory, "failed": w.failed}
+                {
+                    **w.spec,
+                    "label": w.name,
+                    "info": w.info,
+                    "windows": w.windows,
+                    "memory": w.memory,
+                    "failed": w.failed,
+                    "tokens_per_s": w.median("tokens_per_s") if w.windows else None,
+                    "mfu": mfu(w, ceilings) if w.windows else None,
+                }
                 for w in workers.values()
             ],
         }

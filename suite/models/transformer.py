@@ -439,21 +439,32 @@ def num_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6*N (forward+backward matmuls) + 12*L*s*h (attention scores).
+    """Training matmul FLOPs per token, the MFU numerator: 3 x the forward (backward = 2 forwards).
 
-    N counts every parameter a token uses once (MoE: only its top-k experts) (tied head included: its matmul is real work) except the learned
-    position table, which is a lookup.
+    Only matrix products count, so MFU compares like with like against a matmul ceiling: the q, k, v
+    and o projections (k and v at the kv-head width), the MLP (MoE: the router and the top-k experts
+    a token goes to, plus shared experts), the output head (tied or not: its matmul is real work),
+    and the attention products QK^T and PV over a causal mask, which see seq_len / 2 keys on average.
+    Embedding lookups (token and position), norms, biases and activations are not matmuls.
     """
-    return 6.0 * active_params(cfg) + 12.0 * cfg.num_layers * seq_len * cfg.hidden_size
-
-
-def active_params(cfg: ModelConfig) -> int:
-    """Parameters one token uses: all of them, less the experts it is not routed to (MoE)."""
     from suite.models.moe import expert_ffn_size
 
-    per_expert = (3 if cfg.family == "llama" else 2) * expert_ffn_size(cfg) * cfg.hidden_size
-    unused = max(cfg.num_experts - cfg.top_k, 0) * per_expert * len(moe_layer_ids(cfg))
-    return num_params(cfg) - unused
+    h, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
+    q_width, kv_width = cfg.num_heads * head_dim, kv_heads(cfg) * head_dim
+    mlp_matrices = 3 if cfg.family == "llama" else 2  # SwiGLU: gate, up, down; GELU: fc, proj
+    projections = 2 * h * (2 * q_width + 2 * kv_width)  # q and o at q width, k and v at kv width
+    attention = 2 * 2 * q_width * (seq_len / 2)  # QK^T and PV, seq_len / 2 keys per query on average
+    moe_layers = set(moe_layer_ids(cfg))
+    forward = 2.0 * h * cfg.vocab_size  # output head
+    for layer in range(cfg.num_layers):
+        if layer in moe_layers:
+            routed = min(cfg.top_k, cfg.num_experts) * expert_ffn_size(cfg)
+            shared = cfg.num_shared_experts * expert_ffn_size(cfg)
+            mlp = 2 * h * cfg.num_experts + mlp_matrices * 2 * h * (routed + shared)
+        else:
+            mlp = mlp_matrices * 2 * h * ffn_size(cfg)
+        forward += projections + attention + mlp
+    return 3.0 * forward
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:

@@ -30,7 +30,7 @@ def build_optimizer(
     parameters; foreach otherwise. optim.fused=true/false forces the choice.
 
     On CPU the fused kernel took ~6x less CPU time than foreach per step (16.8M parameters, one
-    thread, torch 2.13: 17 ms vs 97-118 ms; docs/performance.md).
+    thread, torch 2.13: 12 ms vs 71 ms; `python bench/adamw_step.py`, docs/performance.md).
     param_dtype="bf16" (train.param_dtype): the model's parameters become bf16 and the AdamW runs on
     fp32 master copies (suite.train.master_weights); build it right after the fp32 initialisation.
     """

@@ -50,10 +50,21 @@ def test_profile_steps_must_be_positive(tmp_path, tiny_data):
     assert "train.profile_steps=0" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_the_benchmark_harness_runs_and_prints_its_table_last():
-    """`bench/throughput.py --quick`: both contenders train, exit 0, the table is the last thing printed."""
+def test_the_benchmark_harness_times_both_contenders_on_equal_terms(tmp_path):
+    """`bench/throughput.py --quick`: both contenders train, the table is printed last, every row says
+    what it ran (the peer: fused AdamW, the precision asked), and the figures are real measurements."""
+    raw = tmp_path / "raw.json"
     out = subprocess.run(
-        [sys.executable, "bench/throughput.py", "--quick", "--no-write"],
+        [
+            sys.executable,
+            "bench/throughput.py",
+            "--quick",
+            "--precision",
+            "fp32",
+            "--no-write",
+            "--raw",
+            str(raw),
+        ],
         cwd=REPO,
         env=suite_env(),
         capture_output=True,
@@ -61,6 +72,27 @@ def test_the_benchmark_harness_runs_and_prints_its_table_last():
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()
-    assert last[-2].startswith("| gpt-tiny | fp32 | suite |"), out.stdout[-2000:]
-    assert last[-1].startswith("| gpt-tiny | fp32 | transformers |"), out.stdout[-2000:]
+    header, *rows = [line for line in out.stdout.strip().splitlines() if line.startswith("| ")]
+    assert out.stdout.strip().endswith(rows[-1]), out.stdout[-2000:]  # the table is the last thing printed
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    table = {
+        r["contender"]: r
+        for r in (dict(zip(columns, [c.strip() for c in row.strip("|").split("|")])) for row in rows)
+    }
+    assert set(table) == {"suite", "transformers"}, out.stdout[-2000:]
+    for row in table.values():
+        assert row["shape"] == "gpt-tiny" and row["precision"] == "fp32", row
+        assert "fp32 weights; fp32 compute" in row["setup"], row  # what was asked, not autocast or bf16
+        assert float(row["tokens/s"].replace(",", "")) > 0, row
+        assert 0 < float(row["MFU"].rstrip("%")) <= 100, row
+    assert table["transformers"]["setup"].startswith("AdamW fused;"), table["transformers"]
+    assert table["suite"]["suite / transformers"].endswith("x eager"), table["suite"]
+
+    runs = {run["contender"]: run for run in json.loads(raw.read_text())["runs"]}
+    assert set(runs) == {"suite", "hf"}
+    assert runs["suite"]["info"]["flops_per_token"] == runs["hf"]["info"]["flops_per_token"]  # one formula
+    for run in runs.values():
+        assert run["tokens_per_s"] > 0 and 0 < run["mfu"] <= 1, run
+        assert run["info"]["weights"] == "fp32" and run["info"]["compute"] == "fp32", run["info"]
+        assert run["info"]["first_loss"] > 0 and run["windows"][0]["loss"] > 0  # both really trained
+    assert runs["hf"]["info"]["optimizer"] == "AdamW fused"

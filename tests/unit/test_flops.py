@@ -1,11 +1,11 @@
-"""The MFU denominator: a measured CPU ceiling only ever rises, a recipe value always wins."""
+"""MFU: the matmul FLOPs per token against a hand count, and the measured ceiling it is divided by."""
 
 from __future__ import annotations
 
 import torch
 
 from suite.config.schema import ModelConfig
-from suite.models.transformer import flops_per_token, num_params
+from suite.models.transformer import flops_per_token
 from suite.train import flops
 
 
@@ -39,6 +39,80 @@ def test_matmul_ceiling_skips_sizes_that_would_outlast_the_budget(monkeypatch):
     assert sizes_built == [flops.PROBE_SIZE]  # the 8192 product (1.1 TFLOP) was never started
 
 
-def test_flops_per_token_counts_six_n_plus_attention():
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=32)
-    assert flops_per_token(cfg, 32) == 6 * num_params(cfg) + 12 * 2 * 32 * 64
+# MFU's numerator, counted by hand: multiply-adds (MACs) per token of the forward, for every matmul.
+# Training = 2 FLOPs per MAC x (1 forward + 2 backward) = 6 x MACs. Embedding lookups, norms, biases
+# and activations are not matmuls; causal attention sees seq / 2 keys per query on average.
+
+
+def test_flops_per_token_matches_a_hand_count_gpt_tied_and_untied():
+    # 2 layers, width 64, 4 heads of 16, GELU MLP 256 (4 x 64), vocab 512, seq 32
+    seq = 32
+    q = k = v = o = 64 * 64
+    mlp = 64 * 256 + 256 * 64
+    scores = values = 4 * 16 * (seq // 2)  # 4 heads x head_dim 16 x 16 keys on average
+    layer = q + k + v + o + mlp + scores + values  # 16384 + 32768 + 2048 = 51200
+    head = 64 * 512
+    macs = 2 * layer + head  # 135168; the token table (512 x 64) and the position table are lookups
+    assert macs == 135_168
+    for tied in (True, False):
+        cfg = ModelConfig(
+            family="gpt",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            vocab_size=512,
+            max_seq_len=32,
+            tie_embeddings=tied,
+        )
+        assert flops_per_token(cfg, seq) == 6 * macs  # untying adds a lookup, not a matmul
+
+
+def test_flops_per_token_matches_a_hand_count_llama_gqa_swiglu():
+    # 2 layers, width 64, 4 query heads of 16, 2 kv heads (GQA), SwiGLU 96, vocab 100, untied, seq 40
+    seq = 40
+    q, k, v, o = 64 * 64, 64 * 32, 64 * 32, 64 * 64  # k and v: 2 kv heads x 16
+    mlp = 64 * 96 + 64 * 96 + 96 * 64  # gate, up, down
+    scores = values = 4 * 16 * (seq // 2)  # every query head attends: 4 x 16 x 20 keys on average
+    layer = q + k + v + o + mlp + scores + values  # 12288 + 18432 + 2560 = 33280
+    head = 64 * 100
+    macs = 2 * layer + head
+    assert macs == 72_960
+    cfg = ModelConfig(
+        family="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=96,
+        vocab_size=100,
+        max_seq_len=64,
+        tie_embeddings=False,
+    )
+    assert flops_per_token(cfg, seq) == 6 * macs
+
+
+def test_flops_per_token_counts_the_router_and_only_the_routed_experts():
+    # the llama model above with layer 1 MoE: 8 experts of width 48, top-2, one shared expert
+    seq = 40
+    attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 2 * 4 * 16 * (seq // 2)
+    dense = 3 * 64 * 96
+    router = 64 * 8
+    moe = router + 2 * (3 * 64 * 48) + 1 * (3 * 64 * 48)  # two routed experts + the shared one
+    macs = 2 * attention + dense + moe + 64 * 100
+    cfg = ModelConfig(
+        family="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=96,
+        vocab_size=100,
+        max_seq_len=64,
+        tie_embeddings=False,
+        num_experts=8,
+        top_k=2,
+        moe_every=2,
+        num_shared_experts=1,
+        moe_ffn_hidden_size=48,
+    )
+    assert flops_per_token(cfg, seq) == 6 * macs
