@@ -84,52 +84,24 @@ def suite_config(shape: str, precision: str, extra: tuple[str, ...] | list[str] 
 
 # ---- the contenders (run inside a worker subprocess) --------------------------------------------
 def build_suite_step(cfg, dims):
-    """The suite's step exactly as `Trainer` builds and runs it, minus data, logging and checkpoints.
-
-    A bare Trainer gets the attributes `Trainer.__init__` gives it (same calls, same order), so the
-    step timed is `Trainer.train_step` itself; keep this in step with `Trainer.__init__`.
-    """
-    from collections import deque
-
+    """The suite's step exactly as `Trainer` builds and runs it, minus data, logging and checkpoints
+    (suite.train.trainer.standalone_step: the trainer's own construction calls and `build_step`)."""
     import torch
 
-    from suite.models import build_model, materialize
-    from suite.parallel.env import DistEnv
-    from suite.parallel.parallelize import parallelize
-    from suite.train.host_memory import apply_host_memory_setting
-    from suite.train.optim import build_optimizer
-    from suite.train.trainer import Trainer, autocast_factory
+    from suite.train.schedule import lr_at
+    from suite.train.trainer import standalone_step
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.dims = cfg, dims
-    trainer.device = torch.device("cpu")
-    trainer.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, trainer.device)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, "meta")
-    trainer.parallel = parallelize(model, cfg, dims, trainer.device)
-    trainer.model = trainer.parallel.model
-    trainer.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-    if trainer.parallel.materialized is False:
-        materialize(trainer.model, trainer.device, cfg.train.seed)
-    if hasattr(trainer.parallel, "build_optimizer"):  # the trainer asks the parallel model (layouts wrap it)
-        trainer.optimizer = trainer.parallel.build_optimizer(cfg.optim)
-    else:
-        trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
-    trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=cfg.train.precision == "fp16")
-    trainer.autocast = autocast_factory(trainer.device, cfg.train.precision, cfg.train.param_dtype)
-    trainer.step = 0
-    trainer.env = DistEnv.from_environ()
-    trainer.bad_steps = trainer.bad_in_a_row = 0  # bookkeeping the loop keeps (non-finite steps)
-    trainer.batch_number, trainer.spiked = 0, False  # loss-spike bookkeeping (train.spike_factor=0: off)
-    trainer.loss_window = deque(maxlen=cfg.train.spike_window)
+    runner = standalone_step(cfg, dims, torch.device("cpu"))
+    done = [0]
 
     def step(micro_batches):
-        out = trainer.train_step(micro_batches)  # (loss, grad_norm, ...): the loop's own call
-        trainer.step += 1
-        return out[0]
+        lr = lr_at(done[0], cfg.optim, cfg.sched, cfg.train.max_steps)  # the loop's learning rate
+        result = runner(micro_batches, lr)
+        done[0] += 1
+        return result.loss
 
-    step.optimizer = trainer.optimizer  # read by step_setup: what the row ran
-    return step, trainer.model
+    step.optimizer = runner.optimizer  # read by step_setup: what the row ran
+    return step, runner.model
 
 
 def hf_model(cfg):

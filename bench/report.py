@@ -93,9 +93,10 @@ Training throughput of the suite on the machine at hand, measured side by side w
 otherwise run: plain transformers (`GPT2LMHeadModel` / `LlamaForCausalLM`, sdpa attention) with the fastest
 AdamW torch has, `torch.optim.AdamW(fused=True)`, and a plain loop, on the same shapes, batch, sequence length,
 precision scheme (fp32 weights; in bf16 an autocast forward), optimizer settings and random token batches.
-The suite side is its real training step: `build_model` on meta, `parallelize`, `materialize`,
-`build_optimizer`, then `Trainer.train_step` (lr, `ParallelModel.forward_backward` with the trainer's loss,
-unscale, `clip_grad_norm`, optimizer step, zero_grad), with the recipe as it is. Its bf16-parameter mode
+The suite side is its real training step, built as the trainer builds it (`standalone_step`: `build_model`
+on meta, `parallelize`, `materialize`, `optimizer_for`, `build_step`), each step the trainer's own
+`TrainStep` (lr, forward/backward with the trainer's loss, unscale, `clip_grad_norm`, optimizer step,
+zero_grad), with the recipe as it is. Its bf16-parameter mode
 (`train.param_dtype=bf16`: bf16 weights and gradients, fp32 masters) is another precision scheme: in bf16 it
 is a row of its own, `suite [bf16 params]`. The **setup** column of every row says what it ran: optimizer,
 weights, compute dtype, attention kernel.

@@ -6,8 +6,8 @@ and on CUDA a check that the step never synchronises the host with the device.
     python bench/step_variants.py --device cpu --shape gpt-tiny --reps 5 --steps 2
     python bench/step_variants.py --variants 'base:,fused:model.fused_projections=true'
 
-Each variant is built like bench/throughput.py's suite contender (its shapes, the real
-`Trainer.train_step`) on `--device`. Repetitions time `--steps` steps of every variant in turn (order
+Each variant is built like bench/throughput.py's suite contender (its shapes, the trainer's own
+step: `suite.train.trainer.standalone_step`) on `--device`. Repetitions time `--steps` steps of every variant in turn (order
 reversed every other repetition, so drift of a shared machine hits all alike); the table gives median
 ms per step and the ratio to the first variant. On CUDA each variant then runs two more steps under
 `torch.cuda.set_sync_debug_mode("error")`, which raises on any synchronising call (`.item()`,
@@ -17,8 +17,6 @@ ms per step and the ratio to the first variant. On CUDA each variant then runs t
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import statistics
 import sys
 import time
@@ -30,16 +28,15 @@ if str(ROOT) not in sys.path:
 
 
 def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
-    """A bare Trainer for `shape` on `device`, plus the micro-batches of one step (already there)."""
+    """The trainer's step for `shape` on `device` (suite.train.trainer.standalone_step), as a
+    callable running one step at the loop's learning rate, plus the micro-batches of one step."""
     import torch
 
     import bench.contenders as tp
     from suite.config.compose import compose_config, to_object
     from suite.config.validate import validate
-    from suite.models import build_model, materialize
-    from suite.parallel.env import DistEnv
-    from suite.parallel.parallelize import parallelize
-    from suite.train.trainer import AUTOCAST_DTYPES, Trainer
+    from suite.train.schedule import lr_at
+    from suite.train.trainer import standalone_step
 
     spec = tp.SHAPES[shape]
     cfg = to_object(
@@ -54,29 +51,20 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
         )
     )
     dims = validate(cfg, needs_data=False)
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.dims, trainer.device = cfg, dims, torch.device(device)
-    trainer.env = DistEnv.from_environ()
-    torch.manual_seed(cfg.train.seed)
-    trainer.parallel = parallelize(build_model(cfg.model, "meta"), cfg, dims, trainer.device)
-    trainer.model = trainer.parallel.model
-    trainer.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-    if trainer.parallel.materialized is False:
-        materialize(trainer.model, trainer.device, cfg.train.seed)
-    trainer.optimizer = trainer.parallel.build_optimizer(cfg.optim)
-    trainer.scaler = torch.amp.GradScaler(device, enabled=False)
-    dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-    trainer.autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype else contextlib.nullcontext
-    trainer.step = trainer.batch_number = 0
-    trainer.bad_steps = trainer.bad_in_a_row = 0
-    trainer.loss_window, trainer.spiked = collections.deque(maxlen=cfg.train.spike_window), False
+    runner = standalone_step(cfg, dims, torch.device(device))
+    done = [0]
+
+    def step(batches) -> None:
+        runner(batches, lr_at(done[0], cfg.optim, cfg.sched, cfg.train.max_steps))
+        done[0] += 1
+
     seq, micro = cfg.data.seq_len, cfg.parallel.micro_batch_size
     gen = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=gen).to(device)
         for _ in range(dims.accumulation(cfg.parallel))
     ]
-    return trainer, batches, micro * len(batches) * seq
+    return step, batches, micro * len(batches) * seq
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,30 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         name, _, overrides = item.partition(":")
         extra = tuple(o for o in overrides.split(";") if o)
         variants[name] = build(args.shape, extra, args.device, args.precision)
-    for trainer, batches, _ in variants.values():
+    for step, batches, _ in variants.values():
         for _ in range(args.warmup):  # allocator, kernel heuristics, optimizer state
-            trainer.train_step(batches)
-            trainer.step += 1
+            step(batches)
     sync()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(args.reps):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
-            trainer, batches, _ = variants[name]
+            step, batches, _ = variants[name]
             sync()
             start = time.perf_counter()
             for _ in range(args.steps):
-                trainer.train_step(batches)
-                trainer.step += 1
+                step(batches)
             sync()
             times[name].append((time.perf_counter() - start) / args.steps)
     syncs = {name: "n/a (cpu)" for name in variants}
-    for name, (trainer, batches, _) in variants.items() if cuda else ():
+    for name, (step, batches, _) in variants.items() if cuda else ():
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(2):
-                trainer.train_step(batches)
-                trainer.step += 1
+                step(batches)
             syncs[name] = "none"
         except RuntimeError as exc:
             syncs[name] = str(exc).splitlines()[0][:80]

@@ -9,9 +9,10 @@
 For every shape and precision, each contender trains the same model shape on the same random token
 batches (same batch, micro-batches, sequence length, AdamW hyperparameters, clipping, precision):
 
-- `suite`: `build_model` on meta -> `parallelize` (world 1) -> `materialize` -> `build_optimizer`, and
-  each step is `Trainer.train_step` itself (lr, `ParallelModel.forward_backward` with the trainer's
-  loss, unscale, `clip_grad_norm`, optimizer step, zero_grad), with the recipe as it is: fp32 weights
+- `suite`: `suite.train.trainer.standalone_step` (`build_model` on meta -> `parallelize` (world 1) ->
+  `materialize` -> `optimizer_for` -> `build_step`, as the trainer builds it), and each step is that
+  `TrainStep` (lr, forward/backward with the trainer's loss, unscale, `clip_grad_norm`, optimizer
+  step, zero_grad), with the recipe as it is: fp32 weights
   (bf16: under autocast, the same scheme as the peer), `train.compile=auto`, `model.attention=auto`.
 - `suite [bf16 params]` (bf16 only): the same with `train.param_dtype=bf16` (bf16 parameters and
   gradients, fp32 masters): a different precision scheme from the peer's, so a row of its own. Each

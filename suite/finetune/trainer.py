@@ -6,7 +6,7 @@ checkpoints and resume are the Trainer's):
     data      finetune.data: a built-in task (generated into <run.dir>/task/) or chat rows from local
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
               packed; batches are SFTBatch (tokens, labels, positions, doc_ids) and the loss is
-              token-weighted over the global batch (ParallelModel._labelled_loss)
+              token-weighted over the global batch (suite.train.step.TrainStep._labelled_loss)
     weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>) replaces the seeded
               initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
@@ -231,7 +231,7 @@ class FinetuneTrainer(Trainer):
             self.train_data,
             p.micro_batch_size,
             p.global_batch_size,
-            self.parallel.dp_rank,
+            self.placement.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
         )
@@ -247,7 +247,7 @@ class FinetuneTrainer(Trainer):
             self.eval_data,
             min(p.micro_batch_size, eval_global // dims.data_parallel_size),
             eval_global,
-            self.parallel.dp_rank,
+            self.placement.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
             split="held-out",

@@ -1,8 +1,9 @@
 """`parallelize`: the one place where a plain model becomes a parallel one.
 
-It returns a ParallelModel, which owns how a step's micro-batches run (plain loop, or a pipeline
-schedule), how gradients are clipped (norms across shards and stages), how evaluation runs and
-which optimizer wraps the parameters, so the trainer's loop reads the same for every layout.
+It returns a Placement: what this rank holds (the model or its pipeline stage parts, the mesh and
+groups, the data-parallel kind) and the communication that layout implies. It runs nothing: the
+step (forward/backward, accumulation or the pipeline schedule, clipping, the optimizer) lives in
+suite.train.step and reads the placement (torchtitan's split: parallelism applied from outside).
 
 Order of application (each step sees the previous one's result; the model starts on `meta`):
 
@@ -22,7 +23,6 @@ and compiled regions and gather the parameters once per block.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -32,34 +32,20 @@ import torch.distributed as dist
 from torch import nn
 
 from suite.config.errors import ConfigError
-from suite.config.schema import OptimConfig, SuiteConfig
-from suite.parallel import memory
+from suite.config.schema import SuiteConfig
 from suite.parallel.dims import ParallelDims
-
-LossFn = Callable[..., torch.Tensor]  # (logits, targets, reduction="mean"|"sum") -> scalar loss
-
-
-def is_labelled(batch) -> bool:
-    """A finetuning micro-batch (suite.data.sft.SFTBatch: tokens, labels, positions, doc_ids), as
-    opposed to a pretraining token window [b, s+1]."""
-    return hasattr(batch, "labels")
-
-
-def _local_value(loss: torch.Tensor) -> torch.Tensor:
-    """A detached plain tensor of a (possibly DTensor) scalar loss."""
-    loss = loss.detach()
-    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # DTensor (tp > 1)
 
 
 @dataclass
-class ParallelModel:
-    """The model as this rank runs it, plus how to run a step on it.
+class Placement:
+    """What this rank holds after `parallelize`, and the communication its layout implies.
 
-    Single process: `mesh` is None and every method is the plain PyTorch loop. Distributed: the
-    mesh names the axes; `data_group` averages the logged loss; `loss_parallel` runs the loss (and
-    its backward) under DTensor's vocab-parallel cross-entropy; `dp_kind` says which data-parallel
-    wrapper is on the model (none, replicate, zero1, fsdp, hsdp).
-    Subclasses (the pipeline) override forward_backward / evaluate / clip_grad_norm.
+    Single process: `mesh` is None. Distributed: the mesh names the axes; `dp_kind` says which
+    data-parallel wrapper is on the model (none, replicate, zero1, fsdp, hsdp); `loss_parallel`
+    means the logits are vocab-sharded DTensors (run the loss under DTensor's loss_parallel);
+    `gradient_hooks` run after every backward (expert-parallel replicas, the tied embedding across
+    pipeline stages); `pipeline` describes this rank's stages when pp > 1. The step that runs on a
+    placement lives in suite.train.step.
     """
 
     model: nn.Module
@@ -67,17 +53,18 @@ class ParallelModel:
     dp_rank: int = 0
     materialized: bool = False
     num_params: int = 0
-    extras: dict = field(default_factory=dict)
     mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when distributed
     loss_parallel: bool = False
     dp_kind: str = "none"
     optim_device: torch.device | None = None
+    compute_device: torch.device | None = None  # offloaded FSDP: where batches go (params live on CPU)
     cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
-    eos_id: int | None = None  # data.doc_mask: the document separator (set by the trainer)
-    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
     param_dtype: str = "fp32"  # train.param_dtype without a data-parallel wrapper (bf16: fp32 masters)
+    ep_traffic: dict | None = None  # expert parallel: bytes sent by the all-to-alls (a running count)
+    gradient_hooks: list[Callable[[], None]] = field(default_factory=list)
+    pipeline: object = None  # suite.parallel.pipeline.PipelineStages when pp > 1
 
-    # ---- communication helpers -----------------------------------------------------------------
+    # ---- communication -------------------------------------------------------------------------
     @property
     def data_group(self) -> dist.ProcessGroup | None:
         if self.mesh is None or self.dims.data_parallel_size == 1:
@@ -104,28 +91,6 @@ class ParallelModel:
         dist.all_reduce(value, group=group)
         return value / size
 
-    def model_inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(tokens, targets, forward kwargs) of a [b, s + 1] row batch for this rank.
-
-        data.doc_mask: positions restart after every EOS and attention stays inside documents;
-        cp > 1: only this rank's two sequence chunks, with their real positions.
-        """
-        tokens, targets = batch[:, :-1], batch[:, 1:]
-        doc_ids = None
-        if self.eos_id is not None:
-            from suite.data.documents import document_ids
-
-            doc_ids = document_ids(tokens, self.eos_id)
-        if self.dims.cp > 1:
-            from suite.parallel.context_parallel import split_batch
-
-            return split_batch(tokens, targets, self.dims.cp, self.cp_rank, doc_ids)
-        if doc_ids is None:
-            return tokens, targets, {}
-        from suite.data.documents import document_mask, document_positions
-
-        return tokens, targets, {"positions": document_positions(doc_ids), "mask": document_mask(doc_ids)}
-
     def data_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank tensor over the data-parallel ranks."""
         group = self.data_group
@@ -142,29 +107,10 @@ class ParallelModel:
             return loss_parallel()
         return nullcontext()
 
-    def model_loss(
-        self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, loss_fn: LossFn
-    ) -> torch.Tensor:
-        """The model's loss on one micro-batch, as `model_inputs` made it (tokens, targets, forward kwargs).
-
-        With loss_chunk_tokens > 0 and more tokens than that in the batch, the model hands its final
-        hidden states and head weight to the loss instead of projecting them (the forward's `head`
-        argument), and the loss applies the head chunk by chunk (suite.train.loss.HeadInput), so the
-        full logits never exist; one chunk would only add work, so the plain loss runs then. Under
-        tensor parallelism the logits are vocab-sharded DTensors and DTensor's loss_parallel already
-        avoids gathering them: that path is kept as it is; so is a head that is not a plain nn.Linear
-        (LoRA on `output`), whose forward adds more than `hidden @ weight.T`.
-        """
-        chunk = self.loss_chunk_tokens
-        plain_head = type(getattr(self.model, "output", None)) is nn.Linear  # not a LoRA-wrapped head
-        if 0 < chunk < targets.numel() and plain_head and not self.loss_parallel:
-            from suite.train.loss import HeadInput
-
-            def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-                return loss_fn(HeadInput(hidden, weight, chunk), targets)  # type: ignore[arg-type]
-
-            return self.model(tokens, head=head, **kwargs)
-        return loss_fn(self.model(tokens, **kwargs), targets)
+    def after_backward(self) -> None:
+        """The gradient synchronisation the layout needs beyond its data-parallel wrapper."""
+        for hook in self.gradient_hooks:
+            hook()
 
     def _device(self) -> torch.device:
         param = next(self.model.parameters())
@@ -172,144 +118,7 @@ class ParallelModel:
 
     def input_device(self) -> torch.device:
         """Where batches go (offloaded FSDP keeps sharded params on the CPU, compute on the device)."""
-        return self.extras.get("compute_device") or self._device()
-
-    # ---- one optimizer step's work -------------------------------------------------------------
-    def forward_backward(
-        self, micro_batches: list[torch.Tensor], loss_fn: LossFn, autocast, scaler
-    ) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns the global-batch mean loss (detached).
-
-        Token batches: the mean of the micro-batches' mean losses. Labelled (finetuning)
-        micro-batches: token-weighted (`_labelled_loss`).
-        """
-        if micro_batches and is_labelled(micro_batches[0]):
-            return self._accumulate(
-                micro_batches, *self._labelled_loss(micro_batches, loss_fn), autocast, scaler
-            )
-        count = len(micro_batches)
-        return self._accumulate(
-            micro_batches, self.model_inputs, loss_fn, lambda loss: loss / count, autocast, scaler
-        )
-
-    def _labelled_loss(self, micro_batches: list, loss_fn: LossFn) -> tuple[Callable, LossFn, Callable]:
-        """Loss = sum of masked cross-entropy / number of target tokens in the whole global batch.
-
-        Micro-batches and data-parallel ranks hold different numbers of target tokens, so the
-        denominator is counted over all of them first (one all-reduce); every micro-batch then
-        contributes its loss *sum* over that count, times the data-parallel size because the
-        data-parallel wrappers average gradients over the ranks. Any dp / micro-batch split thus
-        gives the gradient and loss of one process taking the global batch at once.
-        Returns (inputs of a batch, loss function, weighting of a loss) for `_accumulate`.
-        """
-        local_targets = sum(batch.num_targets for batch in micro_batches)
-        targets = self.data_sum(torch.tensor(float(local_targets), device=self.input_device()))
-        # a device tensor, never read on the host: no synchronisation per step (the same value as the
-        # Python division: integers, one correctly rounded float32 quotient)
-        scale = self.dims.data_parallel_size / targets.clamp(min=1.0)
-        summed = functools.partial(loss_fn, reduction="sum")
-        return (
-            (lambda batch: (batch.tokens, batch.labels, batch.model_kwargs())),
-            summed,
-            lambda loss: loss * scale,
-        )
-
-    def _accumulate(
-        self, micro_batches: list, inputs: Callable, loss_fn: LossFn, weight: Callable, autocast, scaler
-    ) -> torch.Tensor:
-        """Forward and backward of each micro-batch's weight(loss); gradients synchronised on the last."""
-        device = self.input_device()
-        total = torch.zeros((), device=device)
-        count = len(micro_batches)
-        for i, batch in enumerate(micro_batches):
-            last = i == count - 1
-            if self.dp_kind != "none":
-                from suite.parallel.data_parallel import set_gradient_sync
-
-                set_gradient_sync(self.model, self.dp_kind, last)
-            tokens, targets, kwargs = inputs(batch.to(device, non_blocking=True))
-            with self.loss_context():
-                with autocast():
-                    loss = weight(self.model_loss(tokens, targets, kwargs, loss_fn))
-                if last:
-                    self._note_bytes("params", memory.parameter_bytes(self.model))
-                scaler.scale(loss).backward()
-            total += _local_value(loss)
-        if "after_backward" in self.extras:  # expert parallel: reduce expert gradients over their replicas
-            self.extras["after_backward"]()
-        self._note_bytes("params", memory.parameter_bytes(self.model))
-        self._note_bytes("grads", memory.gradient_bytes(self.model))
-        return self.data_mean(total)
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.mesh is None:
-            if max_norm > 0:
-                return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        from suite.parallel.data_parallel import clip_grad_norm_
-
-        return clip_grad_norm_(params, max_norm)
-
-    @torch.no_grad()
-    def evaluate(self, batches: list[torch.Tensor], loss_fn: LossFn, autocast) -> float:
-        device = self.input_device()
-        if batches and is_labelled(batches[0]):  # token-weighted over every batch and rank
-            summed = functools.partial(loss_fn, reduction="sum")
-            sums = torch.zeros(2, device=device, dtype=torch.float64)
-            for batch in batches:
-                batch = batch.to(device)
-                with self.loss_context(), autocast():
-                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed)
-                    sums[0] += _local_value(loss).double()
-                sums[1] += batch.num_targets
-            sums = self.data_sum(sums)
-            return float(sums[0] / sums[1].clamp(min=1))
-        losses = []
-        for batch in batches:
-            tokens, targets, kwargs = self.model_inputs(batch.to(device))
-            with self.loss_context(), autocast():
-                losses.append(_local_value(self.model_loss(tokens, targets, kwargs, loss_fn)).float())
-        mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-        return float(self.data_mean(mean))
-
-    # ---- optimizer and accounting --------------------------------------------------------------
-    def build_optimizer(self, cfg: OptimConfig) -> torch.optim.Optimizer:
-        """AdamW over this rank's parameters (ZeRO-1: over its slice of them)."""
-        from suite.train.optim import build_optimizer
-
-        device = self.optim_device or self._device()
-        # with data parallelism FSDP2's MixedPrecisionPolicy keeps the fp32 masters (data_parallel.py)
-        param_dtype = self.param_dtype if self.dp_kind == "none" else "fp32"
-        optimizer = build_optimizer(self.model, cfg, device, param_dtype)
-        if self.dp_kind == "zero1":
-            from suite.parallel.data_parallel import ZeroOneOptimizer
-
-            return ZeroOneOptimizer(self.model, optimizer, self.mesh)  # type: ignore[return-value]
-        return optimizer
-
-    def _note_bytes(self, kind: str, value: int) -> None:
-        peaks = self.extras.setdefault("state_bytes", {})
-        peaks[kind] = max(peaks.get(kind, 0), value)
-
-    def note_optimizer(self, optimizer) -> None:
-        """Record optimizer-state bytes (call after a step, when the state exists)."""
-        self._note_bytes("optim", memory.optimizer_bytes(optimizer))
-        self._note_bytes("params", memory.parameter_bytes(self.model))
-
-    def state_bytes(self) -> dict[str, int]:
-        """Peak bytes of parameters, gradients and optimizer state this rank held during a step.
-
-        Collective when distributed: the maximum over ranks, so rank 0 can report it.
-        """
-        peaks = dict(self.extras.get("state_bytes", {}))
-        keys = ("params", "grads", "optim")
-        values = torch.tensor([float(peaks.get(k, 0)) for k in keys], dtype=torch.float64)
-        if self.mesh is not None:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        out = {k: int(v) for k, v in zip(keys, values.tolist())}
-        out["total"] = sum(out.values())
-        return out
+        return self.compute_device or self._device()
 
 
 def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
@@ -416,16 +225,14 @@ def make_part_parallelizer(
     return parallelize_part, info
 
 
-def parallelize(
-    model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device
-) -> ParallelModel:
+def parallelize(model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> Placement:
     """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order)."""
     num_params = model.num_params()
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
         if compile_enabled(cfg, dims, device):
             _compile_blocks(model)
-        return ParallelModel(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
+        return Placement(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
 
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         got = dist.get_world_size() if dist.is_initialized() else 1
@@ -443,7 +250,7 @@ def parallelize(
     model = parallelize_part(model)
     from suite.parallel.mesh import data_rank
 
-    return ParallelModel(
+    return Placement(
         model=model,
         dims=dims,
         dp_rank=data_rank(mesh),
@@ -454,6 +261,7 @@ def parallelize(
         loss_parallel=dims.tp > 1,
         dp_kind=info["dp_kind"],
         optim_device=info["optim_device"],
-        extras={"compute_device": info["compute_device"]}
-        | {k: info[k] for k in ("ep_traffic", "after_backward") if k in info},
+        compute_device=info["compute_device"],
+        ep_traffic=info.get("ep_traffic"),
+        gradient_hooks=[info["after_backward"]] if "after_backward" in info else [],
     )

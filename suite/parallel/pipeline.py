@@ -1,6 +1,6 @@
 """Pipeline parallelism: split the layer stack into stages and run them with torch.distributed.pipelining.
 
-    build_pipeline(model, cfg, dims, mesh, device, parallelize_part) -> PipelineParallelModel
+    build_pipeline(model, cfg, dims, mesh, device, parallelize_part) -> Placement (pipeline: PipelineStages)
 
 1. The meta-device model's layers are cut into pp*vpp contiguous stages balanced by parameter
    count (the first stage also pays for the token/position embeddings, the last for the final
@@ -42,10 +42,9 @@ from torch.distributed.tensor import DTensor
 from suite.config.errors import ConfigError
 from suite.config.schema import ParallelConfig, SuiteConfig
 from suite.parallel import data_parallel as dpar
-from suite.parallel import memory
 from suite.parallel.dims import ParallelDims
 from suite.parallel.mesh import data_rank
-from suite.parallel.parallelize import LossFn, ParallelModel
+from suite.parallel.parallelize import Placement
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -221,7 +220,7 @@ class PipelineModules(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(
-            "a pipeline-parallel model runs through its schedule: use ParallelModel.forward_backward"
+            "a pipeline-parallel model runs through its schedule: use suite.train.step.build_step"
         )
 
 
@@ -248,25 +247,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _value(loss: torch.Tensor) -> torch.Tensor:
-    """A detached plain tensor of a (possibly DTensor, under loss_parallel) scalar loss."""
-    loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    return (
-        ("dtensor", t.device_mesh, t.placements, t.device) if isinstance(t, DTensor) else ("plain", t.device)
-    )
-
-
-# ---- the model -----------------------------------------------------------------------------------
-class PipelineParallelModel(ParallelModel):
-    """A ParallelModel whose step runs a torch.distributed.pipelining schedule over stage parts.
-
-    `model` is the PipelineModules view (for the optimizer, checkpoints, train/eval); `parts` are
-    the Transformer parts this rank runs, `stage_ids` their stage indices.
-    """
+# ---- what a rank holds -------------------------------------------------------------------------
+class PipelineStages:
+    """This rank's pipeline stages: the Transformer parts it runs (`parts`, stage indices
+    `stage_ids`), their torch.distributed.pipelining `PipelineStage`s, the pp group, and the tied
+    embedding's group when the first and last stages share it. The schedule that runs them is built
+    with the step's loss (suite.train.pipeline_step)."""
 
     def __init__(
         self,
@@ -277,35 +263,40 @@ class PipelineParallelModel(ParallelModel):
         n_microbatches: int,
         tied: bool,
         device: torch.device,
-        **fields,
+        mesh: DeviceMesh,
+        pp: int,
     ):
-        super().__init__(model=PipelineModules(parts, tied), materialized=True, **fields)
         self.parts = parts
         self.stage_ids = stage_ids
-        self.num_stages = self.dims.pp * len(parts)
+        self.num_stages = pp * len(parts)
         self.schedule_name = schedule_name
+        self.multi_stage = schedule_name in MULTI_STAGE
         self.device = device
         self.n_microbatches = n_microbatches
-        self.pp_group = self.mesh.get_group("pp")
-        self.last_rank = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % self.dims.pp)
+        self.pp = pp
+        self.pp_group = mesh.get_group("pp")
+        self.last_rank = dist.get_global_rank(self.pp_group, (self.num_stages - 1) % pp)
         self.has_first = 0 in stage_ids
         self.has_last = self.num_stages - 1 in stage_ids
-        self._loss_fn: Callable | None = None
         self.stages = [
             PipelineStage(part, idx, self.num_stages, device, group=self.pp_group)
             for part, idx in zip(parts, stage_ids)
         ]
-        cls = SCHEDULES[schedule_name]
-        arg = self.stages if schedule_name in MULTI_STAGE else self.stages[0]
-        self.schedule = cls(arg, n_microbatches=n_microbatches, loss_fn=self._schedule_loss, scale_grads=True)
-        self.tied_group, self.tied_src = _tied_group(self.mesh, self.dims.pp) if tied else (None, -1)
+        self.tied_group, self.tied_src = _tied_group(mesh, pp) if tied else (None, -1)
         self.tied_param = None
         if self.tied_group is not None:
             holder = parts[0] if self.has_first else parts[-1]
             self.tied_param = holder.tok_embeddings.weight if self.has_first else holder.output.weight
-        self.extras["pp_stage_layers"] = {
-            i: sorted(int(k) for k in p.layers) for i, p in zip(stage_ids, parts)
-        }
+
+    def schedule(self, loss_fn: Callable):
+        """The configured schedule over these stages, with `loss_fn(output, target)` per micro-batch."""
+        cls = SCHEDULES[self.schedule_name]
+        arg = self.stages if self.multi_stage else self.stages[0]
+        return cls(arg, n_microbatches=self.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+    def peer(self, stage: int) -> int:
+        """The global rank that runs `stage`."""
+        return dist.get_global_rank(self.pp_group, stage % self.pp)
 
     # ---- tied embedding ------------------------------------------------------------------------
     @torch.no_grad()
@@ -314,7 +305,7 @@ class PipelineParallelModel(ParallelModel):
         if self.tied_param is not None:
             dist.broadcast(_local(self.tied_param.data), src=self.tied_src, group=self.tied_group)
 
-    def _reduce_tied_grads(self) -> None:
+    def reduce_tied_grads(self) -> None:
         """Sum the embedding's and the head's gradients: both become the shared weight's gradient."""
         if self.tied_param is None:
             return
@@ -327,118 +318,6 @@ class PipelineParallelModel(ParallelModel):
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         dist.all_reduce(_local(param.grad), group=self.tied_group)
 
-    # ---- steps -----------------------------------------------------------------------------------
-    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, target)
-
-    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.detach().clone()
-        dist.broadcast(value, src=self.last_rank, group=self.pp_group)
-        return value
-
-    def forward_backward(
-        self, micro_batches: list[torch.Tensor], loss_fn: LossFn, autocast, scaler
-    ) -> torch.Tensor:
-        """One schedule step over the micro-batches; the data-parallel mean loss on every rank."""
-        if len(micro_batches) != self.n_microbatches:
-            raise ValueError(
-                f"the pipeline schedule was built for {self.n_microbatches} micro-batches per step, "
-                f"got {len(micro_batches)}"
-            )
-        batch = torch.cat(micro_batches)
-        if micro_batches[0].is_pinned():  # keep the copy asynchronous (data.prefetch pins on CUDA)
-            batch = batch.pin_memory()
-        batch = batch.to(self.input_device(), non_blocking=True)
-        tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        self._loss_fn = lambda out, tgt: scaler.scale(loss_fn(out, tgt))
-        losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first else ()
-        with self.loss_context(), autocast():  # the last stage's loss backward runs inside step()
-            self.schedule.step(
-                *args, target=targets if self.has_last else None, losses=losses, return_outputs=False
-            )
-        self._reduce_tied_grads()
-        self._note_bytes("params", memory.parameter_bytes(self.model))
-        self._note_bytes("grads", memory.gradient_bytes(self.model))
-        if self.has_last:
-            loss = torch.stack([_value(x).float() for x in losses]).mean()
-            if scaler.is_enabled():
-                loss = loss / scaler.get_scale()
-        else:
-            loss = torch.zeros((), device=self.input_device())
-        return self.data_mean(self._from_last_stage(loss))
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global 2-norm over every stage and shard (a tied weight counted once), then clip."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        counted = [p for p in params if p is not self.tied_param or self.has_first]
-        total = dpar.total_grad_norm(counted, extra_group=self.pp_group)
-        if max_norm > 0:
-            with torch.no_grad():
-                groups: dict = {}
-                for p in params:
-                    groups.setdefault(_layout(p.grad), []).append(p)
-                for members in groups.values():
-                    torch.nn.utils.clip_grads_with_norm_(
-                        members, max_norm, total.to(members[0].grad.device), foreach=True
-                    )
-        return total
-
-    # ---- evaluation --------------------------------------------------------------------------------
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, stage % self.dims.pp)
-
-    def _send(self, t: torch.Tensor, dst_stage: int) -> None:
-        if isinstance(t, DTensor):  # the tp plans return local tensors from every block
-            raise RuntimeError(
-                f"pipeline evaluation sends plain tensors between stages, but stage {dst_stage - 1} produced a "
-                f"DTensor ({t.placements}); its last module's tensor-parallel style must use "
-                "use_local_output=True (suite.parallel.tensor_parallel.block_plan)"
-            )
-        header = torch.tensor(
-            [t.dim(), *t.shape, _DTYPES.index(t.dtype)] + [0] * (6 - t.dim()), dtype=torch.long
-        )
-        dist.send(header.to(t.device), dst=self._peer(dst_stage), group=self.pp_group)
-        dist.send(t.contiguous(), dst=self._peer(dst_stage), group=self.pp_group)
-
-    def _recv(self, src_stage: int, device: torch.device) -> torch.Tensor:
-        header = torch.zeros(8, dtype=torch.long, device=device)
-        dist.recv(header, src=self._peer(src_stage), group=self.pp_group)
-        ndim = int(header[0])
-        shape, dtype = header[1 : 1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=self._peer(src_stage), group=self.pp_group)
-        return t
-
-    @torch.no_grad()
-    def evaluate(self, batches: list[torch.Tensor], loss_fn: LossFn, autocast) -> float:
-        """Forward only, batch by batch through the stages (no schedule: any number of batches);
-        the mean loss on every rank."""
-        device = self.input_device()
-        by_stage = dict(zip(self.stage_ids, self.parts))
-        total = torch.zeros((), device=device)
-        for batch in batches:
-            batch = batch.to(device)
-            hidden = None
-            for s in range(self.num_stages):
-                part = by_stage.get(s)
-                if part is None:
-                    continue
-                if s > 0 and (s - 1) not in by_stage:
-                    hidden = self._recv(s - 1, device)
-                with self.loss_context(), autocast():
-                    out = part(batch[:, :-1]) if s == 0 else part(hidden)
-                    if s == self.num_stages - 1:
-                        total += _value(loss_fn(out, batch[:, 1:])).float()
-                hidden = out
-                if s + 1 < self.num_stages and (s + 1) not in by_stage:
-                    self._send(out, s + 1)
-        mean = total / max(1, len(batches))
-        return float(self.data_mean(self._from_last_stage(mean)))
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
 
 # ---- entry point ---------------------------------------------------------------------------------
 def build_pipeline(
@@ -448,9 +327,9 @@ def build_pipeline(
     mesh: DeviceMesh,
     device: torch.device,
     parallelize_part: Callable[[nn.Module], nn.Module],
-) -> PipelineParallelModel:
+) -> Placement:
     """Split the meta-device `model` into this rank's stage parts, parallelise and materialise each
-    with `parallelize_part`, and wrap them with the configured schedule.
+    with `parallelize_part`, and describe them as a Placement (`pipeline`: the stages).
 
     `mesh` is the job's mesh (suite.parallel.mesh.build_mesh: every axis named, `data` flattened).
     """
@@ -466,21 +345,28 @@ def build_pipeline(
     for idx in stage_ids:
         part = make_stage_part(model, plan[idx], first=idx == 0, last=idx == num_stages - 1)
         parts.append(parallelize_part(part) or part)
-    pm = PipelineParallelModel(
+    stages = PipelineStages(
         parts=parts,
         stage_ids=stage_ids,
         schedule_name=cfg.parallel.pp_schedule,
-        device=device,
         n_microbatches=dims.accumulation(cfg.parallel),
         tied=tied,
+        device=device,
+        mesh=mesh,
+        pp=pp,
+    )
+    stages.sync_tied_weights()
+    return Placement(
+        model=PipelineModules(parts, tied),
         dims=dims,
         dp_rank=data_rank(mesh),
+        materialized=True,
         num_params=model.num_params(),
         mesh=mesh,
         loss_parallel=dims.tp > 1,
         dp_kind=dpar.data_parallel_kind(dims, cfg.parallel.sharding_stage),
         optim_device=torch.device("cpu") if cfg.parallel.offload else device,
-        extras={"compute_device": device},
+        compute_device=device,
+        gradient_hooks=[stages.reduce_tied_grads],
+        pipeline=stages,
     )
-    pm.sync_tied_weights()
-    return pm

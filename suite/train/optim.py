@@ -23,6 +23,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over what this rank holds (a suite.parallel.Placement); ZeRO-1: over its slice of it.
+    With a data-parallel wrapper FSDP2's MixedPrecisionPolicy keeps the fp32 masters
+    (suite.parallel.data_parallel), so train.param_dtype applies only without one."""
+    device = placement.optim_device or placement._device()
+    param_dtype = placement.param_dtype if placement.dp_kind == "none" else "fp32"
+    optimizer = build_optimizer(placement.model, cfg, device, param_dtype)
+    if placement.dp_kind == "zero1":
+        from suite.parallel.data_parallel import ZeroOneOptimizer
+
+        return ZeroOneOptimizer(placement.model, optimizer, placement.mesh)  # type: ignore[return-value]
+    return optimizer
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device, param_dtype: str = "fp32"
 ) -> torch.optim.Optimizer:

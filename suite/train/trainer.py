@@ -7,7 +7,6 @@ micro-batches -> loss -> clip -> optimizer -> metrics -> loggers -> atomic check
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -28,7 +27,6 @@ from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
-from suite.models.moe import moe_aux_loss
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import (
     DistEnv,
@@ -38,14 +36,15 @@ from suite.parallel.env import (
     pick_device,
 )
 from suite.parallel.expert_parallel import moe_step_metrics
-from suite.parallel.parallelize import ParallelModel, parallelize
+from suite.parallel.parallelize import Placement, parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
-from suite.train.loss import HeadInput, cross_entropy
+from suite.train.optim import optimizer_for
 from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
+from suite.train.step import TrainStep, build_step, training_loss
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
@@ -78,6 +77,29 @@ def autocast_factory(device: torch.device, precision: str, param_dtype: str = "f
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
+def standalone_step(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> TrainStep:
+    """The trainer's step without data, logging or checkpoints, for the benchmarks: the calls of
+    `Trainer.__init__` that shape the step, in its order (seed, meta model, parallelize,
+    materialise, optimizer, scaler and autocast, `build_step`). Call it as `step(batches, lr)`."""
+    apply_host_memory_setting(cfg.train.keep_host_memory, device)
+    torch.manual_seed(cfg.train.seed)
+    placement = parallelize(build_model(cfg.model, "meta"), cfg, dims, device)
+    if placement.materialized is False:
+        materialize(placement.model, device, cfg.train.seed)
+    optimizer = optimizer_for(placement, cfg.optim)
+    return build_step(
+        placement,
+        optimizer,
+        training_loss(placement.model, bool(cfg.model.num_experts)),
+        autocast_factory(device, cfg.train.precision, cfg.train.param_dtype),
+        torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
+        precision=cfg.train.precision,
+        grad_clip=cfg.optim.grad_clip,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        spike_detection=cfg.train.spike_factor > 0,
+    )
+
+
 class Trainer:
     def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
         self.cfg = cfg
@@ -105,16 +127,12 @@ class Trainer:
         self._setup_data()
         model = build_model(cfg.model, "meta")
         self._adapt_model(model)
-        self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
-        self.model = self.parallel.model
-        if cfg.data.doc_mask and self.meta is not None:  # documents end with EOS (suite.data.documents)
-            self.parallel.eos_id = int(self.meta["eos_id"])
-        # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
-        self.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-        if self.parallel.materialized is False:
+        self.placement: Placement = parallelize(model, cfg, dims, self.device)
+        self.model = self.placement.model
+        if self.placement.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
         self._load_initial_weights()
-        self.optimizer = self.parallel.build_optimizer(cfg.optim)
+        self.optimizer = optimizer_for(self.placement, cfg.optim)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
         self.autocast = autocast_factory(self.device, cfg.train.precision, cfg.train.param_dtype)
         self._build_loaders()
@@ -141,6 +159,21 @@ class Trainer:
             self.host_group = dist.new_group(backend="gloo")
         self._sigterm = False
         self.resumed = False
+        self.runner = build_step(
+            self.placement,
+            self.optimizer,
+            training_loss(self.model, bool(cfg.model.num_experts)),
+            self.autocast,
+            self.scaler,
+            precision=cfg.train.precision,
+            grad_clip=cfg.optim.grad_clip,
+            # documents end with EOS (suite.data.documents)
+            eos_id=int(self.meta["eos_id"]) if cfg.data.doc_mask and self.meta is not None else None,
+            # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
+            loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            spike_detection=cfg.train.spike_factor > 0,
+            host_group=self.host_group,
+        )
         if cfg.train.resume:
             self._maybe_resume()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -181,7 +214,7 @@ class Trainer:
             cfg.data.seq_len,
             cfg.parallel.micro_batch_size,
             cfg.parallel.global_batch_size,
-            self.parallel.dp_rank,
+            self.placement.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
             prefetch=prefetch,
@@ -193,7 +226,7 @@ class Trainer:
             cfg.data.seq_len,
             cfg.parallel.micro_batch_size,
             cfg.parallel.micro_batch_size * dims.data_parallel_size,
-            self.parallel.dp_rank,
+            self.placement.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
         )
@@ -325,13 +358,7 @@ class Trainer:
 
     def _any_ranks(self, *flags: bool) -> list[bool]:
         """Each flag made true on every rank when it is true on any rank (one all-reduce)."""
-        if not dist.is_initialized():
-            return list(flags)
-        # host flags travel over a gloo group on accelerators: no device synchronisation per step
-        group = getattr(self, "host_group", None)
-        values = torch.tensor([1.0 if f else 0.0 for f in flags], device="cpu" if group else self.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        return [bool(v > 0) for v in values.tolist()]
+        return self.runner.any_ranks(*flags)
 
     def _finish_pending_quietly(self) -> None:
         """On the way out after an error: complete a pending save if it can be; its own failure is
@@ -360,7 +387,7 @@ class Trainer:
         extra = {"precision": self.cfg.train.precision, "param_dtype": self.cfg.train.param_dtype}
         if self.dims.pp > 1:
             extra["pp_schedule"] = self.cfg.parallel.pp_schedule
-        return describe_layout(self.model, self.dims, self.parallel.dp_kind, extra)
+        return describe_layout(self.model, self.dims, self.placement.dp_kind, extra)
 
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
@@ -369,69 +396,32 @@ class Trainer:
     def train_step(
         self, micro_batches: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
-        """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad_norm, ok).
-
-        A non-finite loss or gradient norm (ok false) skips the optimizer step: gradients are zeroed,
-        nothing is updated. Every rank decides alike (loss and norm are global; the flag is all-reduced).
-        With fp16 the grad scaler already skips overflowing steps, so only the loss counts there.
-
-        Where the optimizer can skip on the device (fused AdamW's `found_inf`), the decision never
-        leaves the device: `ok` is then a bool tensor that the loop reads at its logging steps, so a
-        step costs no host-device synchronisation. Spike detection (train.spike_factor > 0) and fp16
-        read the loss every step, as they must decide on the host.
-        """
-        self.model.train()
+        """One optimizer step (suite.train.step: forward/backward, clip, optimizer, the non-finite
+        skip) at this step's learning rate. Returns (loss, grad_norm, ok); `self.spiked` tells a
+        loss spike (train.spike_factor), which the loop rolls back."""
         lr = lr_at(self.step, self.cfg.optim, self.cfg.sched, self.cfg.train.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss = self.parallel.forward_backward(micro_batches, self._loss_fn, self.autocast, self.scaler)
-        if self.step + 1 in self.cfg.train.inject_nan_steps:  # testing aid; empty by default
-            loss = loss * float("nan")
-        if getattr(self, "batch_number", 0) in self.cfg.train.inject_spike_batches:  # testing aid
-            loss = loss * 100.0
-        self.scaler.unscale_(self.optimizer)
-        if self.step + 1 == self.cfg.train.save_grads_step:
-            from suite.train.grad_dump import save_gradients
-
-            save_gradients(self.model, self.run_dir, self.step + 1)
-        grad_norm = self.parallel.clip_grad_norm(self.cfg.optim.grad_clip)
-        if self._skips_on_device():
-            self.spiked = False
-            bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-            if dist.is_initialized():  # any rank's non-finite step is every rank's (no host read)
-                bad = bad.to(self.device, torch.float32)
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            found_inf = bad.to(self.device, torch.float32).reshape(())
-            self.optimizer.found_inf, self.optimizer.grad_scale = found_inf, None
-            try:
-                self.optimizer.step()  # fused AdamW leaves parameters and state alone when found_inf
-            finally:
-                del self.optimizer.found_inf, self.optimizer.grad_scale
-            self.parallel.note_optimizer(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-            return loss, grad_norm, found_inf == 0
-        finite = math.isfinite(float(loss))
-        if self.cfg.train.precision != "fp16":
-            finite = finite and math.isfinite(float(grad_norm))
-        not_finite, self.spiked = self._any_ranks(not finite, finite and self._is_spike(float(loss)))
-        ok = not not_finite and not self.spiked
-        if ok:
-            self.scaler.step(self.optimizer)
-            self.parallel.note_optimizer(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, ok
-
-    def _skips_on_device(self) -> bool:
-        """The non-finite skip can stay on the device: a fused torch Adam/AdamW (it honours
-        `found_inf`), no fp16 grad scaler and no spike detection (both need the loss on the host)."""
-        opt = self.optimizer
-        return (
-            isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
-            and all(group.get("fused") for group in opt.param_groups)
-            and self.cfg.train.precision != "fp16"
-            and self.cfg.train.spike_factor <= 0
+        result = self.runner(
+            micro_batches,
+            lr,
+            adjust_loss=self._injected_faults,
+            before_clip=self._save_gradients if self.step + 1 == self.cfg.train.save_grads_step else None,
+            is_spike=self._is_spike if self.cfg.train.spike_factor > 0 else None,
         )
+        self.spiked = result.spiked
+        return result.loss, result.grad_norm, result.ok
+
+    def _injected_faults(self, loss: torch.Tensor) -> torch.Tensor:
+        """Testing aids, inert by default: train.inject_nan_steps, train.inject_spike_batches."""
+        if self.step + 1 in self.cfg.train.inject_nan_steps:
+            loss = loss * float("nan")
+        if self.batch_number in self.cfg.train.inject_spike_batches:
+            loss = loss * 100.0
+        return loss
+
+    def _save_gradients(self) -> None:
+        from suite.train.grad_dump import save_gradients
+
+        save_gradients(self.model, self.run_dir, self.step + 1)
 
     def _read_step_flags(self, logger) -> None:
         """Account the steps whose finiteness is still on the device (one host read for all)."""
@@ -535,22 +525,11 @@ class Trainer:
         if self.env.rank == t.fault_kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _loss_fn(
-        self, logits: torch.Tensor | HeadInput, targets: torch.Tensor, reduction: str = "mean"
-    ) -> torch.Tensor:
-        loss = cross_entropy(logits, targets, reduction)
-        # MoE balance (and z) losses are per-micro-batch means: only beside a mean loss
-        if self.model.training and self.cfg.model.num_experts and reduction == "mean":
-            aux = moe_aux_loss(self.model)
-            if aux is not None:
-                loss = loss + aux.to(loss.device)
-        return loss
-
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
-        return self.parallel.evaluate(batches, self._loss_fn, self.autocast)
+        return self.runner.evaluate(batches)
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> dict:
@@ -563,7 +542,7 @@ class Trainer:
             logger = MetricsLogger(
                 self.run_dir, config_dict, cfg.log, cfg.train.max_steps, self.step, self.resumed
             )
-            n_params = self.parallel.num_params
+            n_params = self.placement.num_params
             logger.print(
                 f"[bold]suite {self.verb}[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
                 f"world {self.env.world_size} ({', '.join(f'{k}={v}' for k, v in self.dims.enabled.items()) or 'single process'}), "
@@ -620,7 +599,7 @@ class Trainer:
                     }
                     if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window
                         record |= moe_step_metrics(
-                            self.model, cfg.model.top_k, window_steps, self.parallel.extras.get("ep_traffic")
+                            self.model, cfg.model.top_k, window_steps, self.placement.ep_traffic
                         )
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:
@@ -680,7 +659,7 @@ class Trainer:
             "run_dir": str(self.run_dir),
         }
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
-        summary["state_bytes"] = self.parallel.state_bytes()
+        summary["state_bytes"] = self.runner.state_bytes()
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         summary["layout"] = self._layout()  # what each rank held (collective)
         if self.env.is_main:

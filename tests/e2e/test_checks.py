@@ -43,12 +43,12 @@ def _args(data, run_dir, *extra: str) -> list[str]:
 
 def test_a_doubled_gradient_is_caught(tiny_data, tmp_path, monkeypatch):
     from suite.cli import main
-    from suite.parallel.parallelize import ParallelModel
+    from suite.train.step import TrainStep
 
     reference = tmp_path / "reference"
     run_suite("pretrain", *_args(tiny_data, reference), check=True)
 
-    forward_backward = ParallelModel.forward_backward
+    forward_backward = TrainStep.forward_backward
 
     def doubled(self, *args, **kwargs):
         loss = forward_backward(self, *args, **kwargs)
@@ -57,7 +57,7 @@ def test_a_doubled_gradient_is_caught(tiny_data, tmp_path, monkeypatch):
                 param.grad.mul_(2.0)
         return loss
 
-    monkeypatch.setattr(ParallelModel, "forward_backward", doubled)
+    monkeypatch.setattr(TrainStep, "forward_backward", doubled)
     buggy = tmp_path / "doubled"
     assert main(["pretrain", *_args(tiny_data, buggy)]) == 0
 

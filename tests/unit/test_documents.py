@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ from suite.data.documents import document_ids, document_mask, document_positions
 from suite.models import build_model, materialize
 from suite.parallel.context_parallel import chunk_index, split_batch
 from suite.parallel.dims import ParallelDims
-from suite.parallel.parallelize import ParallelModel
+from suite.parallel.parallelize import Placement
+from suite.train.step import TrainStep
 
 EOS = 0
 
@@ -46,7 +49,7 @@ def test_context_parallel_chunks_are_load_balanced_and_cover_the_sequence():
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_document_has_the_same_logits_packed_or_alone(family):
-    """Through the trainer's batch path (ParallelModel.model_inputs): positions restart, the mask is
+    """Through the trainer's batch path (suite.train.step.TrainStep.model_inputs): positions restart, the mask is
     block-diagonal, so a document's logits do not depend on what it is packed with."""
     cfg = ModelConfig(
         family=family,
@@ -59,7 +62,7 @@ def test_a_document_has_the_same_logits_packed_or_alone(family):
     )
     model = materialize(build_model(cfg), "cpu", seed=3).eval()
     dims = ParallelDims(dp=1, sharding=1, tp=1, pp=1, cp=1, ep=1, world_size=1)
-    runner = ParallelModel(model=model, dims=dims, eos_id=EOS)
+    runner = TrainStep(Placement(model=model, dims=dims), None, None, nullcontext, None, eos_id=EOS)
     gen = torch.Generator().manual_seed(0)
     before, doc, after = (torch.randint(1, 512, (n,), generator=gen) for n in (37, 21, 30))
     eos = torch.tensor([EOS])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,9 @@ import torch.nn.functional as F
 from suite.config.schema import ModelConfig, ParallelConfig
 from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
-from suite.parallel.parallelize import ParallelModel
+from suite.parallel.parallelize import Placement
 from suite.train.loss import HeadInput, chunked_cross_entropy, cross_entropy
+from suite.train.step import TrainStep
 
 
 def plain_and_chunked(hidden, weight, targets, chunk):
@@ -60,9 +63,8 @@ def test_model_loss_with_chunks_equals_the_plain_model_loss(family):
     results = []
     for chunk in (0, 5):
         model = materialize(build_model(cfg), "cpu", seed=3)
-        parallel = ParallelModel(
-            model=model, dims=ParallelDims.from_config(ParallelConfig(), 1), loss_chunk_tokens=chunk
-        )
+        placement = Placement(model=model, dims=ParallelDims.from_config(ParallelConfig(), 1))
+        parallel = TrainStep(placement, None, cross_entropy, nullcontext, None, loss_chunk_tokens=chunk)
         loss = parallel.model_loss(*parallel.model_inputs(batch), cross_entropy)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))

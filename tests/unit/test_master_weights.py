@@ -17,6 +17,8 @@ from suite.parallel.parallelize import parallelize
 from suite.train import checkpoint as ckpt
 from suite.train.loss import cross_entropy
 from suite.train.master_weights import MasterWeightOptimizer
+from suite.train.optim import optimizer_for
+from suite.train.step import TrainStep
 from suite.train.trainer import autocast_factory
 from tests.helpers import TINY_MODEL
 
@@ -38,10 +40,12 @@ def _config(*overrides: str):
 def _build(param_dtype: str):
     cfg, dims = _config("train.precision=bf16", f"train.param_dtype={param_dtype}", "optim.lr=1e-2")
     model = build_model(cfg.model, "meta")
-    parallel = parallelize(model, cfg, dims, CPU)
-    materialize(parallel.model, CPU, cfg.train.seed)
-    optimizer = parallel.build_optimizer(cfg.optim)
-    return parallel, optimizer, autocast_factory(CPU, "bf16", param_dtype)
+    placement = parallelize(model, cfg, dims, CPU)
+    materialize(placement.model, CPU, cfg.train.seed)
+    optimizer = optimizer_for(placement, cfg.optim)
+    autocast = autocast_factory(CPU, "bf16", param_dtype)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return TrainStep(placement, optimizer, cross_entropy, autocast, scaler), optimizer, autocast
 
 
 def _batches(count: int) -> list[torch.Tensor]:
@@ -52,10 +56,9 @@ def _batches(count: int) -> list[torch.Tensor]:
 
 
 def _train(parallel, optimizer, autocast, batches) -> list[float]:
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses = []
     for batch in batches:
-        loss = parallel.forward_backward([batch], cross_entropy, autocast, scaler)
+        loss = parallel.forward_backward([batch])
         parallel.clip_grad_norm(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

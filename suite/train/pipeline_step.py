@@ -1,0 +1,147 @@
+"""The step on a pipeline placement: a torch.distributed.pipelining schedule over this rank's stages.
+
+The schedule's loss is the per-micro-batch mean loss and the schedule divides gradients by the
+number of micro-batches (scale_grads), so gradients are those of the mean loss over the step's
+micro-batches, as in the single-process loop; data-parallel wrappers average across replicas.
+The placement's gradient hooks then sum the tied embedding's two copies (suite.parallel.pipeline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from suite.parallel import data_parallel as dpar
+from suite.parallel import memory
+from suite.parallel.pipeline import PipelineStages
+from suite.train.step import TrainStep, local_value
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (
+        ("dtensor", t.device_mesh, t.placements, t.device) if isinstance(t, DTensor) else ("plain", t.device)
+    )
+
+
+class PipelineStep(TrainStep):
+    """TrainStep whose forward/backward runs the configured schedule; clipping reduces the norm over
+    the stages too; evaluation sends hidden states stage to stage (any number of batches)."""
+
+    def __init__(self, placement, *args, **kwargs):
+        super().__init__(placement, *args, **kwargs)
+        self.stages: PipelineStages = placement.pipeline
+        self._scaled_loss = None
+        self.schedule = self.stages.schedule(self._schedule_loss)
+
+    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._scaled_loss(output, target)
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone()
+        dist.broadcast(value, src=self.stages.last_rank, group=self.stages.pp_group)
+        return value
+
+    def forward_backward(self, micro_batches: list) -> torch.Tensor:
+        """One schedule step over the micro-batches; the data-parallel mean loss on every rank."""
+        stages, placement = self.stages, self.placement
+        if len(micro_batches) != stages.n_microbatches:
+            raise ValueError(
+                f"the pipeline schedule was built for {stages.n_microbatches} micro-batches per step, "
+                f"got {len(micro_batches)}"
+            )
+        batch = torch.cat(micro_batches)
+        if micro_batches[0].is_pinned():  # keep the copy asynchronous (data.prefetch pins on CUDA)
+            batch = batch.pin_memory()
+        batch = batch.to(placement.input_device(), non_blocking=True)
+        tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        scaler, loss_fn = self.scaler, self.loss_fn
+        self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt))
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if stages.has_first else ()
+        with placement.loss_context(), self.autocast():  # the last stage's loss backward runs inside step()
+            self.schedule.step(
+                *args, target=targets if stages.has_last else None, losses=losses, return_outputs=False
+            )
+        placement.after_backward()
+        self.note_bytes("params", memory.parameter_bytes(self.model))
+        self.note_bytes("grads", memory.gradient_bytes(self.model))
+        if stages.has_last:
+            loss = torch.stack([local_value(x).float() for x in losses]).mean()
+            if scaler.is_enabled():
+                loss = loss / scaler.get_scale()
+        else:
+            loss = torch.zeros((), device=placement.input_device())
+        return placement.data_mean(self._from_last_stage(loss))
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global 2-norm over every stage and shard (a tied weight counted once), then clip."""
+        stages = self.stages
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        counted = [p for p in params if p is not stages.tied_param or stages.has_first]
+        total = dpar.total_grad_norm(counted, extra_group=stages.pp_group)
+        if max_norm > 0:
+            with torch.no_grad():
+                groups: dict = {}
+                for p in params:
+                    groups.setdefault(_layout(p.grad), []).append(p)
+                for members in groups.values():
+                    torch.nn.utils.clip_grads_with_norm_(
+                        members, max_norm, total.to(members[0].grad.device), foreach=True
+                    )
+        return total
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, dst_stage: int) -> None:
+        if isinstance(t, DTensor):  # the tp plans return local tensors from every block
+            raise RuntimeError(
+                f"pipeline evaluation sends plain tensors between stages, but stage {dst_stage - 1} produced a "
+                f"DTensor ({t.placements}); its last module's tensor-parallel style must use "
+                "use_local_output=True (suite.parallel.tensor_parallel.block_plan)"
+            )
+        header = torch.tensor(
+            [t.dim(), *t.shape, _DTYPES.index(t.dtype)] + [0] * (6 - t.dim()), dtype=torch.long
+        )
+        peer, group = self.stages.peer(dst_stage), self.stages.pp_group
+        dist.send(header.to(t.device), dst=peer, group=group)
+        dist.send(t.contiguous(), dst=peer, group=group)
+
+    def _recv(self, src_stage: int, device: torch.device) -> torch.Tensor:
+        peer, group = self.stages.peer(src_stage), self.stages.pp_group
+        header = torch.zeros(8, dtype=torch.long, device=device)
+        dist.recv(header, src=peer, group=group)
+        ndim = int(header[0])
+        shape, dtype = header[1 : 1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=peer, group=group)
+        return t
+
+    @torch.no_grad()
+    def evaluate(self, batches: list) -> float:
+        """Forward only, batch by batch through the stages (no schedule: any number of batches);
+        the mean loss on every rank."""
+        self.model.eval()
+        stages, placement = self.stages, self.placement
+        device = placement.input_device()
+        by_stage = dict(zip(stages.stage_ids, stages.parts))
+        total = torch.zeros((), device=device)
+        for batch in batches:
+            batch = batch.to(device)
+            hidden = None
+            for s in range(stages.num_stages):
+                part = by_stage.get(s)
+                if part is None:
+                    continue
+                if s > 0 and (s - 1) not in by_stage:
+                    hidden = self._recv(s - 1, device)
+                with placement.loss_context(), self.autocast():
+                    out = part(batch[:, :-1]) if s == 0 else part(hidden)
+                    if s == stages.num_stages - 1:
+                        total += local_value(self.loss_fn(out, batch[:, 1:])).float()
+                hidden = out
+                if s + 1 < stages.num_stages and (s + 1) not in by_stage:
+                    self._send(out, s + 1)
+        mean = total / max(1, len(batches))
+        return float(placement.data_mean(self._from_last_stage(mean)))
