@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -79,8 +80,17 @@ def autocast_factory(device: torch.device, precision: str, param_dtype: str = "f
 
 
 class Trainer:
-    def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
+    def __init__(
+        self,
+        cfg: SuiteConfig,
+        dims: ParallelDims,
+        resolved_yaml: str,
+        init_weights: Callable[[torch.nn.Module], None] | None = None,
+    ):
+        """`init_weights(model)`: loads model.init_from into the parallelized model (the verb
+        builds it from the model source, suite.sources.initial_weights; train does not import it)."""
         self.cfg = cfg
+        self.init_weights = init_weights
         self.dims = dims
         self.resolved_yaml = resolved_yaml
         self.public_yaml = scrub_yaml(resolved_yaml)  # what is written to disk: no secrets
@@ -166,10 +176,10 @@ class Trainer:
 
     def _load_initial_weights(self) -> None:
         """Replace the seeded initialisation with model.init_from's weights, when it is set."""
-        if self.cfg.model.init_from:
-            from suite.finetune.trainer import load_base_weights
-
-            load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
+        if self.cfg.model.init_from and self.init_weights is None:
+            raise RuntimeError("model.init_from is set but the Trainer was given no init_weights loader")
+        if self.init_weights is not None:
+            self.init_weights(self.model)
 
     def _build_loaders(self) -> None:
         cfg, dims = self.cfg, self.dims
