@@ -7,8 +7,8 @@ checkpoints and resume are the Trainer's):
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
               packed; batches are SFTBatch (tokens, labels, positions, doc_ids) and the loss is
               token-weighted over the global batch (ParallelModel._labelled_loss)
-    weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>) replaces the seeded
-              initialisation, in whatever layout the run has
+    weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.sources) replaces
+              the seeded initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
               frozen (only adapters reach the optimizer); each checkpoint also holds lora/
               (adapters alone), and <run.dir>/lora/ the final ones
