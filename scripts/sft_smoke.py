@@ -1,7 +1,7 @@
 """Can a tiny suite Transformer learn the built-in SFT task on this CPU? Prints held-out exact match.
 
 A standalone loop (not the Trainer) over the real pieces: the embedded-corpus tokenizer,
-suite.data.tasks, the SFT loader (packing, masked labels), suite.finetune.lora and
+suite.data.tasks, the SFT loader (packing, masked labels), suite.models.lora and
 suite.infer.evaluate. Optionally pretrains briefly on the embedded corpus first.
 
     python scripts/sft_smoke.py --task reverse-6 --method full --steps 300
@@ -30,9 +30,9 @@ from suite.config.schema import DataConfig, ModelConfig  # noqa: E402
 from suite.data import TokenBatches, ensure_prepared, load_tokenizer  # noqa: E402
 from suite.data.sft import SFTBatches, SFTDataset, SFTOptions, sft_loss  # noqa: E402
 from suite.data.tasks import DEFAULT_TASK, get_task, write_task  # noqa: E402
-from suite.finetune.lora import apply_lora, count_trainable  # noqa: E402
 from suite.infer.evaluate import evaluate_task  # noqa: E402
 from suite.models import build_model, materialize  # noqa: E402
+from suite.models.lora import apply_lora, count_trainable  # noqa: E402
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:

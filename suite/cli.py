@@ -147,10 +147,14 @@ def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
             launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir))
             return 0
     if verb == "finetune":
-        from suite.finetune.trainer import FinetuneTrainer as trainer_class
-    else:
-        from suite.train.trainer import Trainer as trainer_class
-    trainer_class(cfg, dims, resolved_yaml).train()
+        from suite.finetune.trainer import FinetuneTrainer
+
+        FinetuneTrainer(cfg, dims, resolved_yaml).train()
+        return 0
+    from suite.sources import initial_weights
+    from suite.train.trainer import Trainer
+
+    Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
     return 0
 
 
@@ -158,12 +162,13 @@ def _with_base_model(raw):
     """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>)."""
     from dataclasses import asdict
 
-    from suite.finetune.trainer import base_model_config
+    from suite.sources import ModelSource
 
     init_from = raw.model.init_from
-    base = asdict(base_model_config(init_from))
+    source = ModelSource.parse(init_from, "model.init_from")
+    base = asdict(source.model_config())
     base["init_from"] = init_from
-    if init_from.startswith("hf:"):  # a weight layout, not architecture: an HF base is fused on load
+    if source.is_hf:  # a weight layout, not architecture: an HF base is fused on load
         base["fused_projections"] = bool(raw.model.get("fused_projections", False))
     for key, value in base.items():
         raw.model[key] = value
@@ -247,26 +252,26 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     import torch
 
     from suite.export.hf import export_checkpoint_hf
-    from suite.infer.generate import lora_run
-    from suite.train.checkpoint import resolve_checkpoint
+    from suite.sources import ModelSource
 
-    if lora_run(cfg.ckpt) and not cfg.export.merge_lora:
+    source = ModelSource.parse(cfg.ckpt, "ckpt")
+    if source.lora is not None and not cfg.export.merge_lora:
         raise ConfigError(
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
             "exported weights (the adapters alone are in <run.dir>/lora/)"
         )
     if cfg.export.out:
         out = Path(cfg.export.out)
-    elif str(cfg.ckpt).startswith("hf:"):
+    elif source.run_dir is None:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
-        out = resolve_checkpoint(cfg.ckpt).parent.parent / f"export-{cfg.export.format}"
+        out = source.run_dir / f"export-{cfg.export.format}"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
     shard_bytes = int(cfg.export.max_shard_mb * 2**20)
     # streamed tensor by tensor from the checkpoint files: never the whole model in memory
-    folder = export_checkpoint_hf(cfg.ckpt, out, dtype, shard_bytes)
+    folder = export_checkpoint_hf(source, out, dtype, shard_bytes)
     return _report(
         flags,
         {"out": str(out), "format": cfg.export.format},

@@ -38,9 +38,10 @@ def run(verb: str, config_path: Path) -> int:
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     dims = validate(cfg, world=world)
     if verb == "pretrain":
+        from suite.sources import initial_weights
         from suite.train.trainer import Trainer
 
-        Trainer(cfg, dims, resolved_yaml).train()
+        Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
         return 0
     if verb == "finetune":
         from suite.config.validate import validate_finetune

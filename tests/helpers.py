@@ -74,8 +74,8 @@ def run_config(run_dir: Path):
 
 def _model_like_run(cfg):
     """The plain model a run trains (with its LoRA adapters, for a LoRA finetuning run), on meta."""
-    from suite.finetune.lora import apply_lora
     from suite.models import build_model
+    from suite.models.lora import apply_lora
 
     model = build_model(cfg.model, "meta")
     if _is_lora(cfg):
@@ -113,14 +113,16 @@ def initial_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     (every layout starts from these values), the base model's weights for finetuning, fresh LoRA
     adapters (names as `final_weights` gives them). tests/e2e/test_checks.py checks it against a
     run that cannot move its weights."""
-    from suite.finetune.lora import init_lora
-    from suite.finetune.trainer import load_base_weights
     from suite.models import materialize
+    from suite.models.lora import init_lora
+    from suite.sources import ModelSource
 
     cfg = run_config(run_dir)
     model = materialize(_model_like_run(cfg), "cpu", cfg.train.seed)
     if cfg.model.init_from:
-        load_base_weights(model, cfg.model.init_from, cfg.model.fused_projections)
+        ModelSource.parse(cfg.model.init_from, "model.init_from").load_weights(
+            model, cfg.model.fused_projections
+        )
     if _is_lora(cfg):
         init_lora(model, cfg.train.seed)
     return _plain_names(cfg, model)

@@ -7,8 +7,8 @@ checkpoints and resume are the Trainer's):
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
               packed; batches are SFTBatch (tokens, labels, positions, doc_ids) and the loss is
               token-weighted over the global batch (suite.train.step.TrainStep._labelled_loss)
-    weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>) replaces the seeded
-              initialisation, in whatever layout the run has
+    weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.sources) replaces
+              the seeded initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
               frozen (only adapters reach the optimizer); each checkpoint also holds lora/
               (adapters alone), and <run.dir>/lora/ the final ones
@@ -31,85 +31,11 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data.sft import SFTBatches, SFTDataset, SFTOptions, iter_sft_rows, use_chat_template
 from suite.parallel.env import barrier
+from suite.sources import ModelSource
 from suite.train.trainer import Trainer
 
 TASK_DIR = "task"
 LORA_DIR = "lora"
-
-
-# ---- the base checkpoint -------------------------------------------------------------------------
-def is_hf(init_from: str) -> bool:
-    return str(init_from).startswith("hf:")
-
-
-def base_folder(init_from: str) -> Path:
-    """The HF folder, or the suite checkpoint folder (a run folder's newest good checkpoint)."""
-    from suite.train.checkpoint import resolve_checkpoint
-
-    if is_hf(init_from):
-        folder = Path(init_from[3:]).expanduser()
-        if not (folder / "config.json").is_file():
-            raise ConfigError(
-                f"model.init_from='{init_from}' has no config.json; give hf:<a save_pretrained folder>"
-            )
-        return folder
-    return resolve_checkpoint(init_from)
-
-
-def base_model_config(init_from: str):
-    """The architecture of the base checkpoint (a ModelConfig)."""
-    folder = base_folder(init_from)
-    if is_hf(init_from):
-        from suite.export.hf import model_config_from_hf
-
-        return model_config_from_hf(folder)
-    from suite.config.compose import load_saved_config
-
-    return load_saved_config(folder / "config.yaml").model
-
-
-def load_base_tokenizer(init_from: str) -> Any:
-    folder = base_folder(init_from)
-    if is_hf(init_from):
-        if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
-            raise ConfigError(
-                f"model.init_from='{init_from}' has no tokenizer files; SFT needs its tokenizer"
-            )
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    from suite.data import load_tokenizer
-
-    run_dir = folder.parent.parent
-    if not (run_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"model.init_from='{init_from}': no tokenizer.json in {run_dir}")
-    return load_tokenizer(run_dir)
-
-
-@torch.no_grad()
-def load_base_weights(model: nn.Module, init_from: str, fused_projections: bool = False) -> None:
-    """Copy the base checkpoint's weights into `model` (any layout; collective when distributed).
-
-    Adapter parameters (not in the base) keep their values. A suite checkpoint is read with DCP
-    (resharded to this layout); from an HF folder each rank reads only its own shard of every
-    tensor (safetensors slices through the lazy HF -> suite mapping: suite.export.stream).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    folder = base_folder(init_from)
-    if is_hf(init_from):
-        from suite.export.stream import load_hf_weights
-
-        load_hf_weights(model, folder, fused_projections)
-        return
-    state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
-    dcp.load({"model": state}, checkpoint_id=str(folder))
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -188,7 +114,8 @@ class FinetuneTrainer(Trainer):
                 "model.init_from is missing; finetuning starts from a base model: model.init_from=runs/gpt-tiny "
                 "(a suite run) or model.init_from=hf:<folder>"
             )
-        self.tokenizer = load_base_tokenizer(cfg.model.init_from)
+        self.source = ModelSource.parse(cfg.model.init_from, "model.init_from")
+        self.tokenizer = self.source.tokenizer()
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(
                 f"the base tokenizer has {len(self.tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}"
@@ -203,15 +130,15 @@ class FinetuneTrainer(Trainer):
     def _adapt_model(self, model: nn.Module) -> None:
         ft = self.cfg.finetune
         if ft.method == "lora":
-            from suite.finetune.lora import apply_lora
+            from suite.models.lora import apply_lora
 
             lo = ft.lora
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules), self.cfg.train.seed)
 
     def _load_initial_weights(self) -> None:
-        load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
+        self.source.load_weights(self.model, self.cfg.model.fused_projections)
         if self.cfg.finetune.method == "lora":
-            from suite.finetune.lora import count_trainable, init_lora
+            from suite.models.lora import count_trainable, init_lora
 
             init_lora(self.model, self.cfg.train.seed)
             counts = count_trainable(self.model)
@@ -266,7 +193,7 @@ class FinetuneTrainer(Trainer):
     def _checkpoint_extra(self):
         if self.cfg.finetune.method != "lora":
             return None
-        from suite.finetune.lora import lora_state_dict
+        from suite.models.lora import lora_state_dict
 
         state = lora_state_dict(self.model)  # collective for sharded adapters: every rank gathers
         return lambda folder: self._write_adapters(state, folder / LORA_DIR)
@@ -277,7 +204,7 @@ class FinetuneTrainer(Trainer):
 
         from safetensors.torch import save_file
 
-        from suite.finetune.lora import ADAPTER_CONFIG, ADAPTER_FILE
+        from suite.models.lora import ADAPTER_CONFIG, ADAPTER_FILE
 
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_FILE))

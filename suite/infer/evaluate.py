@@ -105,17 +105,16 @@ def evaluate_checkpoint(ckpt: str, eval_cfg, device: str = "auto") -> dict[str, 
     """
     import tempfile
 
-    from suite.config.compose import load_saved_config
     from suite.config.schema import SFTDataConfig
     from suite.data.tasks import get_task, write_task
     from suite.infer.generate import load_for_inference
+    from suite.sources import ModelSource
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, folder = load_for_inference(ckpt, device)
-    run_data = SFTDataConfig()
-    if not str(ckpt).startswith("hf:"):
-        run_data = load_saved_config(folder / "config.yaml").finetune.data
+    source = ModelSource.parse(ckpt, "ckpt")
+    model, tokenizer, folder = load_for_inference(source, device)
+    run_data = source.saved.finetune.data if source.saved is not None else SFTDataConfig()
     task = eval_cfg.task or run_data.task
     if not task:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""Sampling with a KV cache from a suite checkpoint."""
+"""Sampling with a KV cache from any model source (suite.sources)."""
 
 from __future__ import annotations
 
@@ -6,53 +6,18 @@ from pathlib import Path
 
 import torch
 
-from suite.config.compose import load_saved_config
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig
-from suite.models import KVCache, Transformer, build_model, materialize
-from suite.train.checkpoint import load_model_weights, resolve_checkpoint
+from suite.models import KVCache, Transformer
+from suite.sources import ModelSource
 
 
-def load_for_inference(ckpt: str | Path, device: str = "cpu") -> tuple[Transformer, object, Path]:
-    """Model (weights from the newest good checkpoint), tokenizer and the checkpoint folder."""
-    from suite.data import load_tokenizer
-
-    if str(ckpt).startswith("hf:"):
-        from suite.export.hf import load_hf_model
-
-        folder = Path(str(ckpt)[3:]).expanduser()
-        model, tokenizer = load_hf_model(folder, device)
-        if tokenizer is None:
-            raise ConfigError(f"ckpt='{ckpt}': the folder has no tokenizer files to encode the prompt")
-        return model, tokenizer, folder
-    folder = resolve_checkpoint(ckpt)
-    cfg = load_saved_config(folder / "config.yaml")
-    model = materialize(build_model(cfg.model), device, seed=0)
-    if cfg.finetune.method == "lora":  # the checkpoint holds base + adapters: fold them in
-        from suite.finetune.lora import apply_lora, merge_lora
-
-        lo = cfg.finetune.lora
-        apply_lora(model, lo.rank, lo.alpha, lo.dropout, tuple(lo.target_modules))
-        load_model_weights(folder, model)
-        merge_lora(model)
-    else:
-        load_model_weights(folder, model)
-    model.eval()
-    run_dir = folder.parent.parent
-    tokenizer_dir = run_dir if (run_dir / "tokenizer.json").is_file() else None
-    if tokenizer_dir is None:
-        raise ConfigError(
-            f"ckpt='{ckpt}': no tokenizer.json in {run_dir}; was it written by `suite pretrain`?"
-        )
-    return model, load_tokenizer(tokenizer_dir), folder
-
-
-def lora_run(ckpt: str | Path) -> bool:
-    """Whether a suite checkpoint was finetuned with LoRA (False for hf: folders)."""
-    if str(ckpt).startswith("hf:"):
-        return False
-    folder = resolve_checkpoint(ckpt)
-    return load_saved_config(folder / "config.yaml").finetune.method == "lora"
+def load_for_inference(
+    ckpt: str | Path | ModelSource, device: str = "cpu"
+) -> tuple[Transformer, object, Path]:
+    """Model (LoRA adapters merged), tokenizer and the folder read, from any model source."""
+    source = ModelSource.parse(ckpt, "ckpt")
+    return source.load_model(device), source.tokenizer(), source.folder
 
 
 def sample_next(logits: torch.Tensor, cfg: GenerateConfig, generator: torch.Generator) -> torch.Tensor:

@@ -150,7 +150,7 @@ class CoreAttention(nn.Module):
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """wq/wk/wv weights (or biases), stacked on dim 0, into the fused kv-group layout of `wqkv`.
 
-    Only `narrow` and `torch.cat`, which suite.export.lazy keeps lazy: a rank that imports an HF
+    Only `narrow` and `torch.cat`, which suite.models.lazy keeps lazy: a rank that imports an HF
     checkpoint into a sharded fused model reads just the rows of its own shard."""
     rq, rkv = q.shape[0] // num_kv_heads, k.shape[0] // num_kv_heads
     parts = []

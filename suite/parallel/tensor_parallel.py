@@ -101,7 +101,7 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str
 
 
 class LoRAColwise(ParallelStyle):
-    """ColwiseParallel for a LoRA-adapted linear (suite.finetune.lora.LoRALinear): the base weight,
+    """ColwiseParallel for a LoRA-adapted linear (suite.models.lora.LoRALinear): the base weight,
     its bias and lora_b are split on the output dim (Shard(0)), lora_a is replicated. Then x A^T is
     whole on every rank and (x A^T) B^T is this rank's slice of the output, like x W^T."""
 

@@ -31,7 +31,7 @@ def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
     param_dtype = placement.param_dtype if placement.dp_kind == "none" else "fp32"
     optimizer = build_optimizer(placement.model, cfg, device, param_dtype)
     if placement.dp_kind == "zero1":
-        from suite.parallel.data_parallel import ZeroOneOptimizer
+        from suite.train.zero1 import ZeroOneOptimizer
 
         return ZeroOneOptimizer(placement.model, optimizer, placement.mesh)  # type: ignore[return-value]
     return optimizer

@@ -14,13 +14,13 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
@@ -43,25 +43,11 @@ from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.optim import optimizer_for
 from suite.train.profile import StepProfiler
+from suite.train.saver import RunStopped, Saver
 from suite.train.schedule import lr_at
 from suite.train.step import TrainStep, build_step, training_loss
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
-
-
-def os_error_in(exc: BaseException) -> OSError | None:
-    """The OSError itself, or the first one DCP wrapped into a CheckpointException (any rank's)."""
-    if isinstance(exc, OSError):
-        return exc
-    for failure in getattr(exc, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, OSError):
-            return inner
-    return None
-
-
-class RunStopped(SystemExit):
-    """The run stops with one `error: ...` line (exit 1): no traceback, the message says why."""
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,8 +87,17 @@ def standalone_step(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) 
 
 
 class Trainer:
-    def __init__(self, cfg: SuiteConfig, dims: ParallelDims, resolved_yaml: str):
+    def __init__(
+        self,
+        cfg: SuiteConfig,
+        dims: ParallelDims,
+        resolved_yaml: str,
+        init_weights: Callable[[torch.nn.Module], None] | None = None,
+    ):
+        """`init_weights(model)`: loads model.init_from into the parallelized model (the verb
+        builds it from the model source, suite.sources.initial_weights; train does not import it)."""
         self.cfg = cfg
+        self.init_weights = init_weights
         self.dims = dims
         self.resolved_yaml = resolved_yaml
         self.public_yaml = scrub_yaml(resolved_yaml)  # what is written to disk: no secrets
@@ -152,7 +147,10 @@ class Trainer:
         self.async_group = False
         if cfg.train.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pending: ckpt.PendingSave | None = None
+        t = cfg.train
+        self.saver = Saver(
+            self.run_dir, t.keep_last, t.keep_every, self.env.is_main, self.async_group, self._log
+        )
         # the per-step SIGTERM check all-reduces a host flag: over gloo when the device is an accelerator
         self.host_group = None
         if dist.is_initialized() and self.device.type != "cpu":
@@ -199,10 +197,10 @@ class Trainer:
 
     def _load_initial_weights(self) -> None:
         """Replace the seeded initialisation with model.init_from's weights, when it is set."""
-        if self.cfg.model.init_from:
-            from suite.finetune.trainer import load_base_weights
-
-            load_base_weights(self.model, self.cfg.model.init_from, self.cfg.model.fused_projections)
+        if self.cfg.model.init_from and self.init_weights is None:
+            raise RuntimeError("model.init_from is set but the Trainer was given no init_weights loader")
+        if self.init_weights is not None:
+            self.init_weights(self.model)
 
     def _build_loaders(self) -> None:
         cfg, dims = self.cfg, self.dims
@@ -275,17 +273,7 @@ class Trainer:
         return state
 
     def save(self, wait: bool = False) -> Path:
-        """Write a checkpoint of this step (collective); returns its final folder.
-
-        Synchronous saves return once the checkpoint is complete and retention has run (rank 0).
-        With train.async_save the model and optimizer state is copied to CPU memory and written in
-        the background while training goes on; the checkpoint is completed by `finish_pending`
-        (as soon as the write is done, polled every step, and at the latest before the next save,
-        at the end of the run, on SIGTERM and on errors), or here when `wait`.
-        A failing write (full disk: ENOSPC, quota, I/O error), synchronous or not, removes the
-        temporary folder, leaves every earlier checkpoint untouched and stops the run with one line.
-        """
-        self.finish_pending()
+        """Write a checkpoint of this step (collective; suite.train.saver); returns its final folder."""
         state = {
             "step": self.step,
             "data": self.loader.state_dict(),
@@ -293,64 +281,13 @@ class Trainer:
             "skipped_batches": list(self.skipped_batches),
             "world_size": self.env.world_size,
         }
-        try:
-            result = ckpt.save_checkpoint(
-                self.run_dir,
-                self.step,
-                self.model,
-                self.optimizer,
-                state,
-                self.public_yaml,
-                self.async_group,
-                write_extra=self._checkpoint_extra(),
-            )
-        except (OSError, CheckpointException) as exc:
-            self._save_failed(exc, self.step)
+        extra = self._checkpoint_extra()
+        folder = self.saver.save(self.step, self.model, self.optimizer, state, self.public_yaml, extra, wait)
         self.rollbacks_in_a_row = 0
-        if isinstance(result, ckpt.PendingSave):
-            self.pending = result
-            return self.finish_pending() if wait else result.final
-        self._after_save(result)
-        return result
-
-    def finish_pending(self, only_if_done: bool = False) -> Path | None:
-        """Complete the asynchronous save in flight, if any (waits for it unless `only_if_done`).
-
-        Not collective. A poll (`only_if_done`) leaves a failed write alone: the failure is raised
-        where every rank waits (the next save, the end of the run), so all ranks stop together.
-        """
-        pending = self.pending
-        if pending is None:
-            return None
-        if only_if_done and not (pending.done() and pending.future.exception() is None):
-            return None
-        self.pending = None
-        try:
-            folder = pending.finish()
-        except (OSError, CheckpointException) as exc:
-            self._save_failed(exc, pending.step)
-        self._log(f"saved checkpoint {folder}")
-        self._after_save(folder)
         return folder
 
-    def _after_save(self, folder: Path) -> None:
-        if self.env.is_main:
-            ckpt.apply_retention(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every)
-
-    def _save_failed(self, exc: BaseException, step: int):
-        """Stop the run with one line after a failed checkpoint write (re-raises anything else)."""
-        err = os_error_in(exc)
-        if err is None:
-            raise exc
-        tmp = ckpt.checkpoint_root(self.run_dir) / f".tmp-{ckpt.STEP_PREFIX}{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        where = err.filename or tmp
-        good = ckpt.latest_checkpoint(self.run_dir, log=lambda _: None)
-        raise RunStopped(
-            f"error: could not write the checkpoint of step {step} to {where}: "
-            f"{err.strerror or err}; last good checkpoint: {good or 'none'}; free space and run the "
-            "same command again to resume"
-        ) from None
+    def finish_pending(self, only_if_done: bool = False) -> Path | None:
+        return self.saver.finish_pending(only_if_done)
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank (collective when distributed)."""
@@ -359,16 +296,6 @@ class Trainer:
     def _any_ranks(self, *flags: bool) -> list[bool]:
         """Each flag made true on every rank when it is true on any rank (one all-reduce)."""
         return self.runner.any_ranks(*flags)
-
-    def _finish_pending_quietly(self) -> None:
-        """On the way out after an error: complete a pending save if it can be; its own failure is
-        reported in one line without hiding the error that is already propagating."""
-        if self.pending is None:
-            return
-        try:
-            self.finish_pending()
-        except BaseException as exc:  # noqa: BLE001 - the first error is the one that propagates
-            self._log(str(exc))
 
     def _gather_floats(self, value: float) -> list[float]:
         """`value` of every rank, in rank order (collective when distributed)."""
@@ -614,7 +541,7 @@ class Trainer:
                 saved = None
                 if self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps:
                     saved = self.save()
-                    if logger and self.pending is None:
+                    if logger and self.saver.pending is None:
                         logger.print(f"saved checkpoint {saved}")
                     elif logger:
                         logger.print(f"writing checkpoint {saved} in the background")
@@ -634,7 +561,7 @@ class Trainer:
             self._read_step_flags(logger)
             self.finish_pending()  # the last save, when asynchronous
         except KeyboardInterrupt:
-            self._finish_pending_quietly()
+            self.saver.finish_quietly()
             if logger:
                 logger.close()
                 logger = None
@@ -643,7 +570,7 @@ class Trainer:
             self._log(f"interrupted at step {self.step}; {where}; run the same command again to resume")
             raise SystemExit(130) from None
         finally:
-            self._finish_pending_quietly()
+            self.saver.finish_quietly()
             if profiler:
                 profiler.close()
             if logger:

@@ -54,9 +54,9 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, f
     model.fused_projections=true the HF base is imported into wqkv (each tp rank its whole
     head groups), LoRA adapts the fused layer, and merge / export give back the unfused HF names."""
     from suite.config.compose import load_saved_config
-    from suite.finetune.lora import apply_lora, lora_state_dict
     from suite.infer.generate import load_for_inference
     from suite.models import build_model, materialize
+    from suite.models.lora import apply_lora, lora_state_dict
     from suite.train.checkpoint import load_model_weights, resolve_checkpoint
 
     overrides = [*CHECKED, *LORA, f"model.fused_projections={str(fused).lower()}"]
@@ -78,8 +78,8 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, f
     with torch.no_grad():
         assert (merged(ids) - adapted(ids)).abs().max() <= 1e-4
     # the adapters alone (<run.dir>/lora/, gathered from the tp ranks) on the HF base, merged
-    from suite.export.stream import load_hf_weights
-    from suite.finetune.lora import load_lora, merge_lora
+    from suite.models.lora import load_lora, merge_lora
+    from suite.sources import load_hf_weights
 
     from_adapters = materialize(build_model(cfg.model), "cpu", seed=0)
     load_hf_weights(from_adapters, base, cfg.model.fused_projections)

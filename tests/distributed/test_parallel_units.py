@@ -6,8 +6,9 @@ import torch
 
 from suite.config.schema import ModelConfig
 from suite.models import build_model, materialize
-from suite.parallel.data_parallel import _row_slice, canonical_name, full_init
+from suite.parallel.data_parallel import canonical_name, full_init
 from suite.parallel.launcher import _first_failure
+from suite.train.zero1 import _row_slice
 
 
 def test_canonical_names_drop_wrapper_segments():

@@ -343,7 +343,7 @@ def test_a_full_disk_inside_dcp_writes_is_an_os_error_naming_the_file(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from suite.train.checkpoint import _Writer
-    from suite.train.trainer import os_error_in
+    from suite.train.saver import os_error_in
 
     with _tmpfs(tmp_path / "disk", "64k") as disk, pytest.raises(CheckpointException) as failed:
         dcp.save({"w": torch.zeros(100_000)}, storage_writer=_Writer(disk / "ckpt", 3))

@@ -75,8 +75,8 @@ def first_step_loss_in_process(run_dir: Path, base: Path) -> float:
     from suite.config.compose import load_saved_config
     from suite.data import load_tokenizer
     from suite.data.sft import IGNORE_INDEX, SFTBatches, SFTDataset, sft_loss
-    from suite.export.hf import load_hf_model
     from suite.finetune.trainer import sft_options
+    from suite.sources import load_hf_model
 
     cfg = load_saved_config(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir)
@@ -110,7 +110,7 @@ def test_lora_trains_and_saves_only_adapters(lora_run, base):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    from suite.export.hf import load_hf_model
+    from suite.sources import load_hf_model
 
     adapters = load_file(str(lora_run / "lora" / "lora.safetensors"))
     assert adapters and all(".lora_a." in k or ".lora_b." in k for k in adapters)
@@ -131,8 +131,8 @@ def test_lora_trains_and_saves_only_adapters(lora_run, base):
 
 def final_weights_with_lora(run_dir: Path) -> dict[str, torch.Tensor]:
     from suite.config.compose import load_saved_config
-    from suite.finetune.lora import apply_lora
     from suite.models import build_model, materialize
+    from suite.models.lora import apply_lora
     from suite.train.checkpoint import load_model_weights, resolve_checkpoint
 
     folder = resolve_checkpoint(run_dir)

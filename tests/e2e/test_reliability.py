@@ -165,7 +165,7 @@ def test_an_os_error_wrapped_by_dcp_is_recognised():
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from suite.train.trainer import os_error_in
+    from suite.train.saver import os_error_in
 
     full = OSError(errno.ENOSPC, "No space left on device", "/x")
     assert os_error_in(full) is full

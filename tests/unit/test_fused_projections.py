@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from suite.config.schema import ModelConfig
-from suite.export.lazy import as_lazy
-from suite.finetune.lora import LoRALinear, apply_lora, lora_modules, merge_lora
 from suite.models import build_model, materialize
+from suite.models.lazy import as_lazy
+from suite.models.lora import LoRALinear, apply_lora, lora_modules, merge_lora
 from suite.models.transformer import fuse_state_dict, split_qkv, unfuse_state_dict
 
 TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

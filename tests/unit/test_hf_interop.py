@@ -20,9 +20,10 @@ from transformers import (
 
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig, ModelConfig
-from suite.export.hf import export_hf, load_hf_model
+from suite.export.hf import export_hf
 from suite.infer.generate import generate_tokens
 from suite.models import build_model, materialize
+from suite.sources import load_hf_model
 
 SMALL = dict(
     vocab_size=96,
@@ -133,7 +134,8 @@ def test_import_into_fused_projections_matches_transformers_logits(tmp_path, nam
     """HF weights converted into the fused layout (wqkv, w13) give transformers' logits."""
     import dataclasses
 
-    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from suite.models.hf import from_hf_state_dict, model_config_from_hf
+    from suite.sources import read_hf_weights
 
     torch.manual_seed(0)
     hf = HF_MODELS[name]().eval()
@@ -159,7 +161,8 @@ def test_unknown_architecture_is_refused(tmp_path):
 
 def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
     """transformers 5 holds experts fused (gate_up_proj [E, 2*ffn, h]); its files list them per expert."""
-    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from suite.models.hf import from_hf_state_dict, model_config_from_hf
+    from suite.sources import read_hf_weights
 
     hf = HF_MODELS["mixtral"]()
     _randomise(hf)
@@ -176,12 +179,12 @@ def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
 def test_lazy_import_reads_only_the_requested_box(tmp_path, name):
     """The HF -> suite mapping run on unread tensors: any box of any suite tensor equals the eager
     conversion's, and reading a box reads only that many elements from the files (how each rank of
-    a sharded run loads its own shard: suite.export.stream)."""
+    a sharded run loads its own shard: suite.sources)."""
     import dataclasses
 
-    from suite.export.hf import from_hf_state_dict, model_config_from_hf, read_hf_weights
-    from suite.export.lazy import Source
-    from suite.export.stream import hf_weights
+    from suite.models.hf import from_hf_state_dict, model_config_from_hf
+    from suite.models.lazy import Source
+    from suite.sources import hf_weights, read_hf_weights
 
     hf = HF_MODELS[name.removesuffix("-fused")]()
     _randomise(hf)

@@ -7,7 +7,8 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
-from suite.finetune.lora import (
+from suite.models import build_model, materialize
+from suite.models.lora import (
     LoRALinear,
     apply_lora,
     count_trainable,
@@ -18,7 +19,6 @@ from suite.finetune.lora import (
     merge_lora,
     save_lora,
 )
-from suite.models import build_model, materialize
 
 TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 

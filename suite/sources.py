@@ -1,0 +1,365 @@
+"""One model source: what `ckpt=`, `model.init_from=` or `hf:<dir>` names, parsed once.
+
+    suite run folder     runs/gpt-tiny                  its newest checkpoint that verifies
+    checkpoint folder    runs/gpt-tiny/checkpoints/step_20
+    Hugging Face folder  hf:path/to/save_pretrained/folder
+
+`ModelSource.parse(text, key)` is the only place that reads that syntax (the key names the config
+key in one-line errors). A source gives the model config (the run's saved config.yaml, or the
+HF config.json mapped by suite.models.hf), the tokenizer, its weights as suite-named lazy tensors
+(export streams them), and loading into a model of any layout: sharded or tensor-parallel
+(collective; each rank reads its own shard), fused projections, LoRA adapters (kept as they are).
+
+Layering: above models, data, parallel and train.checkpoint; below finetune, export, infer and
+the CLI, which all take their model through here. The trainer does not import it: the verb hands
+the trainer a loader (`initial_weights`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from suite.config.errors import ConfigError
+from suite.config.schema import LoRAConfig, ModelConfig, SuiteConfig
+from suite.models.hf import from_hf_state_dict, model_config_from_hf
+from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
+
+HF_PREFIX = "hf:"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A resolved model source: `folder` is the checkpoint folder (suite) or the HF folder."""
+
+    text: str  # as the user wrote it
+    key: str  # the config key it came from: ckpt, model.init_from
+    folder: Path
+    is_hf: bool
+
+    @classmethod
+    def parse(cls, value: str | Path | ModelSource, key: str = "ckpt") -> ModelSource:
+        """Resolve `value` once: an HF folder must hold config.json; a suite path must be a run
+        folder with a checkpoint that verifies, or a checkpoint folder."""
+        if isinstance(value, ModelSource):
+            return value
+        text = str(value)
+        if text.startswith(HF_PREFIX):
+            folder = Path(text[len(HF_PREFIX) :]).expanduser()
+            if not (folder / "config.json").is_file():
+                raise ConfigError(
+                    f"{key}='{text}' has no config.json; give hf:<a folder written by save_pretrained>"
+                )
+            return cls(text, key, folder, True)
+        from suite.train.checkpoint import resolve_checkpoint
+
+        try:
+            folder = resolve_checkpoint(text)
+        except ConfigError:
+            raise ConfigError(
+                f"{key}='{text}' is neither a run folder with a checkpoint nor a checkpoint folder "
+                "(expected <run.dir>, <run.dir>/checkpoints/step_<N> or hf:<folder>)"
+            ) from None
+        return cls(text, key, folder, False)
+
+    @property
+    def named(self) -> str:
+        """How errors name the source: `ckpt='runs/x'`."""
+        return f"{self.key}='{self.text}'"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The suite run folder the checkpoint belongs to (None for an HF folder)."""
+        return None if self.is_hf else self.folder.parent.parent
+
+    @cached_property
+    def saved(self) -> SuiteConfig | None:
+        """The resolved config of the run that wrote a suite checkpoint (None for an HF folder)."""
+        if self.is_hf:
+            return None
+        from suite.config.compose import load_saved_config
+
+        return load_saved_config(self.folder / "config.yaml")
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The LoRA settings when the checkpoint holds base weights + adapters, else None."""
+        saved = self.saved
+        return saved.finetune.lora if saved is not None and saved.finetune.method == "lora" else None
+
+    def model_config(self) -> ModelConfig:
+        """The architecture: the saved run's model config, or the HF config.json mapped to suite's."""
+        if self.is_hf:
+            return model_config_from_hf(self.folder, self.named)
+        return self.saved.model
+
+    def tokenizer(self, required: bool = True) -> Any:
+        """The run's tokenizer (with the chat template it trained with), or the HF folder's; None
+        when an HF folder has none and `required` is False."""
+        if self.is_hf:
+            if not (
+                (self.folder / "tokenizer.json").is_file()
+                or (self.folder / "tokenizer_config.json").is_file()
+            ):
+                if not required:
+                    return None
+                raise ConfigError(
+                    f"{self.named} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                    "give a save_pretrained folder that includes its tokenizer"
+                )
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.folder, trust_remote_code=False)
+        from suite.data import load_tokenizer
+
+        if not (self.run_dir / "tokenizer.json").is_file():
+            raise ConfigError(
+                f"{self.named}: no tokenizer.json in {self.run_dir}; was it written by `suite pretrain`?"
+            )
+        return load_tokenizer(self.run_dir)
+
+    @contextlib.contextmanager
+    def weights(self) -> Iterator[dict[str, LazyTensor]]:
+        """The model's tensors under suite names, unread (LoRA adapters folded in): export reads
+        them one at a time."""
+        if self.is_hf:
+            cfg = self.model_config()
+            with hf_weights(self.folder, self.named) as tensors:
+                yield from_hf_state_dict(cfg, tensors)
+            return
+        lora = self.lora
+        yield checkpoint_weights(self.folder, lora.alpha / lora.rank if lora is not None else None)
+
+    @torch.no_grad()
+    def load_weights(self, model: nn.Module, fused_projections: bool = False) -> None:
+        """Copy the source's weights into `model` (any layout; collective when distributed).
+
+        LoRA adapter parameters (in no base) keep their values. A suite checkpoint is read with DCP
+        (resharded to this layout); from an HF folder each rank reads only its own shard of every
+        tensor (safetensors slices through the lazy HF -> suite mapping). `fused_projections`: the
+        model fuses q/k/v and gate/up (model.fused_projections; an HF folder never does).
+        """
+        if self.is_hf:
+            cfg = dataclasses.replace(self.model_config(), fused_projections=fused_projections)
+            with hf_weights(self.folder, self.named) as tensors:
+                load_suite_weights(model, from_hf_state_dict(cfg, tensors), self.named)
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
+        dcp.load({"model": state}, checkpoint_id=str(self.folder))
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+    def load_model(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+        """A single-device model in eval mode holding the source's weights (LoRA adapters merged)."""
+        from suite.models import build_model, materialize
+
+        model = materialize(build_model(self.model_config()), device, seed=0)
+        if dtype != torch.float32:
+            model.to(dtype)
+        lora = self.lora
+        if self.is_hf:
+            self.load_weights(model)
+        elif lora is not None:  # the checkpoint holds base + adapters: fold them in
+            from suite.models.lora import apply_lora, merge_lora
+            from suite.train.checkpoint import load_model_weights
+
+            apply_lora(model, lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+            load_model_weights(self.folder, model)
+            merge_lora(model)
+        else:
+            from suite.train.checkpoint import load_model_weights
+
+            load_model_weights(self.folder, model)
+        return model.eval()
+
+
+def initial_weights(cfg: SuiteConfig) -> Callable[[nn.Module], None] | None:
+    """What the trainer calls to replace its seeded initialisation: model.init_from's weights
+    loaded into the parallelized model, or None when model.init_from is unset."""
+    if not cfg.model.init_from:
+        return None
+    source = ModelSource.parse(cfg.model.init_from, "model.init_from")
+    fused = cfg.model.fused_projections
+    return lambda model: source.load_weights(model, fused)
+
+
+# ---- reading HF folders and suite checkpoints lazily ------------------------------------------------
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+@contextlib.contextmanager
+def hf_weights(folder: Path, where: str | None = None) -> Iterator[dict[str, LazyTensor]]:
+    """The tensors of a save_pretrained folder, unread: safetensors are sliced on read; a .bin
+    checkpoint is memory-mapped (weights-only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    with contextlib.ExitStack() as stack:
+        tensors: dict[str, LazyTensor] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                piece = handle.get_slice(name)
+                tensors[name] = Source(
+                    piece.get_shape(),
+                    SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32),
+                    lambda box, piece=piece: piece[_slices(box)] if box else piece[:],
+                )
+        if not files:
+            for path in sorted(Path(folder).glob("pytorch_model*.bin")):
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                    state = torch.load(path, map_location="cpu", weights_only=True)
+                tensors.update({k: InMemory(v) for k, v in state.items()})
+        if not tensors:
+            raise ConfigError(f"{where or folder}: no *.safetensors or pytorch_model*.bin weights found")
+        yield tensors
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a save_pretrained folder in memory (tests compare the lazy path with it)."""
+    with hf_weights(folder) as tensors:
+        return {name: tensor.read() for name, tensor in tensors.items()}
+
+
+def checkpoint_weights(folder: Path, lora_scaling: float | None = None) -> dict[str, LazyTensor]:
+    """A suite checkpoint's model tensors (plain names), each read from the DCP files on demand.
+
+    With `lora_scaling` (a LoRA run), `X.weight` reads as X.weight + (lora_b @ lora_a) * scaling and
+    the adapter tensors themselves are left out, as `merge_lora` does in memory.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+
+    def stored(key: str, info: TensorStorageMetadata) -> Source:
+        def read(box: Box) -> torch.Tensor:
+            import torch.distributed.checkpoint as dcp
+
+            value = torch.empty(info.size, dtype=info.properties.dtype)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({key: value}, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+            return value[_slices(box)]
+
+        return Source(info.size, info.properties.dtype, read)
+
+    raw = {
+        key.removeprefix("model."): stored(key, info)
+        for key, info in metadata.items()
+        if key.startswith("model.") and isinstance(info, TensorStorageMetadata)
+    }
+    if lora_scaling is None:
+        return raw
+    out = {k: v for k, v in raw.items() if ".lora_a." not in k and ".lora_b." not in k}
+    for name in list(out):
+        prefix = name.removesuffix(".weight")
+        a, b = raw.get(prefix + ".lora_a.weight"), raw.get(prefix + ".lora_b.weight")
+        if a is not None and b is not None:
+            out[name] = _Merged(out[name], a, b, lora_scaling)
+    return out
+
+
+class _Merged(LazyTensor):
+    """W + (B @ A) * scaling, computed in fp32 and returned in W's dtype (as merge_lora does)."""
+
+    def __init__(self, weight: LazyTensor, a: LazyTensor, b: LazyTensor, scaling: float):
+        self.weight, self.a, self.b, self.scaling = weight, a, b, scaling
+        self.shape, self.dtype = weight.shape, weight.dtype
+
+    def _read(self, box: Box) -> torch.Tensor:
+        (r0, r1), (c0, c1) = box
+        b = self.b.read(((r0, r1), (0, self.b.shape[1]))).float()
+        a = self.a.read(((0, self.a.shape[0]), (c0, c1))).float()
+        return (self.weight.read(box).float() + (b @ a) * self.scaling).to(self.dtype)
+
+
+# ---- loading: each rank reads its own shard -----------------------------------------------------------
+def local_box(param: torch.Tensor) -> Box:
+    """The part of the full tensor that this rank holds: a box of global indices."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        return tuple((0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):
+        raise RuntimeError(
+            f"the local shard {tuple(param.to_local().shape)} of a {tuple(param.shape)} parameter is not "
+            f"one box of the full tensor (placements {param.placements})"
+        )
+    return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_suite_weights(
+    model: nn.Module, weights: Mapping[str, LazyTensor | torch.Tensor], where: str
+) -> None:
+    """Copy `weights` (suite names) into `model`, reading only each rank's shard of each tensor.
+
+    Parameters missing from `weights` are an error, except LoRA adapters (not in any base).
+    """
+    from torch.distributed.tensor import DTensor
+
+    from suite.parallel.data_parallel import canonical_name
+
+    missing = []
+    for name, param in model.named_parameters():
+        key = canonical_name(name)
+        if ".lora_a." in key or ".lora_b." in key:
+            continue
+        if key not in weights:
+            missing.append(key)
+            continue
+        source = as_lazy(weights[key])
+        if tuple(source.shape) != tuple(param.shape):
+            raise ConfigError(
+                f"{where}: {key} has shape {tuple(source.shape)}, the model {tuple(param.shape)}"
+            )
+        target = param.to_local() if isinstance(param, DTensor) else param
+        target.copy_(source.read(local_box(param)).to(target.dtype))
+    if missing:
+        raise ConfigError(f"{where}: weights do not match the config (missing {missing[:3]})")
+
+
+def load_hf_weights(model: nn.Module, folder: Path, fused_projections: bool = False) -> None:
+    """An HF folder's weights into a suite model of any layout (each rank reads its own shards)."""
+    ModelSource.parse(f"{HF_PREFIX}{folder}").load_weights(model, fused_projections)
+
+
+def load_hf_model(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Any]:
+    """A suite Transformer holding an HF folder's weights, read tensor by tensor, and the folder's
+    tokenizer (None when it has none)."""
+    source = ModelSource.parse(f"{HF_PREFIX}{folder}")
+    return source.load_model(device, dtype), source.tokenizer(required=False)
