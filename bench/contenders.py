@@ -105,52 +105,16 @@ def build_suite_step(cfg, dims):
 
 
 def hf_model(cfg):
-    """transformers' own class for the shape, with the same sizes, no dropout, SDPA attention."""
-    m = cfg.model
-    if m.family == "gpt":
-        from transformers import GPT2Config, GPT2LMHeadModel
+    """transformers' own class for the shape (the config `suite export` writes: suite.models.hf),
+    with no dropout, SDPA attention and no KV cache."""
+    from transformers import AutoModelForCausalLM
 
-        config = GPT2Config(
-            vocab_size=m.vocab_size,
-            n_positions=m.max_seq_len,
-            n_embd=m.hidden_size,
-            n_layer=m.num_layers,
-            n_head=m.num_heads,
-            n_inner=m.ffn_hidden_size,
-            activation_function="gelu_new",
-            resid_pdrop=m.dropout,
-            embd_pdrop=m.dropout,
-            attn_pdrop=m.dropout,
-            layer_norm_epsilon=m.norm_eps,
-            initializer_range=m.init_std,
-            tie_word_embeddings=m.tie_embeddings,
-            use_cache=False,
-        )
-        config._attn_implementation = "sdpa"
-        return GPT2LMHeadModel(config)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from suite.models.hf import hf_config
 
-    from suite.models.transformer import ffn_size
-
-    config = LlamaConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=ffn_size(m),
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads or m.num_heads,
-        max_position_embeddings=m.max_seq_len,
-        rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta,
-        attention_bias=m.qkv_bias,
-        mlp_bias=False,
-        attention_dropout=m.dropout,
-        initializer_range=m.init_std,
-        tie_word_embeddings=m.tie_embeddings,
-        use_cache=False,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    config = hf_config(cfg.model)
+    config.initializer_range = cfg.model.init_std
+    config.use_cache = False
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def build_hf_step(cfg, compile_: bool):
