@@ -34,23 +34,26 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     import torch
 
     import bench.contenders as tp
+    from suite.checks import validate
     from suite.config.compose import compose_config, to_object
-    from suite.config.validate import validate
     from suite.models import build_model, materialize
     from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
+    from suite.runtime import resolve_auto
     from suite.train.trainer import AUTOCAST_DTYPES, Trainer
 
     spec = tp.SHAPES[shape]
     cfg = to_object(
-        compose_config(
-            [
-                f"recipe={spec.recipe}",
-                *spec.overrides,
-                f"train.precision={precision}",
-                f"train.device={device}",
-            ]
-            + list(extra)
+        resolve_auto(
+            compose_config(
+                [
+                    f"recipe={spec.recipe}",
+                    *spec.overrides,
+                    f"train.precision={precision}",
+                    f"train.device={device}",
+                ]
+                + list(extra)
+            )
         )
     )
     dims = validate(cfg, needs_data=False)

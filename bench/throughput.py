@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     asked = args.precision or ("fp32" if args.quick else "auto")
     precisions = [p.strip() for p in asked.split(",") if p.strip()]
     if "auto" in precisions:
-        from suite.parallel.env import auto_precision
+        from suite.runtime import auto_precision
 
         chosen = auto_precision("cpu")
         precisions = [chosen if p == "auto" else p for p in precisions]

@@ -17,6 +17,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -154,7 +155,8 @@ def _explain(exc: BaseException) -> str:
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """Compose suite.yaml with the overrides; returns the (unresolved) DictConfig."""
+    """Compose suite.yaml with the overrides; returns the interpolation-resolved DictConfig (its
+    machine-dependent `auto` values are settled by suite.runtime.resolve_auto)."""
     overrides = list(overrides or [])
     workdir = Path(tempfile.mkdtemp(prefix="suite-recipe-"))
     try:
@@ -178,20 +180,12 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         try:
             with initialize_config_dir(str(ENTRY_DIR), version_base="1.3"):
                 cfg = compose("suite", overrides=final)
-        except Exception as exc:  # Hydra/OmegaConf errors carry multi-line messages
+        except (HydraException, OmegaConfBaseException) as exc:  # multi-line messages; other errors are bugs
             raise ConfigError(_explain(exc)) from None
         try:
             OmegaConf.resolve(cfg)
         except OmegaConfBaseException as exc:
             raise ConfigError(_explain(exc)) from None
-        if cfg.train.precision == "auto":  # resolved here, so config.yaml records what ran
-            from suite.parallel.env import auto_precision
-
-            cfg.train.precision = auto_precision(cfg.train.device)
-        if cfg.model.attention == "auto":
-            from suite.parallel.env import auto_attention
-
-            cfg.model.attention = auto_attention(cfg.train.device, cfg.train.precision, cfg.data.seq_len)
         return cfg
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

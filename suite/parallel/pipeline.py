@@ -60,14 +60,15 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 def check_pipeline(
     cfg: ParallelConfig, dims: ParallelDims, precision: str = "fp32", compile_blocks: bool = False
 ) -> None:
-    """One-line errors for pipeline settings the schedules cannot run (call before any process starts)."""
-    if dims.pp == 1:
-        return
+    """One-line errors for pipeline settings the schedules cannot run (called once, by
+    ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
     schedule = cfg.pp_schedule
     if schedule not in SCHEDULES:
         raise ConfigError(
             f"parallel.pp_schedule={schedule!r} is not a schedule; use one of {', '.join(SCHEDULES)}"
         )
+    if dims.pp == 1:
+        return
     if schedule in MULTI_STAGE and cfg.vpp < 2:
         raise ConfigError(f"parallel.pp_schedule={schedule} needs parallel.vpp >= 2 virtual stages per rank")
     if schedule not in MULTI_STAGE and cfg.vpp != 1:
@@ -454,7 +455,6 @@ def build_pipeline(
 
     `mesh` is the job's mesh (suite.parallel.mesh.build_mesh: every axis named, `data` flattened).
     """
-    check_pipeline(cfg.parallel, dims, cfg.train.precision, cfg.train.compile is True)
     pp = dims.pp
     vpp = cfg.parallel.vpp if cfg.parallel.pp_schedule in MULTI_STAGE else 1
     num_stages = pp * vpp

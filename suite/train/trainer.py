@@ -30,15 +30,10 @@ from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.models.moe import moe_aux_loss
 from suite.parallel.dims import ParallelDims
-from suite.parallel.env import (
-    DistEnv,
-    barrier,
-    emulates_low_precision,
-    init_process_group,
-    pick_device,
-)
+from suite.parallel.env import DistEnv, barrier, init_process_group
 from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
+from suite.runtime import emulates_low_precision, pick_device
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from suite.checks import validate
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
-from suite.config.validate import validate
 from suite.models import build_model, materialize
 from suite.parallel.parallelize import parallelize
+from suite.runtime import resolve_auto
 from suite.train import checkpoint as ckpt
 from suite.train.loss import cross_entropy
 from suite.train.master_weights import MasterWeightOptimizer
@@ -31,7 +32,9 @@ STEPS = 5
 
 
 def _config(*overrides: str):
-    cfg = to_object(compose_config(["recipe=gpt-tiny", *TINY_MODEL, "train.device=cpu", *overrides]))
+    cfg = to_object(
+        resolve_auto(compose_config(["recipe=gpt-tiny", *TINY_MODEL, "train.device=cpu", *overrides]))
+    )
     return cfg, validate(cfg, needs_data=False)
 
 
