@@ -1,6 +1,7 @@
 """Compose a recipe with Hydra's compose API (never @hydra.main) and turn its errors into one line.
 
-Search order for config groups: $SUITE_RECIPES folders, then ./recipes, then the shipped recipes,
+Search order for config groups: $SUITE_RECIPES folders, then ./recipes, then the shipped recipes
+(recipes/ at the repository root, installed as suite/recipes/),
 so a user's own `recipe/my13b.yaml` (or `recipe=./my13b.yaml`) is found before ours.
 """
 
@@ -24,7 +25,16 @@ from omegaconf.errors import OmegaConfBaseException
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+def _shipped_recipes() -> Path:
+    """suite/recipes/ in an installed wheel; the repository's recipes/ in a checkout (editable installs
+    and PYTHONPATH runs), which setup.py ships as suite/recipes/."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
+
+
+SHIPPED_RECIPES = _shipped_recipes()
 ENTRY_DIR = SHIPPED_RECIPES / "_entry"
 GROUP_NAMES = (
     "recipe",
