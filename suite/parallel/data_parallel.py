@@ -94,9 +94,9 @@ def apply_data_parallel(
     precision: str,
     offload: bool,
     device: torch.device,
-    ignored_params: set[nn.Parameter] | None = None,
-    forward_prefetch: int = 0,
-    backward_prefetch: int = 1,
+    ignored_params: set[nn.Parameter] | None,
+    forward_prefetch: int,
+    backward_prefetch: int,
 ) -> str:
     """Wrap `model` (a Transformer or a pipeline part) per block, then the rest; returns the kind.
 

@@ -33,10 +33,8 @@ class DistEnv:
         return self.world_size > 1
 
 
-def init_process_group(
-    env: DistEnv, device: torch.device, backend: str = "auto", timeout_s: float = 600
-) -> None:
-    """nccl on GPUs, gloo on CPU, unless the recipe forces one."""
+def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
+    """nccl on GPUs, gloo on CPU, unless the recipe forces one (launch.backend, train.collective_timeout_s)."""
     if not env.distributed or dist.is_initialized():
         return
     if backend == "auto":

@@ -57,9 +57,7 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 # ---- validation ------------------------------------------------------------------------------
-def check_pipeline(
-    cfg: ParallelConfig, dims: ParallelDims, precision: str = "fp32", compile_blocks: bool = False
-) -> None:
+def check_pipeline(cfg: ParallelConfig, dims: ParallelDims, precision: str, compile_blocks: bool) -> None:
     """One-line errors for pipeline settings the schedules cannot run (called once, by
     ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
     schedule = cfg.pp_schedule

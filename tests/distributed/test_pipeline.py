@@ -160,12 +160,14 @@ def test_impossible_pipeline_settings_are_one_line_errors(overrides, match):
     cfg = ParallelConfig(pp=2, **overrides)
     dims = ParallelDims.from_config(cfg, 2)
     with pytest.raises(ConfigError, match=match) as info:
-        check_pipeline(cfg, dims)
+        check_pipeline(cfg, dims, "fp32", False)
     assert "\n" not in str(info.value)
     plain = ParallelConfig(pp=2)
     with pytest.raises(ConfigError, match="fp16"):
-        check_pipeline(plain, ParallelDims.from_config(plain, 2), "fp16")
+        check_pipeline(plain, ParallelDims.from_config(plain, 2), "fp16", False)
     zero_bubble = ParallelConfig(pp=2, pp_schedule="zero_bubble", vpp=2)
     with pytest.raises(ConfigError, match="train.compile=false"):
-        check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2), compile_blocks=True)
-    check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2))  # fine without compile
+        check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2), "fp32", compile_blocks=True)
+    check_pipeline(
+        zero_bubble, ParallelDims.from_config(zero_bubble, 2), "fp32", False
+    )  # fine without compile
