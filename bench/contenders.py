@@ -97,6 +97,7 @@ def build_suite_step(cfg, dims):
     from suite.models import build_model, materialize
     from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
+    from suite.runtime import resolve_precision
     from suite.train.host_memory import apply_host_memory_setting
     from suite.train.optim import build_optimizer
     from suite.train.trainer import Trainer, autocast_factory
@@ -105,9 +106,10 @@ def build_suite_step(cfg, dims):
     trainer.cfg, trainer.dims = cfg, dims
     trainer.device = torch.device("cpu")
     trainer.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, trainer.device)
+    trainer.precision = resolve_precision(cfg.train, trainer.device)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, "meta")
-    trainer.parallel = parallelize(model, cfg, dims, trainer.device)
+    trainer.parallel = parallelize(model, cfg, dims, trainer.device, trainer.precision)
     trainer.model = trainer.parallel.model
     trainer.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if trainer.parallel.materialized is False:
@@ -115,9 +117,11 @@ def build_suite_step(cfg, dims):
     if hasattr(trainer.parallel, "build_optimizer"):  # the trainer asks the parallel model (layouts wrap it)
         trainer.optimizer = trainer.parallel.build_optimizer(cfg.optim)
     else:
-        trainer.optimizer = build_optimizer(trainer.model, cfg.optim, trainer.device)
-    trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=cfg.train.precision == "fp16")
-    trainer.autocast = autocast_factory(trainer.device, cfg.train.precision, cfg.train.param_dtype)
+        trainer.optimizer = build_optimizer(
+            trainer.model, cfg.optim, trainer.device, trainer.precision.param_dtype
+        )
+    trainer.scaler = torch.amp.GradScaler(trainer.device.type, enabled=trainer.precision.grad_scaler)
+    trainer.autocast = autocast_factory(trainer.device, trainer.precision)
     trainer.step = 0
     trainer.env = DistEnv.from_environ()
     trainer.bad_steps = trainer.bad_in_a_row = 0  # bookkeeping the loop keeps (non-finite steps)

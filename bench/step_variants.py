@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import statistics
 import sys
 import time
@@ -39,8 +38,8 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     from suite.models import build_model, materialize
     from suite.parallel.env import DistEnv
     from suite.parallel.parallelize import parallelize
-    from suite.runtime import resolve_auto
-    from suite.train.trainer import AUTOCAST_DTYPES, Trainer
+    from suite.runtime import resolve_auto, resolve_precision
+    from suite.train.trainer import Trainer, autocast_factory
 
     spec = tp.SHAPES[shape]
     cfg = to_object(
@@ -60,16 +59,18 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.dims, trainer.device = cfg, dims, torch.device(device)
     trainer.env = DistEnv.from_environ()
+    trainer.precision = resolve_precision(cfg.train, trainer.device)
     torch.manual_seed(cfg.train.seed)
-    trainer.parallel = parallelize(build_model(cfg.model, "meta"), cfg, dims, trainer.device)
+    trainer.parallel = parallelize(
+        build_model(cfg.model, "meta"), cfg, dims, trainer.device, trainer.precision
+    )
     trainer.model = trainer.parallel.model
     trainer.parallel.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if trainer.parallel.materialized is False:
         materialize(trainer.model, trainer.device, cfg.train.seed)
     trainer.optimizer = trainer.parallel.build_optimizer(cfg.optim)
     trainer.scaler = torch.amp.GradScaler(device, enabled=False)
-    dtype = AUTOCAST_DTYPES.get(cfg.train.precision)
-    trainer.autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype else contextlib.nullcontext
+    trainer.autocast = autocast_factory(trainer.device, trainer.precision)
     trainer.step = trainer.batch_number = 0
     trainer.bad_steps = trainer.bad_in_a_row = 0
     trainer.loss_window, trainer.spiked = collections.deque(maxlen=cfg.train.spike_window), False

@@ -121,8 +121,10 @@ def run_worker(spec: dict) -> None:
     compiled = spec["compile"]
     if spec["contender"] == "suite":
         from suite.parallel.parallelize import compile_enabled
+        from suite.runtime import resolve_precision
 
-        compiled = compile_enabled(cfg, dims, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        compiled = compile_enabled(cfg, dims, cpu, resolve_precision(cfg.train, cpu))
         step, model = build_suite_step(cfg, dims)
     else:
         if spec["variant"] == "kept":

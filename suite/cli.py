@@ -18,7 +18,7 @@ from suite.checks import validate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
-from suite.runtime import resolve_auto
+from suite.runtime import DTYPES, resolve_auto
 
 USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
 
@@ -245,7 +245,6 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     validate(cfg, needs_data=False)
-    import torch
 
     from suite.export.hf import export_checkpoint_hf
     from suite.infer.generate import lora_run
@@ -262,7 +261,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
         out = resolve_checkpoint(cfg.ckpt).parent.parent / f"export-{cfg.export.format}"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
+    dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
     shard_bytes = int(cfg.export.max_shard_mb * 2**20)

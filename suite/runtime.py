@@ -5,6 +5,8 @@ settle a recipe's `auto` values before any process starts and every layer below 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from omegaconf import DictConfig
 
@@ -94,3 +96,48 @@ def check_precision(cfg, dims) -> None:
             "train.param_dtype=bf16 with finetune.method=lora is not supported (the frozen base would be "
             "rounded to bf16); use train.param_dtype=fp32"
         )
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """train.precision and train.param_dtype resolved once (suite.runtime.resolve_precision) and
+    passed as an object, so no module re-reads the strings or keeps its own string-to-dtype map."""
+
+    name: str  # fp32 | bf16 | fp16 ('auto' is settled at compose time)
+    compute_dtype: torch.dtype  # what matmuls run in (FSDP2's all-gathered parameters, autocast)
+    param_dtype: torch.dtype  # what the model's parameters hold (train.param_dtype)
+    autocast_dtype: torch.dtype | None  # autocast over fp32 parameters; None: none (fp32, or bf16 params)
+    reduce_dtype: torch.dtype  # gradient reduction across data-parallel ranks
+    master_dtype: torch.dtype | None  # the optimizer's master copies of low-precision params; None: none
+    grad_scaler: bool  # fp16: loss scaling (torch.amp.GradScaler)
+    emulated: bool  # this device only emulates compute_dtype (a CPU without native bf16/fp16)
+
+    @property
+    def low_precision(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    @property
+    def param_dtype_name(self) -> str:
+        """train.param_dtype as the recipe spells it (for summaries)."""
+        return next(name for name, dtype in DTYPES.items() if dtype == self.param_dtype)
+
+
+def resolve_precision(train, device: torch.device | None = None) -> PrecisionPolicy:
+    """The policy of a recipe's train section (suite.config.schema.TrainConfig) on `device`
+    (a config that skipped resolve_auto gets its 'auto' settled here the same way)."""
+    name = auto_precision(train.device) if train.precision == "auto" else train.precision
+    compute = DTYPES[name]
+    params = DTYPES[train.param_dtype]
+    return PrecisionPolicy(
+        name=name,
+        compute_dtype=compute,
+        param_dtype=params,
+        autocast_dtype=compute if compute != torch.float32 and params == torch.float32 else None,
+        reduce_dtype=torch.float32,
+        master_dtype=torch.float32 if params != torch.float32 else None,
+        grad_scaler=name == "fp16",
+        emulated=device is not None and emulates_low_precision(device, name),
+    )

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from suite.parallel.mesh import data_cp_mesh, data_mesh, fsdp_cp_mesh
+from suite.runtime import PrecisionPolicy
 from suite.train.optim import WrappedOptimizer
 
 WRAPPER_SEGMENTS = re.compile(
@@ -58,10 +59,11 @@ def canonical_name(name: str) -> str:
     return WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """bf16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded."""
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def mixed_precision(precision: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """bf16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded.
+    (fp16 never gets here: its loss scaling is single-process only.)"""
+    if precision.low_precision:
+        return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=precision.reduce_dtype)
     return MixedPrecisionPolicy()
 
 
@@ -91,7 +93,7 @@ def apply_data_parallel(
     mesh: DeviceMesh,
     dims,
     stage: int,
-    precision: str,
+    precision: PrecisionPolicy,
     offload: bool,
     device: torch.device,
     ignored_params: set[nn.Parameter] | None,

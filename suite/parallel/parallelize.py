@@ -35,6 +35,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import OptimConfig, SuiteConfig
 from suite.parallel import memory
 from suite.parallel.dims import ParallelDims
+from suite.runtime import PrecisionPolicy
 
 LossFn = Callable[..., torch.Tensor]  # (logits, targets, reduction="mean"|"sum") -> scalar loss
 
@@ -75,7 +76,9 @@ class ParallelModel:
     cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
     eos_id: int | None = None  # data.doc_mask: the document separator (set by the trainer)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (set by the trainer); 0: plain logits
-    param_dtype: str = "fp32"  # train.param_dtype without a data-parallel wrapper (bf16: fp32 masters)
+    param_dtype: torch.dtype = (
+        torch.float32
+    )  # train.param_dtype without data parallelism (bf16: fp32 masters)
 
     # ---- communication helpers -----------------------------------------------------------------
     @property
@@ -280,7 +283,7 @@ class ParallelModel:
 
         device = self.optim_device or self._device()
         # with data parallelism FSDP2's MixedPrecisionPolicy keeps the fp32 masters (data_parallel.py)
-        param_dtype = self.param_dtype if self.dp_kind == "none" else "fp32"
+        param_dtype = self.param_dtype if self.dp_kind == "none" else torch.float32
         optimizer = build_optimizer(self.model, cfg, device, param_dtype)
         if self.dp_kind == "zero1":
             from suite.parallel.data_parallel import ZeroOneOptimizer
@@ -329,7 +332,9 @@ def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
 COMPILE_AUTO_MIN_HIDDEN = 512
 
 
-def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> bool:
+def compile_enabled(
+    cfg: SuiteConfig, dims: ParallelDims, device: torch.device, precision: PrecisionPolicy
+) -> bool:
     """train.compile: true / false as set; `auto` compiles each block where it paid when measured
     (docs/performance.md): Llama-family blocks (RMSNorm, RoPE, SwiGLU: elementwise work that the
     compiled block fuses) at width >= COMPILE_AUTO_MIN_HIDDEN: on CPU in any precision (bf16: -16%
@@ -342,7 +347,7 @@ def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) 
         return bool(value)
     if dims.cp > 1 or (dims.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble"):
         return False
-    low_precision = cfg.train.precision in ("bf16", "fp16")
+    low_precision = precision.low_precision
     return (
         cfg.model.family == "llama"
         and cfg.model.hidden_size >= COMPILE_AUTO_MIN_HIDDEN
@@ -356,7 +361,7 @@ def _compile_blocks(model: nn.Module) -> None:
 
 
 def make_part_parallelizer(
-    cfg: SuiteConfig, dims: ParallelDims, mesh, device: torch.device
+    cfg: SuiteConfig, dims: ParallelDims, mesh, device: torch.device, precision: PrecisionPolicy
 ) -> tuple[Callable[[nn.Module], nn.Module], dict]:
     """The callback that turns one meta-device model part into this rank's runnable, initialised part.
 
@@ -389,14 +394,14 @@ def make_part_parallelizer(
                 ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
             )
         _apply_recompute(part, cfg)
-        if compile_enabled(cfg, dims, device):
+        if compile_enabled(cfg, dims, device, precision):
             _compile_blocks(part)
         kind = dpar.apply_data_parallel(
             part,
             mesh,
             dims,
             pcfg.sharding_stage,
-            cfg.train.precision,
+            precision,
             pcfg.offload,
             device,
             ignored_params=set(expert_params),
@@ -417,15 +422,15 @@ def make_part_parallelizer(
 
 
 def parallelize(
-    model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device
+    model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device, precision: PrecisionPolicy
 ) -> ParallelModel:
     """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order)."""
     num_params = model.num_params()
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
-        if compile_enabled(cfg, dims, device):
+        if compile_enabled(cfg, dims, device, precision):
             _compile_blocks(model)
-        return ParallelModel(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
+        return ParallelModel(model=model, dims=dims, num_params=num_params, param_dtype=precision.param_dtype)
 
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         got = dist.get_world_size() if dist.is_initialized() else 1
@@ -435,7 +440,7 @@ def parallelize(
             "or make the launch keys match torchrun's"
         )
     mesh = dims.build_mesh(device.type)
-    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device)
+    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device, precision)
     if dims.pp > 1:
         from suite.parallel.pipeline import build_pipeline
 

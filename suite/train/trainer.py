@@ -33,7 +33,7 @@ from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
 from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import ParallelModel, parallelize
-from suite.runtime import emulates_low_precision, pick_device
+from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
@@ -60,15 +60,12 @@ class RunStopped(SystemExit):
     """The run stops with one `error: ...` line (exit 1): no traceback, the message says why."""
 
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_factory(device: torch.device, precision: str, param_dtype: str = "fp32"):
+def autocast_factory(device: torch.device, precision: PrecisionPolicy):
     """What each forward runs under: autocast to the precision's dtype over fp32 parameters, or
     nothing when the parameters are already in the compute dtype (train.param_dtype=bf16: the
     weights are not re-cast every step; the loss still runs in fp32, suite.train.loss)."""
-    dtype = AUTOCAST_DTYPES.get(precision)
-    if dtype is None or param_dtype != "fp32":
+    dtype = precision.autocast_dtype
+    if dtype is None:
         return nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
 
@@ -84,9 +81,10 @@ class Trainer:
             torch.set_num_threads(cfg.train.num_threads)
         self.device = pick_device(cfg.train.device, self.env)
         self.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, self.device)
-        if self.env.is_main and emulates_low_precision(self.device, cfg.train.precision):
+        self.precision = resolve_precision(cfg.train, self.device)  # read here, passed everywhere
+        if self.env.is_main and self.precision.emulated:
             print(
-                f"warning: train.precision={cfg.train.precision} on a CPU that does not compute it natively "
+                f"warning: train.precision={self.precision.name} on a CPU that does not compute it natively "
                 "(bf16: AVX-512 BF16 / AMX; fp16: AVX-512 FP16 / AMX-FP16): "
                 "its matmuls are emulated, ~100x slower than fp32 here; train.precision=auto picks fp32",
                 file=sys.stderr,
@@ -100,7 +98,7 @@ class Trainer:
         self._setup_data()
         model = build_model(cfg.model, "meta")
         self._adapt_model(model)
-        self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device)
+        self.parallel: ParallelModel = parallelize(model, cfg, dims, self.device, self.precision)
         self.model = self.parallel.model
         if cfg.data.doc_mask and self.meta is not None:  # documents end with EOS (suite.data.documents)
             self.parallel.eos_id = int(self.meta["eos_id"])
@@ -110,8 +108,8 @@ class Trainer:
             materialize(self.model, self.device, cfg.train.seed)
         self._load_initial_weights()
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
-        self.autocast = autocast_factory(self.device, cfg.train.precision, cfg.train.param_dtype)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.grad_scaler)
+        self.autocast = autocast_factory(self.device, self.precision)
         self._build_loaders()
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
@@ -139,7 +137,7 @@ class Trainer:
         if cfg.train.resume:
             self._maybe_resume()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = peak_flops(self.device, cfg.train.precision, cfg.train.peak_flops)
+        self.peak = peak_flops(self.device, self.precision.name, cfg.train.peak_flops)
 
     # ---- what finetuning overrides (suite.finetune.trainer) ------------------------------------
     verb = "pretrain"
@@ -352,7 +350,7 @@ class Trainer:
         each rank's parameter placements and wrapped modules. Collective when distributed."""
         from suite.parallel.describe import describe_layout
 
-        extra = {"precision": self.cfg.train.precision, "param_dtype": self.cfg.train.param_dtype}
+        extra = {"precision": self.precision.name, "param_dtype": self.precision.param_dtype_name}
         if self.dims.pp > 1:
             extra["pp_schedule"] = self.cfg.parallel.pp_schedule
         return describe_layout(self.model, self.dims, self.parallel.dp_kind, extra)
@@ -406,7 +404,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return loss, grad_norm, found_inf == 0
         finite = math.isfinite(float(loss))
-        if self.cfg.train.precision != "fp16":
+        if not self.precision.grad_scaler:
             finite = finite and math.isfinite(float(grad_norm))
         not_finite, self.spiked = self._any_ranks(not finite, finite and self._is_spike(float(loss)))
         ok = not not_finite and not self.spiked
@@ -424,7 +422,7 @@ class Trainer:
         return (
             isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
             and all(group.get("fused") for group in opt.param_groups)
-            and self.cfg.train.precision != "fp16"
+            and not self.precision.grad_scaler
             and self.cfg.train.spike_factor <= 0
         )
 
@@ -562,7 +560,7 @@ class Trainer:
             logger.print(
                 f"[bold]suite {self.verb}[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
                 f"world {self.env.world_size} ({', '.join(f'{k}={v}' for k, v in self.dims.enabled.items()) or 'single process'}), "
-                f"{cfg.train.precision}, run dir {self.run_dir}"
+                f"{self.precision.name}, run dir {self.run_dir}"
             )
         last_loss = None
         summary: dict = {}

@@ -14,7 +14,7 @@ from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
 from suite.models import build_model, materialize
 from suite.parallel.parallelize import parallelize
-from suite.runtime import resolve_auto
+from suite.runtime import resolve_auto, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train.loss import cross_entropy
 from suite.train.master_weights import MasterWeightOptimizer
@@ -41,10 +41,11 @@ def _config(*overrides: str):
 def _build(param_dtype: str):
     cfg, dims = _config("train.precision=bf16", f"train.param_dtype={param_dtype}", "optim.lr=1e-2")
     model = build_model(cfg.model, "meta")
-    parallel = parallelize(model, cfg, dims, CPU)
+    precision = resolve_precision(cfg.train, CPU)
+    parallel = parallelize(model, cfg, dims, CPU, precision)
     materialize(parallel.model, CPU, cfg.train.seed)
     optimizer = parallel.build_optimizer(cfg.optim)
-    return parallel, optimizer, autocast_factory(CPU, "bf16", param_dtype)
+    return parallel, optimizer, autocast_factory(CPU, precision)
 
 
 def _batches(count: int) -> list[torch.Tensor]:
@@ -147,7 +148,7 @@ def test_compile_auto_picks_wide_llama_models(overrides, expected):
     from suite.parallel.parallelize import compile_enabled
 
     cfg, dims = _config(*overrides)
-    assert compile_enabled(cfg, dims, CPU) is expected
+    assert compile_enabled(cfg, dims, CPU, resolve_precision(cfg.train, CPU)) is expected
 
 
 def test_compile_bad_value_is_a_one_line_error():
