@@ -33,21 +33,24 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     import torch
 
     import bench.contenders as tp
+    from suite.checks import validate
     from suite.config.compose import compose_config, to_object
-    from suite.config.validate import validate
+    from suite.runtime import resolve_auto
     from suite.train.schedule import lr_at
     from suite.train.trainer import standalone_step
 
     spec = tp.SHAPES[shape]
     cfg = to_object(
-        compose_config(
-            [
-                f"recipe={spec.recipe}",
-                *spec.overrides,
-                f"train.precision={precision}",
-                f"train.device={device}",
-            ]
-            + list(extra)
+        resolve_auto(
+            compose_config(
+                [
+                    f"recipe={spec.recipe}",
+                    *spec.overrides,
+                    f"train.precision={precision}",
+                    f"train.device={device}",
+                ]
+                + list(extra)
+            )
         )
     )
     dims = validate(cfg, needs_data=False)

@@ -122,8 +122,10 @@ def run_worker(spec: dict) -> None:
     compiled = spec["compile"]
     if spec["contender"] == "suite":
         from suite.parallel.parallelize import compile_enabled
+        from suite.runtime import resolve_precision
 
-        compiled = compile_enabled(cfg, dims, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        compiled = compile_enabled(cfg, dims, cpu, resolve_precision(cfg.train, cpu))
         step, model = build_suite_step(cfg, dims)
     else:
         if spec["variant"] == "kept":
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     asked = args.precision or ("fp32" if args.quick else "auto")
     precisions = [p.strip() for p in asked.split(",") if p.strip()]
     if "auto" in precisions:
-        from suite.parallel.env import auto_precision
+        from suite.runtime import auto_precision
 
         chosen = auto_precision("cpu")
         precisions = [chosen if p == "auto" else p for p in precisions]

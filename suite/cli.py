@@ -14,9 +14,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from suite.checks import validate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
-from suite.config.validate import validate, world_size
+from suite.config.validate import world_size
+from suite.runtime import DTYPES, resolve_auto
 
 USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
 
@@ -122,7 +124,7 @@ def _expand(overrides: list[str]) -> list[str]:
 
 
 def _compose(overrides: list[str]):
-    raw = compose_config(_expand(overrides))
+    raw = resolve_auto(compose_config(_expand(overrides)))
     return raw, to_object(raw)
 
 
@@ -179,12 +181,11 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     if not any(o.split("=", 1)[0] == "recipe" for o in overrides):
         overrides = ["recipe=sft-tiny", *overrides]
     raw, cfg = _compose(overrides)
-    from suite.config.validate import validate_finetune
+    from suite.finetune.checks import check_finetune
 
-    validate_finetune(cfg)
+    check_finetune(cfg)  # before the base model is read (model.init_from must be there)
     raw, cfg = _with_base_model(raw)
-    dims = validate(cfg, needs_data=False)
-    validate_finetune(cfg, dims)
+    dims = validate(cfg, needs_data=False, finetune=True)
     return _train("finetune", cfg, dims, OmegaConf.to_yaml(raw))
 
 
@@ -249,7 +250,6 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     validate(cfg, needs_data=False)
-    import torch
 
     from suite.export.hf import export_checkpoint_hf
     from suite.sources import ModelSource
@@ -266,7 +266,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
         out = source.run_dir / f"export-{cfg.export.format}"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.export.dtype]
+    dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
     shard_bytes = int(cfg.export.max_shard_mb * 2**20)
@@ -284,7 +284,7 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError("config needs a subcommand: show, list or cp (see `suite config --help`)")
     sub, rest = overrides[0], overrides[1:]
     if sub == "show":
-        raw = compose_config(_expand(rest))
+        raw = resolve_auto(compose_config(_expand(rest)))
         if "--json" in flags:
             print(json.dumps(OmegaConf.to_container(raw), indent=1))
         else:

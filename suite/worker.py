@@ -29,14 +29,15 @@ def _record(exc: BaseException) -> None:
 
 
 def run(verb: str, config_path: Path) -> int:
+    from suite.checks import worker_dims
     from suite.config.compose import load_saved_config
-    from suite.config.validate import validate
 
     resolved_yaml = config_path.read_text()
     cfg = load_saved_config(config_path)
-    # this attempt's world: an elastic job (launch.nproc_per_node=min:max) may run below its maximum
+    # this attempt's world: an elastic job (launch.nproc_per_node=min:max) may run below its maximum;
+    # the parent checked everything else before it launched us
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    dims = validate(cfg, world=world)
+    dims = worker_dims(cfg, world, finetune=verb == "finetune")
     if verb == "pretrain":
         from suite.sources import initial_weights
         from suite.train.trainer import Trainer
@@ -44,10 +45,8 @@ def run(verb: str, config_path: Path) -> int:
         Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
         return 0
     if verb == "finetune":
-        from suite.config.validate import validate_finetune
         from suite.finetune.trainer import FinetuneTrainer
 
-        validate_finetune(cfg, dims)
         FinetuneTrainer(cfg, dims, resolved_yaml).train()
         return 0
     raise ConfigError(f"verb {verb!r} does not run under the launcher")

@@ -1,6 +1,7 @@
 """Compose a recipe with Hydra's compose API (never @hydra.main) and turn its errors into one line.
 
-Search order for config groups: $SUITE_RECIPES folders, then ./recipes, then the shipped recipes,
+Search order for config groups: $SUITE_RECIPES folders, then ./recipes, then the shipped recipes
+(recipes/ at the repository root, installed as suite/recipes/),
 so a user's own `recipe/my13b.yaml` (or `recipe=./my13b.yaml`) is found before ours.
 """
 
@@ -17,13 +18,23 @@ from typing import Any, get_args, get_origin, get_type_hints
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+def _shipped_recipes() -> Path:
+    """suite/recipes/ in an installed wheel; the repository's recipes/ in a checkout (editable installs
+    and PYTHONPATH runs), which setup.py ships as suite/recipes/."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
+
+
+SHIPPED_RECIPES = _shipped_recipes()
 ENTRY_DIR = SHIPPED_RECIPES / "_entry"
 GROUP_NAMES = (
     "recipe",
@@ -154,7 +165,8 @@ def _explain(exc: BaseException) -> str:
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """Compose suite.yaml with the overrides; returns the (unresolved) DictConfig."""
+    """Compose suite.yaml with the overrides; returns the interpolation-resolved DictConfig (its
+    machine-dependent `auto` values are settled by suite.runtime.resolve_auto)."""
     overrides = list(overrides or [])
     workdir = Path(tempfile.mkdtemp(prefix="suite-recipe-"))
     try:
@@ -178,20 +190,12 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         try:
             with initialize_config_dir(str(ENTRY_DIR), version_base="1.3"):
                 cfg = compose("suite", overrides=final)
-        except Exception as exc:  # Hydra/OmegaConf errors carry multi-line messages
+        except (HydraException, OmegaConfBaseException) as exc:  # multi-line messages; other errors are bugs
             raise ConfigError(_explain(exc)) from None
         try:
             OmegaConf.resolve(cfg)
         except OmegaConfBaseException as exc:
             raise ConfigError(_explain(exc)) from None
-        if cfg.train.precision == "auto":  # resolved here, so config.yaml records what ran
-            from suite.parallel.env import auto_precision
-
-            cfg.train.precision = auto_precision(cfg.train.device)
-        if cfg.model.attention == "auto":
-            from suite.parallel.env import auto_attention
-
-            cfg.model.attention = auto_attention(cfg.train.device, cfg.train.precision, cfg.data.seq_len)
         return cfg
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

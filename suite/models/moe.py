@@ -220,7 +220,7 @@ def load_metrics(stats: dict[str, torch.Tensor], top_k: int) -> dict[str, float]
 
 
 def check_moe_config(cfg: ModelConfig) -> None:
-    """One-line ConfigErrors for impossible MoE settings (called by suite.config.validate)."""
+    """One-line ConfigErrors for impossible MoE settings (called by suite.models.checks)."""
     from suite.config.errors import ConfigError
 
     e = cfg.num_experts

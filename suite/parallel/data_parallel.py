@@ -44,6 +44,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from suite.parallel.mesh import data_cp_mesh, data_mesh, fsdp_cp_mesh
+from suite.runtime import PrecisionPolicy
 
 WRAPPER_SEGMENTS = re.compile(
     r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module|module)(?=\.|$)"
@@ -55,10 +56,11 @@ def canonical_name(name: str) -> str:
     return WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """bf16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded."""
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def mixed_precision(precision: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """bf16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded.
+    (fp16 never gets here: its loss scaling is single-process only.)"""
+    if precision.low_precision:
+        return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=precision.reduce_dtype)
     return MixedPrecisionPolicy()
 
 
@@ -88,12 +90,12 @@ def apply_data_parallel(
     mesh: DeviceMesh,
     dims,
     stage: int,
-    precision: str,
+    precision: PrecisionPolicy,
     offload: bool,
     device: torch.device,
-    ignored_params: set[nn.Parameter] | None = None,
-    forward_prefetch: int = 0,
-    backward_prefetch: int = 1,
+    ignored_params: set[nn.Parameter] | None,
+    forward_prefetch: int,
+    backward_prefetch: int,
 ) -> str:
     """Wrap `model` (a Transformer or a pipeline part) per block, then the rest; returns the kind.
 

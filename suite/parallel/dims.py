@@ -9,7 +9,9 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, ParallelConfig, SuiteConfig
+from suite.config.validate import nproc_range
 from suite.models.transformer import ffn_size
+from suite.runtime import resolve_precision
 
 # Mesh dimension order, outermost first: pp spans nodes, tp stays inside a node (suite.parallel.mesh).
 MESH_ORDER = ("pp", "dp", "sharding", "cp", "tp")
@@ -124,15 +126,6 @@ class ParallelDims:
             raise ConfigError(
                 "parallel.sp=true needs parallel.tp > 1 (sequence parallel splits along tp ranks)"
             )
-        schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-        if cfg.pp_schedule not in schedules:
-            raise ConfigError(
-                f"parallel.pp_schedule={cfg.pp_schedule!r} is not a schedule; use one of {', '.join(schedules)}"
-            )
-        if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble") and self.pp > 1 and cfg.vpp < 2:
-            raise ConfigError(
-                f"parallel.pp_schedule={cfg.pp_schedule} needs parallel.vpp >= 2 virtual stages per rank"
-            )
 
     def validate_run(self, cfg: SuiteConfig) -> None:
         """Checks that need more than the parallel and model groups (sequence, precision, launch)."""
@@ -181,15 +174,15 @@ class ParallelDims:
                 f"need parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
                 f"stage {pcfg.sharding_stage})"
             )
-        if self.world_size > 1 and cfg.train.precision == "fp16":
+        precision = resolve_precision(cfg.train)
+        if self.world_size > 1 and precision.grad_scaler:
             raise ConfigError(
                 "train.precision=fp16 (loss scaling) is single-process only; multi-process runs use "
                 "train.precision=bf16 or fp32"
             )
-        if self.pp > 1:
-            from suite.parallel.pipeline import check_pipeline
+        from suite.parallel.pipeline import check_pipeline  # parallel.pp_schedule and vpp, any pp
 
-            check_pipeline(pcfg, self, cfg.train.precision, cfg.train.compile is True)
+        check_pipeline(pcfg, self, precision, cfg.train.compile is True)
         launch = cfg.launch
         if not 0 <= launch.node_rank < launch.nnodes:
             raise ConfigError(
@@ -229,6 +222,49 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         names = tuple(n for n in MESH_ORDER if getattr(self, n) > 1) or ("dp",)
         return names, tuple(getattr(self, n) for n in names)
+
+
+def resolve_dims(cfg: SuiteConfig, world: int) -> ParallelDims:
+    """The parallel degrees for `world` processes, checked against the model, batch and launch."""
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.validate(cfg.parallel, cfg.model)
+    dims.validate_run(cfg)
+    return dims
+
+
+def elastic_world_sizes(cfg: SuiteConfig) -> list[int]:
+    """World sizes an elastic job (launch.nproc_per_node=min:max) can run on, largest first:
+    those in [min, max] for which the parallel degrees resolve (e.g. dp or sharding 'auto' with a
+    global batch they divide)."""
+    low, high = nproc_range(cfg)
+    sizes = []
+    for world in range(high, low - 1, -1):
+        try:
+            resolve_dims(cfg, world)
+        except ConfigError:
+            continue
+        sizes.append(world)
+    return sizes
+
+
+def check_elastic(cfg: SuiteConfig) -> None:
+    """An elastic range must be able to run at its minimum: fixed degrees that need more reject."""
+    low, high = nproc_range(cfg)
+    if low == high:
+        return
+    value = cfg.launch.nproc_per_node
+    if cfg.launch.nnodes > 1:
+        raise ConfigError(
+            f"launch.nproc_per_node={value}: an elastic process range works on one node (launch.nnodes=1); "
+            f"with launch.nnodes={cfg.launch.nnodes} use a fixed count like launch.nproc_per_node={high}"
+        )
+    try:
+        resolve_dims(cfg, low)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"launch.nproc_per_node={value} may shrink the job to {low} processes, but there: {exc}; "
+            "let one degree follow the world size (parallel.sharding=auto or parallel.dp=auto) or raise the minimum"
+        ) from None
 
 
 def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:

@@ -135,7 +135,7 @@ def _run_elastic(
     """Attempts of an elastic (min:max) job, each a fresh worker group that the suite restarts
     itself, on fewer processes once a device slot is lost (see the module docstring)."""
     from suite.config.compose import load_saved_config
-    from suite.config.validate import elastic_world_sizes
+    from suite.parallel.dims import elastic_world_sizes
 
     sizes = elastic_world_sizes(load_saved_config(frozen))  # largest first; validation checked min
     slots = list(range(high))  # device slots: local GPU indices on a GPU node

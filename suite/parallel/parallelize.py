@@ -34,6 +34,7 @@ from torch import nn
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.parallel.dims import ParallelDims
+from suite.runtime import PrecisionPolicy
 
 
 @dataclass
@@ -59,7 +60,9 @@ class Placement:
     optim_device: torch.device | None = None
     compute_device: torch.device | None = None  # offloaded FSDP: where batches go (params live on CPU)
     cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
-    param_dtype: str = "fp32"  # train.param_dtype without a data-parallel wrapper (bf16: fp32 masters)
+    param_dtype: torch.dtype = (
+        torch.float32
+    )  # train.param_dtype without data parallelism (bf16: fp32 masters)
     ep_traffic: dict | None = None  # expert parallel: bytes sent by the all-to-alls (a running count)
     gradient_hooks: list[Callable[[], None]] = field(default_factory=list)
     pipeline: object = None  # suite.parallel.pipeline.PipelineStages when pp > 1
@@ -138,7 +141,9 @@ def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
 COMPILE_AUTO_MIN_HIDDEN = 512
 
 
-def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> bool:
+def compile_enabled(
+    cfg: SuiteConfig, dims: ParallelDims, device: torch.device, precision: PrecisionPolicy
+) -> bool:
     """train.compile: true / false as set; `auto` compiles each block where it paid when measured
     (docs/performance.md): Llama-family blocks (RMSNorm, RoPE, SwiGLU: elementwise work that the
     compiled block fuses) at width >= COMPILE_AUTO_MIN_HIDDEN: on CPU in any precision (bf16: -16%
@@ -151,7 +156,7 @@ def compile_enabled(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) 
         return bool(value)
     if dims.cp > 1 or (dims.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble"):
         return False
-    low_precision = cfg.train.precision in ("bf16", "fp16")
+    low_precision = precision.low_precision
     return (
         cfg.model.family == "llama"
         and cfg.model.hidden_size >= COMPILE_AUTO_MIN_HIDDEN
@@ -165,7 +170,7 @@ def _compile_blocks(model: nn.Module) -> None:
 
 
 def make_part_parallelizer(
-    cfg: SuiteConfig, dims: ParallelDims, mesh, device: torch.device
+    cfg: SuiteConfig, dims: ParallelDims, mesh, device: torch.device, precision: PrecisionPolicy
 ) -> tuple[Callable[[nn.Module], nn.Module], dict]:
     """The callback that turns one meta-device model part into this rank's runnable, initialised part.
 
@@ -198,14 +203,14 @@ def make_part_parallelizer(
                 ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
             )
         _apply_recompute(part, cfg)
-        if compile_enabled(cfg, dims, device):
+        if compile_enabled(cfg, dims, device, precision):
             _compile_blocks(part)
         kind = dpar.apply_data_parallel(
             part,
             mesh,
             dims,
             pcfg.sharding_stage,
-            cfg.train.precision,
+            precision,
             pcfg.offload,
             device,
             ignored_params=set(expert_params),
@@ -225,14 +230,16 @@ def make_part_parallelizer(
     return parallelize_part, info
 
 
-def parallelize(model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device) -> Placement:
+def parallelize(
+    model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device, precision: PrecisionPolicy
+) -> Placement:
     """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order)."""
     num_params = model.num_params()
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
-        if compile_enabled(cfg, dims, device):
+        if compile_enabled(cfg, dims, device, precision):
             _compile_blocks(model)
-        return Placement(model=model, dims=dims, num_params=num_params, param_dtype=cfg.train.param_dtype)
+        return Placement(model=model, dims=dims, num_params=num_params, param_dtype=precision.param_dtype)
 
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         got = dist.get_world_size() if dist.is_initialized() else 1
@@ -242,7 +249,7 @@ def parallelize(model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: 
             "or make the launch keys match torchrun's"
         )
     mesh = dims.build_mesh(device.type)
-    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device)
+    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device, precision)
     if dims.pp > 1:
         from suite.parallel.pipeline import build_pipeline
 

@@ -45,6 +45,7 @@ from suite.parallel import data_parallel as dpar
 from suite.parallel.dims import ParallelDims
 from suite.parallel.mesh import data_rank
 from suite.parallel.parallelize import Placement
+from suite.runtime import PrecisionPolicy
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -57,16 +58,17 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 # ---- validation ------------------------------------------------------------------------------
 def check_pipeline(
-    cfg: ParallelConfig, dims: ParallelDims, precision: str = "fp32", compile_blocks: bool = False
+    cfg: ParallelConfig, dims: ParallelDims, precision: PrecisionPolicy, compile_blocks: bool
 ) -> None:
-    """One-line errors for pipeline settings the schedules cannot run (call before any process starts)."""
-    if dims.pp == 1:
-        return
+    """One-line errors for pipeline settings the schedules cannot run (called once, by
+    ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
     schedule = cfg.pp_schedule
     if schedule not in SCHEDULES:
         raise ConfigError(
             f"parallel.pp_schedule={schedule!r} is not a schedule; use one of {', '.join(SCHEDULES)}"
         )
+    if dims.pp == 1:
+        return
     if schedule in MULTI_STAGE and cfg.vpp < 2:
         raise ConfigError(f"parallel.pp_schedule={schedule} needs parallel.vpp >= 2 virtual stages per rank")
     if schedule not in MULTI_STAGE and cfg.vpp != 1:
@@ -91,7 +93,7 @@ def check_pipeline(
             "parallel.pp_schedule=zero_bubble splits backward into input and weight passes, which "
             "torch.compile'd blocks do not support; set train.compile=false or use interleaved_1f1b"
         )
-    if precision == "fp16":
+    if precision.grad_scaler:
         raise ConfigError(
             "train.precision=fp16 with parallel.pp > 1 is not supported (the loss scaler's overflow check is "
             "per stage); use train.precision=bf16"
@@ -333,7 +335,6 @@ def build_pipeline(
 
     `mesh` is the job's mesh (suite.parallel.mesh.build_mesh: every axis named, `data` flattened).
     """
-    check_pipeline(cfg.parallel, dims, cfg.train.precision, cfg.train.compile is True)
     pp = dims.pp
     vpp = cfg.parallel.vpp if cfg.parallel.pp_schedule in MULTI_STAGE else 1
     num_stages = pp * vpp

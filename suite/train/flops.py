@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from suite.runtime import DTYPES
+
 # Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets.
 GPU_PEAKS = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
@@ -18,7 +20,6 @@ GPU_PEAKS = {
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
     "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 PROBE_SIZE = 256  # the first, cheap product that tells which sizes fit the time budget

@@ -28,7 +28,7 @@ def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
     With a data-parallel wrapper FSDP2's MixedPrecisionPolicy keeps the fp32 masters
     (suite.parallel.data_parallel), so train.param_dtype applies only without one."""
     device = placement.optim_device or placement._device()
-    param_dtype = placement.param_dtype if placement.dp_kind == "none" else "fp32"
+    param_dtype = placement.param_dtype if placement.dp_kind == "none" else torch.float32
     optimizer = build_optimizer(placement.model, cfg, device, param_dtype)
     if placement.dp_kind == "zero1":
         from suite.train.zero1 import ZeroOneOptimizer
@@ -38,14 +38,14 @@ def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device, param_dtype: str = "fp32"
+    model: nn.Module, cfg: OptimConfig, device: torch.device, param_dtype: torch.dtype
 ) -> torch.optim.Optimizer:
     """AdamW, fused by default where it is known to work: CUDA, and CPU with plain (non-DTensor)
     parameters; foreach otherwise. optim.fused=true/false forces the choice.
 
     On CPU the fused kernel took ~6x less CPU time than foreach per step (16.8M parameters, one
     thread, torch 2.13: 12 ms vs 71 ms; `python bench/adamw_step.py`, docs/performance.md).
-    param_dtype="bf16" (train.param_dtype): the model's parameters become bf16 and the AdamW runs on
+    param_dtype=torch.bfloat16 (train.param_dtype): the model's parameters become bf16 and the AdamW runs on
     fp32 master copies (suite.train.master_weights); build it right after the fp32 initialisation.
     """
     fused = cfg.fused
@@ -58,10 +58,10 @@ def build_optimizer(
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
     groups = param_groups(model, cfg.weight_decay)
-    if param_dtype == "bf16":
+    if param_dtype != torch.float32:
         from suite.train.master_weights import MasterWeightOptimizer
 
-        return MasterWeightOptimizer(model, groups, adamw, torch.bfloat16)  # type: ignore[return-value]
+        return MasterWeightOptimizer(model, groups, adamw, param_dtype)  # type: ignore[return-value]
     return adamw(groups)
 
 

@@ -78,7 +78,7 @@ class TrainStep:
         autocast: Callable,
         scaler: torch.amp.GradScaler,
         *,
-        precision: str = "fp32",
+        grad_scaler: bool = False,
         grad_clip: float = 1.0,
         eos_id: int | None = None,
         loss_chunk_tokens: int = 0,
@@ -91,7 +91,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.autocast = autocast
         self.scaler = scaler
-        self.precision = precision
+        self.grad_scaler = grad_scaler  # fp16: the scaler skips overflowing steps itself
         self.grad_clip = grad_clip
         self.eos_id = eos_id
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -266,7 +266,7 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss, grad_norm, found_inf == 0)
         finite = math.isfinite(float(loss))
-        if self.precision != "fp16":
+        if not self.grad_scaler:
             finite = finite and math.isfinite(float(grad_norm))
         spike = finite and is_spike is not None and is_spike(float(loss))
         not_finite, spiked = self.any_ranks(not finite, spike)
@@ -285,7 +285,7 @@ class TrainStep:
         return (
             isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
             and all(group.get("fused") for group in opt.param_groups)
-            and self.precision != "fp16"
+            and not self.grad_scaler
             and not self.spike_detection
         )
 

@@ -28,15 +28,10 @@ from suite.data import TokenBatches, ensure_prepared
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.parallel.dims import ParallelDims
-from suite.parallel.env import (
-    DistEnv,
-    barrier,
-    emulates_low_precision,
-    init_process_group,
-    pick_device,
-)
+from suite.parallel.env import DistEnv, barrier, init_process_group
 from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import Placement, parallelize
+from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
@@ -50,15 +45,12 @@ from suite.train.step import TrainStep, build_step, training_loss
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_factory(device: torch.device, precision: str, param_dtype: str = "fp32"):
+def autocast_factory(device: torch.device, precision: PrecisionPolicy):
     """What each forward runs under: autocast to the precision's dtype over fp32 parameters, or
     nothing when the parameters are already in the compute dtype (train.param_dtype=bf16: the
     weights are not re-cast every step; the loss still runs in fp32, suite.train.loss)."""
-    dtype = AUTOCAST_DTYPES.get(precision)
-    if dtype is None or param_dtype != "fp32":
+    dtype = precision.autocast_dtype
+    if dtype is None:
         return nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
 
@@ -68,8 +60,9 @@ def standalone_step(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) 
     `Trainer.__init__` that shape the step, in its order (seed, meta model, parallelize,
     materialise, optimizer, scaler and autocast, `build_step`). Call it as `step(batches, lr)`."""
     apply_host_memory_setting(cfg.train.keep_host_memory, device)
+    precision = resolve_precision(cfg.train, device)
     torch.manual_seed(cfg.train.seed)
-    placement = parallelize(build_model(cfg.model, "meta"), cfg, dims, device)
+    placement = parallelize(build_model(cfg.model, "meta"), cfg, dims, device, precision)
     if placement.materialized is False:
         materialize(placement.model, device, cfg.train.seed)
     optimizer = optimizer_for(placement, cfg.optim)
@@ -77,9 +70,9 @@ def standalone_step(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) 
         placement,
         optimizer,
         training_loss(placement.model, bool(cfg.model.num_experts)),
-        autocast_factory(device, cfg.train.precision, cfg.train.param_dtype),
-        torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
-        precision=cfg.train.precision,
+        autocast_factory(device, precision),
+        torch.amp.GradScaler(device.type, enabled=precision.grad_scaler),
+        grad_scaler=precision.grad_scaler,
         grad_clip=cfg.optim.grad_clip,
         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
         spike_detection=cfg.train.spike_factor > 0,
@@ -106,9 +99,10 @@ class Trainer:
             torch.set_num_threads(cfg.train.num_threads)
         self.device = pick_device(cfg.train.device, self.env)
         self.host_memory_kept = apply_host_memory_setting(cfg.train.keep_host_memory, self.device)
-        if self.env.is_main and emulates_low_precision(self.device, cfg.train.precision):
+        self.precision = resolve_precision(cfg.train, self.device)  # read here, passed everywhere
+        if self.env.is_main and self.precision.emulated:
             print(
-                f"warning: train.precision={cfg.train.precision} on a CPU that does not compute it natively "
+                f"warning: train.precision={self.precision.name} on a CPU that does not compute it natively "
                 "(bf16: AVX-512 BF16 / AMX; fp16: AVX-512 FP16 / AMX-FP16): "
                 "its matmuls are emulated, ~100x slower than fp32 here; train.precision=auto picks fp32",
                 file=sys.stderr,
@@ -122,14 +116,14 @@ class Trainer:
         self._setup_data()
         model = build_model(cfg.model, "meta")
         self._adapt_model(model)
-        self.placement: Placement = parallelize(model, cfg, dims, self.device)
+        self.placement: Placement = parallelize(model, cfg, dims, self.device, self.precision)
         self.model = self.placement.model
         if self.placement.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
         self._load_initial_weights()
         self.optimizer = optimizer_for(self.placement, cfg.optim)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
-        self.autocast = autocast_factory(self.device, cfg.train.precision, cfg.train.param_dtype)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.grad_scaler)
+        self.autocast = autocast_factory(self.device, self.precision)
         self._build_loaders()
         self.step = 0
         self.bad_steps = 0  # non-finite steps skipped, in total (this process's run)
@@ -163,7 +157,7 @@ class Trainer:
             training_loss(self.model, bool(cfg.model.num_experts)),
             self.autocast,
             self.scaler,
-            precision=cfg.train.precision,
+            grad_scaler=self.precision.grad_scaler,
             grad_clip=cfg.optim.grad_clip,
             # documents end with EOS (suite.data.documents)
             eos_id=int(self.meta["eos_id"]) if cfg.data.doc_mask and self.meta is not None else None,
@@ -175,7 +169,7 @@ class Trainer:
         if cfg.train.resume:
             self._maybe_resume()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = peak_flops(self.device, cfg.train.precision, cfg.train.peak_flops)
+        self.peak = peak_flops(self.device, self.precision.name, cfg.train.peak_flops)
 
     # ---- what finetuning overrides (suite.finetune.trainer) ------------------------------------
     verb = "pretrain"
@@ -311,7 +305,7 @@ class Trainer:
         each rank's parameter placements and wrapped modules. Collective when distributed."""
         from suite.parallel.describe import describe_layout
 
-        extra = {"precision": self.cfg.train.precision, "param_dtype": self.cfg.train.param_dtype}
+        extra = {"precision": self.precision.name, "param_dtype": self.precision.param_dtype_name}
         if self.dims.pp > 1:
             extra["pp_schedule"] = self.cfg.parallel.pp_schedule
         return describe_layout(self.model, self.dims, self.placement.dp_kind, extra)
@@ -473,7 +467,7 @@ class Trainer:
             logger.print(
                 f"[bold]suite {self.verb}[/] {cfg.model.name}: {n_params / 1e6:.1f}M parameters, "
                 f"world {self.env.world_size} ({', '.join(f'{k}={v}' for k, v in self.dims.enabled.items()) or 'single process'}), "
-                f"{cfg.train.precision}, run dir {self.run_dir}"
+                f"{self.precision.name}, run dir {self.run_dir}"
             )
         last_loss = None
         summary: dict = {}

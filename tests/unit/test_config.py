@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from suite.checks import validate
 from suite.config.compose import SHIPPED_RECIPES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
-from suite.config.validate import validate
+from suite.runtime import resolve_auto
 
 GROUPS = sorted(p.name for p in SHIPPED_RECIPES.iterdir() if p.is_dir() and not p.name.startswith("_"))
 EVERY_OPTION = [(g, p.stem) for g in GROUPS for p in sorted((SHIPPED_RECIPES / g).glob("*.yaml"))]
@@ -149,7 +150,7 @@ def test_bad_input_is_one_clear_line(overrides, expected):
 
 
 def test_an_elastic_range_lists_the_world_sizes_the_degrees_fit():
-    from suite.config.validate import elastic_world_sizes
+    from suite.parallel.dims import elastic_world_sizes
 
     overrides = ["launch.nproc_per_node=1:4", "parallel.sharding=auto", "parallel.micro_batch_size=4"]
     cfg = to_object(compose_config([*overrides, "parallel.global_batch_size=16"]))
@@ -164,17 +165,19 @@ def test_auto_precision_is_resolved_at_compose_time(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert compose_config(["train.precision=auto"]).train.precision == "bf16"
+    assert resolve_auto(compose_config(["train.precision=auto"])).train.precision == "bf16"
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert compose_config(["train.precision=auto"]).train.precision == "fp32"
-    assert compose_config(["train.precision=fp16"]).train.precision == "fp16"  # explicit values stay
+    assert resolve_auto(compose_config(["train.precision=auto"])).train.precision == "fp32"
+    assert (
+        resolve_auto(compose_config(["train.precision=fp16"])).train.precision == "fp16"
+    )  # explicit values stay
 
 
 def test_emulated_low_precision_is_recognised(monkeypatch):
     """The trainer warns when bf16/fp16 on this CPU would be emulated (~100x slower than fp32 on AVX2 alone)."""
     import torch
 
-    from suite.parallel.env import emulates_low_precision
+    from suite.runtime import emulates_low_precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
@@ -191,8 +194,12 @@ def test_auto_attention_is_resolved_at_compose_time(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bf16 = ["train.precision=bf16", "train.device=cpu"]
-    assert compose_config(bf16).model.attention == "explicit"
-    assert compose_config([*bf16, "data.seq_len=4096"]).model.attention == "sdpa"
-    assert compose_config(["train.precision=fp32"]).model.attention == "sdpa"
-    assert compose_config(["train.precision=bf16", "train.device=cuda"]).model.attention == "sdpa"
-    assert compose_config([*bf16, "model.attention=sdpa"]).model.attention == "sdpa"  # explicit values stay
+    assert resolve_auto(compose_config(bf16)).model.attention == "explicit"
+    assert resolve_auto(compose_config([*bf16, "data.seq_len=4096"])).model.attention == "sdpa"
+    assert resolve_auto(compose_config(["train.precision=fp32"])).model.attention == "sdpa"
+    assert (
+        resolve_auto(compose_config(["train.precision=bf16", "train.device=cuda"])).model.attention == "sdpa"
+    )
+    assert (
+        resolve_auto(compose_config([*bf16, "model.attention=sdpa"])).model.attention == "sdpa"
+    )  # explicit values stay

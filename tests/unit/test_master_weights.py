@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from suite.checks import validate
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
-from suite.config.validate import validate
 from suite.models import build_model, materialize
 from suite.parallel.parallelize import parallelize
+from suite.runtime import resolve_auto, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train.loss import cross_entropy
 from suite.train.master_weights import MasterWeightOptimizer
@@ -33,17 +34,20 @@ STEPS = 5
 
 
 def _config(*overrides: str):
-    cfg = to_object(compose_config(["recipe=gpt-tiny", *TINY_MODEL, "train.device=cpu", *overrides]))
+    cfg = to_object(
+        resolve_auto(compose_config(["recipe=gpt-tiny", *TINY_MODEL, "train.device=cpu", *overrides]))
+    )
     return cfg, validate(cfg, needs_data=False)
 
 
 def _build(param_dtype: str):
     cfg, dims = _config("train.precision=bf16", f"train.param_dtype={param_dtype}", "optim.lr=1e-2")
     model = build_model(cfg.model, "meta")
-    placement = parallelize(model, cfg, dims, CPU)
+    precision = resolve_precision(cfg.train, CPU)
+    placement = parallelize(model, cfg, dims, CPU, precision)
     materialize(placement.model, CPU, cfg.train.seed)
     optimizer = optimizer_for(placement, cfg.optim)
-    autocast = autocast_factory(CPU, "bf16", param_dtype)
+    autocast = autocast_factory(CPU, precision)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     return TrainStep(placement, optimizer, cross_entropy, autocast, scaler), optimizer, autocast
 
@@ -147,7 +151,7 @@ def test_compile_auto_picks_wide_llama_models(overrides, expected):
     from suite.parallel.parallelize import compile_enabled
 
     cfg, dims = _config(*overrides)
-    assert compile_enabled(cfg, dims, CPU) is expected
+    assert compile_enabled(cfg, dims, CPU, resolve_precision(cfg.train, CPU)) is expected
 
 
 def test_compile_bad_value_is_a_one_line_error():

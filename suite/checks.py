@@ -1,0 +1,54 @@
+"""One call that checks a composed config before any process starts.
+
+Each subsystem owns the checks of its own keys (suite.config.validate: single keys' values;
+suite.models.checks, suite.data.checks, suite.parallel (degrees, pipeline, recompute, elastic
+ranges), suite.runtime (precision), suite.finetune.checks); this module only calls them, once, in
+the parent. Launched workers re-check nothing, except the layout of an elastic attempt that runs
+on fewer processes than the parent checked (`worker_dims`).
+"""
+
+from __future__ import annotations
+
+from suite.config.schema import SuiteConfig
+from suite.config.validate import check_values, world_size
+from suite.data.checks import check_data
+from suite.models.checks import check_model
+from suite.parallel.dims import ParallelDims, check_elastic, resolve_dims
+from suite.parallel.recompute import check_recompute
+from suite.runtime import check_precision
+
+
+def validate(
+    cfg: SuiteConfig, *, needs_data: bool = True, world: int | None = None, finetune: bool = False
+) -> ParallelDims:
+    """Check everything that can be checked before any process starts; returns the resolved degrees
+    (for `world` processes when given, else the job's starting world). `finetune`: also what
+    finetuning cannot run (suite.finetune.checks.check_finetune ran before the base model was read)."""
+    check_values(cfg)
+    check_model(cfg.model)
+    check_data(cfg, needs_data)
+    check_recompute(cfg.recompute, cfg.model.num_layers)
+    dims = _layout(cfg, world or world_size(cfg), finetune)
+    if world is None:
+        check_elastic(cfg)
+    return dims
+
+
+def _layout(cfg: SuiteConfig, world: int, finetune: bool) -> ParallelDims:
+    """The checks that depend on the world size."""
+    dims = resolve_dims(cfg, world)
+    check_precision(cfg, dims)
+    if finetune:
+        from suite.finetune.checks import check_finetune_layout
+
+        check_finetune_layout(cfg, dims)
+    return dims
+
+
+def worker_dims(cfg: SuiteConfig, world: int | None, finetune: bool = False) -> ParallelDims:
+    """A launched worker's degrees. The parent checked the job at its starting world; an elastic
+    attempt on fewer processes checks its own world's layout (and nothing else again)."""
+    start = world_size(cfg)
+    if world is None or world == start:
+        return ParallelDims.from_config(cfg.parallel, start)
+    return _layout(cfg, world, finetune)

@@ -1,0 +1,61 @@
+"""The finetune section's checks, run once in the parent (suite.checks) before any process starts."""
+
+from __future__ import annotations
+
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+
+
+def check_finetune(cfg: SuiteConfig) -> None:
+    """The finetune section on its own, before the base model is read (model.init_from must be there)."""
+    ft = cfg.finetune
+    for key, value, options in (
+        ("finetune.method", ft.method, ("full", "lora")),
+        ("finetune.data.truncation", ft.data.truncation, ("truncate", "skip")),
+        ("finetune.data.on_error", ft.data.on_error, ("skip", "fail")),
+    ):
+        if value not in options:
+            raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(options)}")
+    if not cfg.model.init_from:
+        raise ConfigError(
+            "model.init_from is missing; finetuning starts from a base model: model.init_from=runs/gpt-tiny "
+            "(a `suite pretrain` run) or model.init_from=hf:<folder>"
+        )
+    if ft.data.task:
+        from suite.data.tasks import get_task
+
+        get_task(ft.data.task)  # a one-line error for an unknown name
+        if ft.data.sources:
+            raise ConfigError(
+                f"finetune.data.task={ft.data.task} and finetune.data.sources are both set; pick one"
+            )
+    elif not ft.data.sources:
+        raise ConfigError(
+            "finetune.data needs a task or sources: finetune.data.task=reverse-6 or "
+            "'finetune.data.sources=[{path: data/chat.jsonl}]'"
+        )
+    if ft.lora.rank < 1:
+        raise ConfigError(f"finetune.lora.rank={ft.lora.rank} must be >= 1; e.g. 8")
+    if not 0.0 <= ft.lora.dropout < 1.0:
+        raise ConfigError(f"finetune.lora.dropout={ft.lora.dropout} must be in [0, 1)")
+    if ft.epochs is not None and ft.epochs <= 0:
+        raise ConfigError(f"finetune.epochs={ft.epochs} must be positive (or null: train.max_steps decides)")
+
+
+def check_finetune_layout(cfg: SuiteConfig, dims) -> None:
+    """What finetuning cannot run yet, once the base model's architecture and the degrees are known
+    (`dims`: suite.parallel.dims.ParallelDims)."""
+    if getattr(cfg.model, "num_experts", 0):
+        raise ConfigError(
+            f"model.num_experts={cfg.model.num_experts}: finetuning Mixture-of-Experts models is not supported "
+            "yet; finetune a dense model"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={dims.cp}: finetuning does not run under context parallelism yet; use dp, sharding and tp"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp}: finetuning does not run under pipeline parallelism yet (packed "
+            "samples need positions and masks passed between stages); use dp, sharding and tp"
+        )

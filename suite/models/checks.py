@@ -1,0 +1,28 @@
+"""The model section's relations between keys (heads, widths, experts), checked before launch."""
+
+from __future__ import annotations
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig
+
+
+def check_model(m: ModelConfig) -> None:
+    """One-line ConfigErrors for architectures the blocks cannot build."""
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+            "pick heads that divide the hidden size"
+        )
+    kv = m.num_kv_heads or m.num_heads
+    if m.num_heads % kv:
+        raise ConfigError(
+            f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}; use a divisor of {m.num_heads}"
+        )
+    if m.family == "llama" and (m.hidden_size // m.num_heads) % 2:
+        raise ConfigError(
+            f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even for RoPE"
+        )
+    if m.num_experts > 0:
+        from suite.models.moe import check_moe_config
+
+        check_moe_config(m)
