@@ -21,6 +21,7 @@ from tests.helpers import (
     TINY_MODEL,
     assert_close_losses,
     assert_close_updates,
+    assert_layout,
     read_metrics,
     run_suite,
     suite_env,
@@ -58,6 +59,7 @@ def test_killed_rank_is_restarted_and_the_run_ends_like_an_uninterrupted_one(
     assert resumed == [(str(SAVE_EVERY), str(SAVE_EVERY))], proc.stdout
     assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS
     assert max(r["step"] for r in read_metrics(run_dir)) == STEPS
+    assert_layout(run_dir, nproc, overrides)
     assert_close_losses(train_losses(layout_run(layout)), train_losses(run_dir), rtol=1e-4)
     assert_close_updates(layout_run(layout), run_dir, tol=1e-4)
 
@@ -142,5 +144,6 @@ def test_elastic_job_loses_a_device_and_finishes_on_fewer_processes(layout_run, 
     )
     assert resumed == [("5", "5")], proc.stdout
     assert "world 2 (sharding=2)" in proc.stdout
+    assert_layout(run_dir, 2, ["parallel.sharding=2"])  # the restarted attempt's layout
     assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS
     assert_close_losses(train_losses(layout_run("sharding4-stage3")), train_losses(run_dir), rtol=1e-4)

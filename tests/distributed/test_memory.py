@@ -14,6 +14,7 @@ import json
 import pytest
 
 from tests.distributed.conftest import pretrain
+from tests.helpers import assert_layout
 
 
 def state_bytes(run_dir) -> dict[str, int]:
@@ -28,7 +29,9 @@ def test_sharding_stages_divide_model_state(layout_run, tiny_data, tmp_path):
         "stage1": ["parallel.sharding=4", "parallel.sharding_stage=1"],
         "stage2": ["parallel.sharding=4", "parallel.sharding_stage=2"],
     }.items():
-        measured[name] = state_bytes(pretrain(tmp_path / name, tiny_data, 4, *overrides, steps=2))
+        run_dir = pretrain(tmp_path / name, tiny_data, 4, *overrides, steps=2)
+        assert_layout(run_dir, 4, overrides)  # dp4: replicate; stage 1: zero1; stage 2: fsdp
+        measured[name] = state_bytes(run_dir)
     dp, s1, s2, s3 = (measured[k] for k in ("dp4", "stage1", "stage2", "stage3"))
     assert dp["params"] == s1["params"] == s2["params"], measured  # stages 1-2 hold whole parameters at peak
     assert s3["total"] <= 0.3 * dp["total"], measured

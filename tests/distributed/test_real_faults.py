@@ -31,6 +31,7 @@ from tests.helpers import (
     TINY_MODEL,
     assert_close_losses,
     assert_close_updates,
+    assert_layout,
     final_weights,
     process_gone,
     read_metrics,
@@ -198,6 +199,7 @@ def test_worker_killed_from_outside_at_a_random_moment_is_restarted_exactly(layo
     )
     ref = layout_run(LAYOUT)
     assert_close_losses(train_losses(ref), train_losses(run_dir), rtol=1e-4)
+    assert_layout(run_dir, *LAYOUTS[LAYOUT])
     assert_close_updates(ref, run_dir, tol=1e-4)
 
 
@@ -243,6 +245,7 @@ def test_rank_killed_from_outside_during_a_synchronous_save_is_restarted_exactly
     assert verify(root / f"step_{STEPS}") is None and verify(root / f"step_{SAVE_EVERY}") is None
     ref = layout_run(LAYOUT)
     assert_close_losses(train_losses(ref), train_losses(run_dir), rtol=1e-4)
+    assert_layout(run_dir, *LAYOUTS[LAYOUT])
     assert_close_updates(ref, run_dir, tol=1e-4)
 
 
