@@ -115,13 +115,14 @@ class Placement:
         for hook in self.gradient_hooks:
             hook()
 
-    def _device(self) -> torch.device:
+    def param_device(self) -> torch.device:
+        """Where this rank's (first) parameter lives."""
         param = next(self.model.parameters())
         return getattr(param, "_local_tensor", param).device
 
     def input_device(self) -> torch.device:
         """Where batches go (offloaded FSDP keeps sharded params on the CPU, compute on the device)."""
-        return self.compute_device or self._device()
+        return self.compute_device or self.param_device()
 
 
 def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:

@@ -27,7 +27,7 @@ def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over what this rank holds (a suite.parallel.Placement); ZeRO-1: over its slice of it.
     With a data-parallel wrapper FSDP2's MixedPrecisionPolicy keeps the fp32 masters
     (suite.parallel.data_parallel), so train.param_dtype applies only without one."""
-    device = placement.optim_device or placement._device()
+    device = placement.optim_device or placement.param_device()
     param_dtype = placement.param_dtype if placement.dp_kind == "none" else torch.float32
     optimizer = build_optimizer(placement.model, cfg, device, param_dtype)
     if placement.dp_kind == "zero1":
