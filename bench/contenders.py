@@ -89,6 +89,7 @@ def build_suite_step(cfg, dims):
     (suite.train.trainer.standalone_step: the trainer's own construction calls and `build_step`)."""
     import torch
 
+    from suite.data.batch import Batch
     from suite.train.schedule import lr_at
     from suite.train.trainer import standalone_step
 
@@ -97,7 +98,7 @@ def build_suite_step(cfg, dims):
 
     def step(micro_batches):
         lr = lr_at(done[0], cfg.optim, cfg.sched, cfg.train.max_steps)  # the loop's learning rate
-        result = runner(micro_batches, lr)
+        result = runner([Batch.from_windows(b) for b in micro_batches], lr)  # views: no copy
         done[0] += 1
         return result.loss
 

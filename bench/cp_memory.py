@@ -51,12 +51,14 @@ def _free_port() -> int:
 
 
 def _inputs(cfg: ModelConfig, batch: torch.Tensor, cp: int, rank: int):
-    tokens, targets = batch[:, :-1], batch[:, 1:]
+    from suite.data.batch import Batch
+
+    micro = Batch.from_windows(batch)
     if cp == 1:
-        return tokens, targets, {}
+        return micro.tokens, micro.labels, {}
     from suite.parallel.context_parallel import split_batch
 
-    return split_batch(tokens, targets, cp, rank)
+    return split_batch(micro, cp, rank)
 
 
 def _saved_bytes(model, tokens, targets, kwargs) -> int:

@@ -35,6 +35,7 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     import bench.contenders as tp
     from suite.checks import validate
     from suite.config.compose import compose_config, to_object
+    from suite.data.batch import Batch
     from suite.runtime import resolve_auto
     from suite.train.schedule import lr_at
     from suite.train.trainer import standalone_step
@@ -64,7 +65,7 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     seq, micro = cfg.data.seq_len, cfg.parallel.micro_batch_size
     gen = torch.Generator().manual_seed(0)
     batches = [
-        torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=gen).to(device)
+        Batch.from_windows(torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=gen).to(device))
         for _ in range(dims.accumulation(cfg.parallel))
     ]
     return step, batches, micro * len(batches) * seq

@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from suite.config.schema import DataConfig, ModelConfig  # noqa: E402
 from suite.data import TokenBatches, ensure_prepared, load_tokenizer  # noqa: E402
-from suite.data.sft import SFTBatches, SFTDataset, SFTOptions, sft_loss  # noqa: E402
+from suite.data.sft import SFTBatches, SFTDataset, SFTOptions  # noqa: E402
 from suite.data.tasks import DEFAULT_TASK, get_task, write_task  # noqa: E402
 from suite.infer.evaluate import evaluate_task  # noqa: E402
 from suite.models import build_model, materialize  # noqa: E402
 from suite.models.lora import apply_lora, count_trainable  # noqa: E402
+from suite.train.loss import cross_entropy  # noqa: E402
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
@@ -75,7 +76,7 @@ def pretrained_state(args, cfg: ModelConfig, data_dir: Path) -> dict[str, torch.
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.pretrain_steps, args.pretrain_lr, 30)
         (batch,) = batches.next_step()
-        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss = cross_entropy(model(batch.tokens), batch.labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -165,7 +166,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, lr, args.warmup)
         (batch,) = batches.next_step()
-        loss = sft_loss(model(batch.tokens, **batch.model_kwargs()), batch.labels)
+        loss = cross_entropy(model(batch.tokens, **batch.model_kwargs()), batch.labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -50,12 +50,3 @@ def check_finetune_layout(cfg: SuiteConfig, dims) -> None:
             f"model.num_experts={cfg.model.num_experts}: finetuning Mixture-of-Experts models is not supported "
             "yet; finetune a dense model"
         )
-    if dims.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={dims.cp}: finetuning does not run under context parallelism yet; use dp, sharding and tp"
-        )
-    if dims.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={dims.pp}: finetuning does not run under pipeline parallelism yet (packed "
-            "samples need positions and masks passed between stages); use dp, sharding and tp"
-        )

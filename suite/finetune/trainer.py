@@ -5,8 +5,8 @@ checkpoints and resume are the Trainer's):
 
     data      finetune.data: a built-in task (generated into <run.dir>/task/) or chat rows from local
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
-              packed; batches are SFTBatch (tokens, labels, positions, doc_ids) and the loss is
-              token-weighted over the global batch (suite.train.step.TrainStep._labelled_loss)
+              packed; batches are suite.data.batch.Batch (tokens, labels, positions, doc_ids), the
+              type pretraining uses, and the step's one loss weighs every target token of the global batch
     weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.sources) replaces
               the seeded initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
@@ -29,7 +29,8 @@ from torch import nn
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
-from suite.data.sft import SFTBatches, SFTDataset, SFTOptions, iter_sft_rows, use_chat_template
+from suite.data.chat import use_chat_template
+from suite.data.sft import SFTBatches, SFTDataset, SFTOptions, iter_sft_rows
 from suite.parallel.env import barrier
 from suite.sources import ModelSource
 from suite.train.trainer import Trainer
@@ -216,8 +217,8 @@ class FinetuneTrainer(Trainer):
         metrics = {"val_loss": self.evaluate()}
         ft = self.cfg.finetune
         if self.task_eval_file is not None and ft.eval_samples > 0:
-            if self.dims.tp > 1 or self.dims.pp > 1:
-                return metrics  # greedy decoding runs on whole layers; `suite eval` afterwards
+            if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
+                return metrics  # greedy decoding runs on whole layers and sequences; `suite eval` afterwards
             from suite.data.tasks import get_task
             from suite.infer.evaluate import evaluate_task
 

@@ -1,7 +1,7 @@
 """Evaluation: task accuracy by generating answers, and perplexity over (masked) batches.
 
 evaluate_task renders each held-out conversation's prompt with the same chat template and the
-same segment-wise tokenization as training (suite.data.sft.prompt_ids), decodes greedily with the
+same segment-wise tokenization as training (suite.data.chat.prompt_ids), decodes greedily with the
 KV cache (suite.infer.generate.generate_tokens) until the eos token, and scores the decoded reply
 against the reference with the task's exact match.
 """
@@ -17,16 +17,9 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig
-from suite.data.sft import (
-    IGNORE_INDEX,
-    MalformedRow,
-    SFTBatch,
-    iter_sft_rows,
-    normalize_record,
-    prompt_ids,
-    resolve_chat_template,
-    sft_loss,
-)
+from suite.data.batch import Batch
+from suite.data.chat import MalformedRow, normalize_record, prompt_ids, resolve_chat_template
+from suite.data.sft import iter_sft_rows
 from suite.data.tasks import score
 
 
@@ -151,27 +144,21 @@ def generate_answer_ids(
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, batches: Iterable[SFTBatch | torch.Tensor]) -> dict[str, float]:
-    """Token-weighted mean loss and perplexity over the target tokens of `batches`.
+def perplexity(model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, float]:
+    """Token-weighted mean loss and perplexity over the target tokens of `batches`
+    (suite.data.batch.Batch: labels masked, positions and document masks honoured).
+    Returns {"loss", "perplexity", "tokens"}."""
+    from suite.train.loss import cross_entropy
 
-    Accepts SFTBatch (labels masked, positions/mask honoured) or pretraining windows [b, s+1]
-    (every next token a target). Returns {"loss", "perplexity", "tokens"}.
-    """
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
         for batch in batches:
-            if isinstance(batch, SFTBatch):
-                batch = batch.to(device)
-                logits = model(batch.tokens, **batch.model_kwargs())
-                labels = batch.labels
-            else:
-                batch = batch.to(device)
-                logits, labels = model(batch[:, :-1]), batch[:, 1:]
-            total += float(sft_loss(logits, labels, reduction="sum"))
-            count += int((labels != IGNORE_INDEX).sum())
+            batch = batch.to(device)
+            total += float(cross_entropy(model(batch.tokens, **batch.model_kwargs()), batch.labels, "sum"))
+            count += batch.num_targets
     finally:
         model.train(was_training)
     if count == 0:

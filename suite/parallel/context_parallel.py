@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from suite.data.documents import document_mask, document_positions
+from suite.data.batch import Batch
+from suite.data.documents import document_mask
 
 
 def chunk_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -48,27 +49,18 @@ def chunk_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "
     return torch.cat([early, late])
 
 
-def split_batch(
-    tokens: torch.Tensor,
-    targets: torch.Tensor,
-    cp: int,
-    rank: int,
-    doc_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def split_batch(batch: Batch, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """This rank's part of a micro-batch: (tokens, targets, forward kwargs with positions and mask).
 
-    Without documents the positions are the chunks' real positions and the mask is left to the
-    attention (causal); with documents the positions restart per document and the mask is
-    [b, 1, 2L, S]: the rank's queries against every key, in sequence order.
+    Positions are the chunks' own (the batch's positions, or their index in the sequence); without
+    documents the mask is left to the attention (causal); with documents it is [b, 1, 2L, S]: the
+    rank's queries against every key, in sequence order.
     """
-    index = chunk_index(tokens.shape[1], cp, rank, tokens.device)
-    kwargs: dict = {"positions": index}
-    if doc_ids is not None:
-        kwargs = {
-            "positions": document_positions(doc_ids)[:, index],
-            "mask": document_mask(doc_ids, query_index=index),
-        }
-    return tokens[:, index], targets[:, index], kwargs
+    index = chunk_index(batch.tokens.shape[1], cp, rank, batch.tokens.device)
+    kwargs: dict = {"positions": index if batch.positions is None else batch.positions[:, index]}
+    if batch.doc_ids is not None:
+        kwargs["mask"] = document_mask(batch.doc_ids, query_index=index)
+    return batch.tokens[:, index], batch.labels[:, index], kwargs
 
 
 # ---- the collectives: K/V gathered into sequence order, gradients scattered back -------------------

@@ -132,11 +132,6 @@ class ParallelDims:
         model, pcfg = cfg.model, cfg.parallel
         if self.cp > 1:
             check_context_parallel(self, cfg)
-        if cfg.data.doc_mask and self.pp > 1:
-            raise ConfigError(
-                f"data.doc_mask=true is not supported with parallel.pp={self.pp} (pipeline stages pass no "
-                "attention mask); use parallel.pp=1 or data.doc_mask=false"
-            )
         if model.num_experts > 0 or self.ep > 1:
             from suite.parallel.expert_parallel import check_expert_parallel
 

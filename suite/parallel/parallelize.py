@@ -94,6 +94,12 @@ class Placement:
         dist.all_reduce(value, group=group)
         return value / size
 
+    @property
+    def gradient_average_size(self) -> int:
+        """How many ranks the data-parallel wrapper averages gradients over (dp x sharding, x cp: cp
+        ranks hold the same parameters and different tokens)."""
+        return self.dims.data_parallel_size * self.dims.cp
+
     def data_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank tensor over the data-parallel ranks."""
         group = self.data_group

@@ -16,9 +16,10 @@
    because their gradients are summed across the two stages before the optimizer step
    (Megatron's embedding group), which is exactly the gradient of the shared weight.
 
-The schedule's loss is the per-micro-batch mean loss and the schedule divides gradients by the
-number of micro-batches (scale_grads), so gradients are those of the mean loss over the step's
-micro-batches, as in the single-process loop; data-parallel wrappers average across replicas.
+The schedule's loss is each micro-batch's share of the global-batch loss (summed over its target
+tokens, divided by the global batch's; suite.train.step), so the schedule must not divide the
+gradients again (scale_grads=False); data-parallel wrappers average across replicas. Positions and
+document masks travel as the schedule's keyword arguments, which reach every stage.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ class PipelineStages:
         """The configured schedule over these stages, with `loss_fn(output, target)` per micro-batch."""
         cls = SCHEDULES[self.schedule_name]
         arg = self.stages if self.multi_stage else self.stages[0]
-        return cls(arg, n_microbatches=self.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(arg, n_microbatches=self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def peer(self, stage: int) -> int:
         """The global rank that runs `stage`."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # targets with this value (masked tokens) contribute nothing
+from suite.data.batch import IGNORE_INDEX
 
 
 @dataclass

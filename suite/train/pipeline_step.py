@@ -1,9 +1,10 @@
 """The step on a pipeline placement: a torch.distributed.pipelining schedule over this rank's stages.
 
-The schedule's loss is the per-micro-batch mean loss and the schedule divides gradients by the
-number of micro-batches (scale_grads), so gradients are those of the mean loss over the step's
-micro-batches, as in the single-process loop; data-parallel wrappers average across replicas.
-The placement's gradient hooks then sum the tied embedding's two copies (suite.parallel.pipeline).
+The schedule's loss is each micro-batch's share of the global-batch loss, weighted exactly as the
+single-process loop weighs it (TrainStep.loss_weight), so the schedule does not rescale gradients;
+data-parallel wrappers average across replicas. Positions and document masks are the schedule's
+keyword arguments, split per micro-batch like the tokens and passed to every stage. The placement's
+gradient hooks then sum the tied embedding's two copies (suite.parallel.pipeline).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from suite.data.batch import Batch
 from suite.parallel import data_parallel as dpar
 from suite.parallel import memory
 from suite.parallel.pipeline import PipelineStages
@@ -44,32 +46,36 @@ class PipelineStep(TrainStep):
         dist.broadcast(value, src=self.stages.last_rank, group=self.stages.pp_group)
         return value
 
-    def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        """One schedule step over the micro-batches; the data-parallel mean loss on every rank."""
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """One schedule step over the micro-batches; the data-parallel global-batch loss on every rank."""
         stages, placement = self.stages, self.placement
         if len(micro_batches) != stages.n_microbatches:
             raise ValueError(
                 f"the pipeline schedule was built for {stages.n_microbatches} micro-batches per step, "
                 f"got {len(micro_batches)}"
             )
-        batch = torch.cat(micro_batches)
+        weight = self.loss_weight(micro_batches)
+        batch = Batch.cat(micro_batches)
         if micro_batches[0].is_pinned():  # keep the copy asynchronous (data.prefetch pins on CUDA)
             batch = batch.pin_memory()
         batch = batch.to(placement.input_device(), non_blocking=True)
-        tokens, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        scaler, loss_fn = self.scaler, self.loss_fn
-        self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt))
+        scaler, loss_fn, aux_weight = self.scaler, self.loss_fn, 1.0 / len(micro_batches)
+        self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt, weight, aux_weight))
         losses: list[torch.Tensor] = []
-        args = (tokens,) if stages.has_first else ()
+        args = (batch.tokens,) if stages.has_first else ()
         with placement.loss_context(), self.autocast():  # the last stage's loss backward runs inside step()
             self.schedule.step(
-                *args, target=targets if stages.has_last else None, losses=losses, return_outputs=False
+                *args,
+                target=batch.labels if stages.has_last else None,
+                losses=losses,
+                return_outputs=False,
+                **batch.model_kwargs(),
             )
         placement.after_backward()
         self.note_bytes("params", memory.parameter_bytes(self.model))
         self.note_bytes("grads", memory.gradient_bytes(self.model))
         if stages.has_last:
-            loss = torch.stack([local_value(x).float() for x in losses]).mean()
+            loss = torch.stack([local_value(x).float() for x in losses]).sum()
             if scaler.is_enabled():
                 loss = loss / scaler.get_scale()
         else:
@@ -119,16 +125,18 @@ class PipelineStep(TrainStep):
         return t
 
     @torch.no_grad()
-    def evaluate(self, batches: list) -> float:
+    def evaluate(self, batches: list[Batch]) -> float:
         """Forward only, batch by batch through the stages (no schedule: any number of batches);
-        the mean loss on every rank."""
+        the loss over every target token of `batches`, on every rank."""
         self.model.eval()
         stages, placement = self.stages, self.placement
         device = placement.input_device()
         by_stage = dict(zip(stages.stage_ids, stages.parts))
-        total = torch.zeros((), device=device)
+        weight = self.loss_weight(batches)
+        total = torch.zeros((), device=device, dtype=torch.float64)
         for batch in batches:
             batch = batch.to(device)
+            kwargs = batch.model_kwargs()
             hidden = None
             for s in range(stages.num_stages):
                 part = by_stage.get(s)
@@ -137,11 +145,10 @@ class PipelineStep(TrainStep):
                 if s > 0 and (s - 1) not in by_stage:
                     hidden = self._recv(s - 1, device)
                 with placement.loss_context(), self.autocast():
-                    out = part(batch[:, :-1]) if s == 0 else part(hidden)
+                    out = part(batch.tokens, **kwargs) if s == 0 else part(hidden, **kwargs)
                     if s == stages.num_stages - 1:
-                        total += local_value(self.loss_fn(out, batch[:, 1:])).float()
+                        total += local_value(self.loss_fn(out, batch.labels, weight)).double()
                 hidden = out
                 if s + 1 < stages.num_stages and (s + 1) not in by_stage:
                     self._send(out, s + 1)
-        mean = total / max(1, len(batches))
-        return float(placement.data_mean(self._from_last_stage(mean)))
+        return float(placement.data_mean(self._from_last_stage(total)))

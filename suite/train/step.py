@@ -1,17 +1,16 @@
 """One optimizer step, for every layout: micro-batches -> loss -> backward -> clip -> optimizer.
 
 `parallelize` (suite.parallel) only places the model: it returns a `Placement` saying what this rank
-holds. The step lives here and reads the placement: how a micro-batch becomes model inputs (document
-masks, context-parallel chunks), how losses are weighted (the mean of micro-batch means for token
-windows; token-weighted over the global batch for labelled SFT rows), when data-parallel wrappers
-synchronise gradients, which reductions clipping needs, and how the optimizer skips a non-finite
-step. `build_step` is the one constructor: the trainer, finetuning and the benchmarks call it.
+holds. The step lives here and reads the placement: how a micro-batch (suite.data.batch.Batch, the
+one type pretraining and SFT share) becomes model inputs (positions, document masks, context-parallel
+chunks), how the loss is weighted (one loss: summed cross-entropy over the target tokens of the whole
+global batch, every micro-batch and rank), when data-parallel wrappers synchronise gradients, which
+reductions clipping needs, and how the optimizer skips a non-finite step. `build_step` is the one constructor: the trainer, finetuning and the benchmarks call it.
 A pipeline placement gets `suite.train.pipeline_step.PipelineStep`, which runs the schedule.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,16 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from suite.data.batch import Batch
 from suite.parallel import memory
 from suite.parallel.parallelize import Placement
 
-LossFn = Callable[..., torch.Tensor]  # (logits, targets, reduction="mean"|"sum") -> scalar loss
-
-
-def is_labelled(batch) -> bool:
-    """A finetuning micro-batch (suite.data.sft.SFTBatch: tokens, labels, positions, doc_ids), as
-    opposed to a pretraining token window [b, s+1]."""
-    return hasattr(batch, "labels")
+LossFn = Callable[..., torch.Tensor]  # (logits, targets, weight, aux_weight=0.0) -> weighted scalar loss
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
@@ -39,17 +33,18 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
 
 
 def training_loss(model: nn.Module, moe: bool) -> LossFn:
-    """Cross-entropy over the targets; for an MoE model in training, plus its balance and z-losses,
-    which are per-micro-batch means, so only beside a mean loss."""
+    """Summed cross-entropy over the targets times `weight` (the step's share of the global batch);
+    for an MoE model in training, plus `aux_weight` times its balance and z-losses (per-micro-batch
+    means: the step weighs them 1 / micro-batches)."""
     from suite.models.moe import moe_aux_loss
     from suite.train.loss import cross_entropy
 
-    def loss_fn(logits, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        loss = cross_entropy(logits, targets, reduction)
-        if moe and model.training and reduction == "mean":
+    def loss_fn(logits, targets: torch.Tensor, weight, aux_weight: float = 0.0) -> torch.Tensor:
+        loss = cross_entropy(logits, targets, "sum") * weight
+        if moe and model.training and aux_weight:
             aux = moe_aux_loss(model)
             if aux is not None:
-                loss = loss + aux.to(loss.device)
+                loss = loss + aux.to(loss.device) * aux_weight
         return loss
 
     return loss_fn
@@ -66,7 +61,6 @@ class StepResult:
 class TrainStep:
     """Forward/backward over a step's micro-batches, clipping and the optimizer, on one placement.
 
-    `eos_id` (data.doc_mask): positions restart after every EOS and attention stays inside documents.
     `loss_chunk_tokens` (train.loss_chunk_tokens): the head and loss run chunk by chunk.
     """
 
@@ -80,7 +74,6 @@ class TrainStep:
         *,
         grad_scaler: bool = False,
         grad_clip: float = 1.0,
-        eos_id: int | None = None,
         loss_chunk_tokens: int = 0,
         spike_detection: bool = False,
         host_group: dist.ProcessGroup | None = None,
@@ -93,40 +86,39 @@ class TrainStep:
         self.scaler = scaler
         self.grad_scaler = grad_scaler  # fp16: the scaler skips overflowing steps itself
         self.grad_clip = grad_clip
-        self.eos_id = eos_id
         self.loss_chunk_tokens = loss_chunk_tokens
         self.spike_detection = spike_detection
         self.host_group = host_group
         self.state_peaks: dict[str, int] = {}
 
     # ---- inputs and losses ------------------------------------------------------------------------
-    def model_inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(tokens, targets, forward kwargs) of a [b, s + 1] row batch for this rank.
-
-        data.doc_mask: positions restart after every EOS and attention stays inside documents;
-        cp > 1: only this rank's two sequence chunks, with their real positions.
-        """
-        tokens, targets = batch[:, :-1], batch[:, 1:]
-        doc_ids = None
-        if self.eos_id is not None:
-            from suite.data.documents import document_ids
-
-            doc_ids = document_ids(tokens, self.eos_id)
+    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(tokens, targets, forward kwargs) of a micro-batch for this rank (cp > 1: only this rank's
+        two sequence chunks, with their own positions and document mask)."""
         cp = self.placement.dims.cp
         if cp > 1:
             from suite.parallel.context_parallel import split_batch
 
-            return split_batch(tokens, targets, cp, self.placement.cp_rank, doc_ids)
-        if doc_ids is None:
-            return tokens, targets, {}
-        from suite.data.documents import document_mask, document_positions
+            return split_batch(batch, cp, self.placement.cp_rank)
+        return batch.tokens, batch.labels, batch.model_kwargs()
 
-        return tokens, targets, {"positions": document_positions(doc_ids), "mask": document_mask(doc_ids)}
+    def loss_weight(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """The factor that turns a micro-batch's summed loss into its share of the global-batch loss.
+
+        Micro-batches and data-parallel ranks may hold different numbers of target tokens (SFT), so
+        the denominator is counted over all of them first (one all-reduce, a device tensor never read
+        on the host); times the ranks the data-parallel wrapper averages gradients over. Any dp / cp /
+        micro-batch split thus gives the loss and gradient of one process taking the global batch at once.
+        """
+        placement = self.placement
+        local = float(sum(batch.num_targets for batch in micro_batches))
+        targets = placement.data_sum(torch.tensor(local, device=placement.input_device()))
+        return placement.gradient_average_size / targets.clamp(min=1.0)
 
     def model_loss(
-        self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, loss_fn: LossFn
+        self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, weight, aux_weight: float = 0.0
     ) -> torch.Tensor:
-        """The model's loss on one micro-batch, as `model_inputs` made it (tokens, targets, forward kwargs).
+        """The model's weighted loss on one micro-batch, as `model_inputs` made it (tokens, targets, kwargs).
 
         With loss_chunk_tokens > 0 and more tokens than that in the batch, the model hands its final
         hidden states and head weight to the loss instead of projecting them (the forward's `head`
@@ -141,53 +133,19 @@ class TrainStep:
         if 0 < chunk < targets.numel() and plain_head and not self.placement.loss_parallel:
             from suite.train.loss import HeadInput
 
-            def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-                return loss_fn(HeadInput(hidden, weight, chunk), targets)  # type: ignore[arg-type]
+            def head(hidden: torch.Tensor, weight_: torch.Tensor) -> torch.Tensor:
+                return self.loss_fn(HeadInput(hidden, weight_, chunk), targets, weight, aux_weight)  # type: ignore[arg-type]
 
             return self.model(tokens, head=head, **kwargs)
-        return loss_fn(self.model(tokens, **kwargs), targets)
+        return self.loss_fn(self.model(tokens, **kwargs), targets, weight, aux_weight)
 
     # ---- one optimizer step's work ---------------------------------------------------------------
-    def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns the global-batch mean loss (detached).
-
-        Token batches: the mean of the micro-batches' mean losses. Labelled (finetuning)
-        micro-batches: token-weighted (`_labelled_loss`).
-        """
-        if micro_batches and is_labelled(micro_batches[0]):
-            return self._accumulate(micro_batches, *self._labelled_loss(micro_batches))
-        count = len(micro_batches)
-        return self._accumulate(micro_batches, self.model_inputs, self.loss_fn, lambda loss: loss / count)
-
-    def _labelled_loss(self, micro_batches: list) -> tuple[Callable, LossFn, Callable]:
-        """Loss = sum of masked cross-entropy / number of target tokens in the whole global batch.
-
-        Micro-batches and data-parallel ranks hold different numbers of target tokens, so the
-        denominator is counted over all of them first (one all-reduce); every micro-batch then
-        contributes its loss *sum* over that count, times the data-parallel size because the
-        data-parallel wrappers average gradients over the ranks. Any dp / micro-batch split thus
-        gives the gradient and loss of one process taking the global batch at once.
-        Returns (inputs of a batch, loss function, weighting of a loss) for `_accumulate`.
-        """
-        placement = self.placement
-        local_targets = sum(batch.num_targets for batch in micro_batches)
-        targets = placement.data_sum(torch.tensor(float(local_targets), device=placement.input_device()))
-        # a device tensor, never read on the host: no synchronisation per step (the same value as the
-        # Python division: integers, one correctly rounded float32 quotient)
-        scale = placement.dims.data_parallel_size / targets.clamp(min=1.0)
-        summed = functools.partial(self.loss_fn, reduction="sum")
-        return (
-            (lambda batch: (batch.tokens, batch.labels, batch.model_kwargs())),
-            summed,
-            lambda loss: loss * scale,
-        )
-
-    def _accumulate(
-        self, micro_batches: list, inputs: Callable, loss_fn: LossFn, weight: Callable
-    ) -> torch.Tensor:
-        """Forward and backward of each micro-batch's weight(loss); gradients synchronised on the last."""
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Forward and backward of each micro-batch's share of the global-batch loss; gradients
+        synchronised on the last. Returns the global-batch loss (detached)."""
         placement = self.placement
         device = placement.input_device()
+        weight = self.loss_weight(micro_batches)
         total = torch.zeros((), device=device)
         count = len(micro_batches)
         for i, batch in enumerate(micro_batches):
@@ -196,10 +154,10 @@ class TrainStep:
                 from suite.parallel.data_parallel import set_gradient_sync
 
                 set_gradient_sync(self.model, placement.dp_kind, last)
-            tokens, targets, kwargs = inputs(batch.to(device, non_blocking=True))
+            tokens, targets, kwargs = self.model_inputs(batch.to(device, non_blocking=True))
             with placement.loss_context():
                 with self.autocast():
-                    loss = weight(self.model_loss(tokens, targets, kwargs, loss_fn))
+                    loss = self.model_loss(tokens, targets, kwargs, weight, 1.0 / count)
                 if last:
                     self.note_bytes("params", memory.parameter_bytes(self.model))
                 self.scaler.scale(loss).backward()
@@ -301,28 +259,18 @@ class TrainStep:
         return [bool(v > 0) for v in values.tolist()]
 
     @torch.no_grad()
-    def evaluate(self, batches: list) -> float:
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The loss over every target token of `batches` (all ranks' parts), as training weighs it."""
         self.model.eval()
         placement = self.placement
         device = placement.input_device()
-        if batches and is_labelled(batches[0]):  # token-weighted over every batch and rank
-            summed = functools.partial(self.loss_fn, reduction="sum")
-            sums = torch.zeros(2, device=device, dtype=torch.float64)
-            for batch in batches:
-                batch = batch.to(device)
-                with placement.loss_context(), self.autocast():
-                    loss = self.model_loss(batch.tokens, batch.labels, batch.model_kwargs(), summed)
-                    sums[0] += local_value(loss).double()
-                sums[1] += batch.num_targets
-            sums = placement.data_sum(sums)
-            return float(sums[0] / sums[1].clamp(min=1))
-        losses = []
+        weight = self.loss_weight(batches)
+        total = torch.zeros((), device=device, dtype=torch.float64)
         for batch in batches:
             tokens, targets, kwargs = self.model_inputs(batch.to(device))
             with placement.loss_context(), self.autocast():
-                losses.append(local_value(self.model_loss(tokens, targets, kwargs, self.loss_fn)).float())
-        mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-        return float(placement.data_mean(mean))
+                total += local_value(self.model_loss(tokens, targets, kwargs, weight)).double()
+        return float(placement.data_mean(total))
 
     # ---- accounting ------------------------------------------------------------------------------
     def note_bytes(self, kind: str, value: int) -> None:

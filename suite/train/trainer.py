@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared
+from suite.data.batch import Batch
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.parallel.dims import ParallelDims
@@ -159,8 +160,6 @@ class Trainer:
             self.scaler,
             grad_scaler=self.precision.grad_scaler,
             grad_clip=cfg.optim.grad_clip,
-            # documents end with EOS (suite.data.documents)
-            eos_id=int(self.meta["eos_id"]) if cfg.data.doc_mask and self.meta is not None else None,
             # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
             loss_chunk_tokens=cfg.train.loss_chunk_tokens,
             spike_detection=cfg.train.spike_factor > 0,
@@ -200,6 +199,8 @@ class Trainer:
         cfg, dims = self.cfg, self.dims
         on_accelerator = self.device.type != "cpu"
         prefetch = on_accelerator if cfg.data.prefetch is None else cfg.data.prefetch
+        # data.doc_mask: documents end with EOS (suite.data.documents); the batches carry their positions
+        eos_id = int(self.meta["eos_id"]) if cfg.data.doc_mask else None
         self.loader = TokenBatches(
             self.data_dir,
             "train",
@@ -211,6 +212,7 @@ class Trainer:
             cfg.train.seed,
             prefetch=prefetch,
             pin_memory=self.device.type == "cuda",
+            eos_id=eos_id,
         )
         self.val_loader = TokenBatches(
             self.data_dir,
@@ -221,6 +223,7 @@ class Trainer:
             self.placement.dp_rank,
             dims.data_parallel_size,
             cfg.train.seed,
+            eos_id=eos_id,
         )
 
     def _write_run_files(self) -> None:
@@ -315,7 +318,7 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------
     def train_step(
-        self, micro_batches: list[torch.Tensor]
+        self, micro_batches: list[Batch]
     ) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor]:
         """One optimizer step (suite.train.step: forward/backward, clip, optimizer, the non-finite
         skip) at this step's learning rate. Returns (loss, grad_norm, ok); `self.spiked` tells a
@@ -367,7 +370,7 @@ class Trainer:
         factor, window = self.cfg.train.spike_factor, self.loss_window
         return factor > 0 and len(window) == window.maxlen and loss > factor * sum(window) / len(window)
 
-    def _next_batches(self) -> list[torch.Tensor]:
+    def _next_batches(self) -> list[Batch]:
         """The next global batch in data order, passing over batches a spike rollback skipped."""
         while True:
             batches = self.loader.next_step()

@@ -130,6 +130,7 @@ def _attention_worker(rank: int, cp: int, port: int) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from suite.data.batch import Batch
     from suite.data.documents import document_ids, document_mask
     from suite.parallel.context_parallel import ContextParallelAttention, chunk_index, split_batch
 
@@ -149,7 +150,7 @@ def _attention_worker(rank: int, cp: int, port: int) -> None:
         for docs in (False, True):
             ids = document_ids(tokens, 0) if docs else None
             full_mask = document_mask(ids) if docs else None
-            local_mask = split_batch(tokens, tokens, cp, rank, ids)[2].get("mask")
+            local_mask = split_batch(Batch(tokens, tokens, doc_ids=ids), cp, rank)[2].get("mask")
             for t in (q, k, v):
                 t.grad = None
             ref = F.scaled_dot_product_attention(

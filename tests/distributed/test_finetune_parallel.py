@@ -4,6 +4,7 @@
   updates match the single-process run (tests/helpers.py: assert_equivalent). The SFT loss is
   token-weighted over the global batch, so ranks holding different numbers of assistant tokens
   still give one process's loss and gradient.
+- cp=2 and pp=2 (1f1b) with packed samples: the same checks against the same single process.
 - LoRA under tp=2: matches a LoRA run in one process the same way (adapters compared, base frozen),
   and the tp-trained checkpoint loads and merges in one process: the merged model gives
   the adapted model's logits (so do the adapters alone, <run.dir>/lora/, loaded onto the HF base
@@ -43,6 +44,22 @@ def test_dp2_finetune_matches_single_process(tmp_path, base, single):
     step-1 gradients and the weight updates equal one process's."""
     overrides = [*CHECKED, "parallel.dp=2"]
     run = finetune(tmp_path / "dp2", base, *overrides, "launch.nproc_per_node=2")
+    assert_layout(run, 2, overrides)
+    assert_equivalent(single, run)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.cp=2"], ["parallel.pp=2", "parallel.pp_schedule=1f1b"]],
+    ids=["cp2", "pp2-1f1b"],
+)
+def test_sft_under_cp_and_pp_matches_single_process(tmp_path, base, single, layout):
+    """Packed SFT rows (positions restarting per sample, the document mask) under context parallelism
+    (each rank its sequence chunks, the one token-weighted loss over every chunk) and pipeline
+    parallelism (positions and mask passed to every stage): every step's loss and gradient norm,
+    the step-1 gradients and the weight updates equal one process's."""
+    overrides = [*CHECKED, *layout]
+    run = finetune(tmp_path / "layout", base, *overrides, "launch.nproc_per_node=2")
     assert_layout(run, 2, overrides)
     assert_equivalent(single, run)
 
@@ -96,8 +113,10 @@ def held_out_loss(run_dir: Path, model) -> float:
     """The held-out loss as the trainer logs it (token-weighted over train.eval_batches batches)."""
     from suite.config.compose import load_saved_config
     from suite.data import load_tokenizer
-    from suite.data.sft import IGNORE_INDEX, SFTBatches, SFTDataset, sft_loss
+    from suite.data.batch import IGNORE_INDEX
+    from suite.data.sft import SFTBatches, SFTDataset
     from suite.finetune.trainer import sft_options
+    from suite.train.loss import cross_entropy
 
     cfg = load_saved_config(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir)
@@ -109,5 +128,7 @@ def held_out_loss(run_dir: Path, model) -> float:
         cfg.train.eval_batches
     )
     with torch.no_grad():
-        total = sum(float(sft_loss(model(b.tokens, **b.model_kwargs()), b.labels, "sum")) for b in batches)
+        total = sum(
+            float(cross_entropy(model(b.tokens, **b.model_kwargs()), b.labels, "sum")) for b in batches
+        )
     return total / sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)

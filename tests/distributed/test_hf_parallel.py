@@ -151,6 +151,6 @@ def test_pretrain_from_hf_under_tp2_starts_from_the_imported_weights(tmp_path, g
     model, _ = load_hf_model(gpt2_hf)
     batches = TokenBatches(tiny_data, "train", 32, 2, 4, seed=TrainConfig.seed).next_step()
     with torch.no_grad():
-        losses = [F.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) for b in batches]
+        losses = [F.cross_entropy(model(b.tokens).flatten(0, 1), b.labels.flatten()) for b in batches]
     expected = float(torch.stack(losses).mean())
     assert abs(train_losses(run)[1] - expected) <= 1e-4 * expected, (train_losses(run)[1], expected)

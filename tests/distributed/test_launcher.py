@@ -65,10 +65,6 @@ BAD_LAYOUTS = [
         ["train.compile=true", "parallel.cp=2"],
     ),
     (
-        ["data.doc_mask=true", "parallel.pp=2", "launch.nproc_per_node=2"],
-        ["data.doc_mask=true", "parallel.pp=2"],
-    ),
-    (
         ["recipe=moe-tiny", "parallel.cp=2", "launch.nproc_per_node=2"],
         ["parallel.cp=2", "model.num_experts=", "parallel.cp=1"],
     ),

@@ -50,6 +50,9 @@ PP_LAYOUTS: dict[str, tuple[int, list[str], str]] = {
         "gpt4",
     ),
     "llama-pp2-1f1b": (2, [*LLAMA, *PP, "parallel.pp_schedule=1f1b"], "llama4"),
+    # packed documents: positions and the document mask reach every stage as schedule kwargs
+    "gpt4-doc": (1, ["data.doc_mask=true"], ""),
+    "pp2-1f1b-doc": (2, ["data.doc_mask=true", *PP, "parallel.pp_schedule=1f1b"], "gpt4-doc"),
     "pp2-tp2": (4, [*PP, "parallel.tp=2", "parallel.sp=true"], "gpt4"),
     "dp2-pp2-tp2": (8, ["parallel.dp=2", *PP, "parallel.tp=2"], "gpt4"),
 }
@@ -88,6 +91,15 @@ def check_layout(pp_run, name: str) -> None:
 @pytest.mark.parametrize("name", ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "llama-pp2-1f1b"])
 def test_pipeline_schedule_matches_single_process(pp_run, name):
     check_layout(pp_run, name)
+
+
+def test_packed_documents_under_pp_match_single_process(pp_run):
+    """data.doc_mask=true at pp=2 (1f1b): every stage gets the micro-batch's positions and document
+    mask, so losses (train and held-out), gradients and updates equal one process's; the mask is
+    really on (the masked reference trains differently from the unmasked one)."""
+    check_layout(pp_run, "pp2-1f1b-doc")
+    masked, plain = train_losses(pp_run("gpt4-doc")), train_losses(pp_run("gpt4"))
+    assert max(abs(masked[s] - plain[s]) for s in masked) > 1e-3, (masked, plain)
 
 
 def test_zero_bubble_with_recompute_matches_single_process(pp_run):

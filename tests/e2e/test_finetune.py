@@ -74,9 +74,11 @@ def first_step_loss_in_process(run_dir: Path, base: Path) -> float:
     assistant tokens, divided by their number, with the base model (nothing trained yet)."""
     from suite.config.compose import load_saved_config
     from suite.data import load_tokenizer
-    from suite.data.sft import IGNORE_INDEX, SFTBatches, SFTDataset, sft_loss
+    from suite.data.batch import IGNORE_INDEX
+    from suite.data.sft import SFTBatches, SFTDataset
     from suite.finetune.trainer import sft_options
     from suite.sources import load_hf_model
+    from suite.train.loss import cross_entropy
 
     cfg = load_saved_config(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir)
@@ -86,7 +88,9 @@ def first_step_loss_in_process(run_dir: Path, base: Path) -> float:
     batches = SFTBatches(data, 2, 4, seed=cfg.train.seed).next_step()
     model, _ = load_hf_model(base)
     with torch.no_grad():
-        total = sum(float(sft_loss(model(b.tokens, **b.model_kwargs()), b.labels, "sum")) for b in batches)
+        total = sum(
+            float(cross_entropy(model(b.tokens, **b.model_kwargs()), b.labels, "sum")) for b in batches
+        )
     targets = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
     assert 0 < targets < sum(b.tokens.numel() for b in batches)  # prompts and padding are masked
     return total / targets

@@ -24,6 +24,7 @@ from suite.data import (
     read_meta,
     train_tokenizer,
 )
+from suite.data.batch import Batch
 from suite.data.prepare import weighted_order
 
 SUBJECTS = [
@@ -272,8 +273,13 @@ def stream_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def windows(batches: list[Batch]) -> list[torch.Tensor]:
+    """The [b, s + 1] token windows the micro-batches were cut from (inputs and the shifted targets)."""
+    return [torch.cat([b.tokens, b.labels[:, -1:]], dim=1) for b in batches]
+
+
 def steps(batches: TokenBatches, n: int) -> list[list[torch.Tensor]]:
-    return [batches.next_step() for _ in range(n)]
+    return [windows(batches.next_step()) for _ in range(n)]
 
 
 def test_loader_windows_and_determinism(stream_dir: Path) -> None:
@@ -288,9 +294,9 @@ def test_loader_windows_and_determinism(stream_dir: Path) -> None:
             assert torch.equal(x - x[:, :1], torch.arange(9).expand(4, 9)) and bool((x[:, 0] % 8 == 0).all())
     epoch = torch.cat([torch.cat(s) for s in steps(TokenBatches(stream_dir, "train", 8, 4, 16, seed=3), 23)])
     assert len(set(epoch[:, 0].tolist())) == 23 * 16  # no sample repeats within an epoch
-    other = TokenBatches(stream_dir, "train", 8, 4, 16, seed=4).next_step()
+    other = windows(TokenBatches(stream_dir, "train", 8, 4, 16, seed=4).next_step())
     assert not torch.equal(
-        torch.cat(other), torch.cat(TokenBatches(stream_dir, "train", 8, 4, 16, seed=3).next_step())
+        torch.cat(other), torch.cat(windows(TokenBatches(stream_dir, "train", 8, 4, 16, seed=3).next_step()))
     )
 
 
@@ -299,12 +305,14 @@ def test_loader_dp_slicing_equivalence(stream_dir: Path, micro_single: int, micr
     single = TokenBatches(stream_dir, "train", 8, micro_single, 16, seed=7)
     ranks = [TokenBatches(stream_dir, "train", 8, micro_dp, 16, dp_rank=r, dp_size=2, seed=7) for r in (0, 1)]
     for _ in range(25):
-        whole = torch.cat(single.next_step())
-        parts = [torch.cat(r.next_step()) for r in ranks]
+        whole = torch.cat(windows(single.next_step()))
+        parts = [torch.cat(windows(r.next_step())) for r in ranks]
         assert torch.equal(whole, torch.cat(parts))
-    evals = [torch.cat(r.eval_batches(2)) for r in ranks]  # per rank: its 8 rows of step 0, then step 1
+    evals = [
+        torch.cat(windows(r.eval_batches(2))) for r in ranks
+    ]  # per rank: its 8 rows of step 0, then step 1
     interleaved = torch.cat([evals[0][:8], evals[1][:8], evals[0][8:], evals[1][8:]])
-    assert torch.equal(torch.cat(single.eval_batches(2)), interleaved)
+    assert torch.equal(torch.cat(windows(single.eval_batches(2))), interleaved)
 
 
 def test_loader_resume_from_state_dict(stream_dir: Path) -> None:
@@ -324,22 +332,22 @@ def test_prefetching_loader_gives_the_same_batches_and_state(stream_dir: Path) -
     plain = TokenBatches(stream_dir, "train", 8, 4, 16, seed=2)
     ahead = TokenBatches(stream_dir, "train", 8, 4, 16, seed=2, prefetch=True)
     for _ in range(25):  # 23 steps per epoch
-        want, got = plain.next_step(), ahead.next_step()
+        want, got = windows(plain.next_step()), windows(ahead.next_step())
         assert all(torch.equal(w, g) for w, g in zip(want, got))
         assert plain.state_dict() == ahead.state_dict()
     state = {"epoch": 0, "position": 5, "seed": 2, "num_samples": plain.num_samples}
     plain.load_state_dict(state)
     ahead.load_state_dict(state)  # the prefetched step 26 must not be served
-    assert all(torch.equal(w, g) for w, g in zip(plain.next_step(), ahead.next_step()))
+    assert all(torch.equal(w, g) for w, g in zip(windows(plain.next_step()), windows(ahead.next_step())))
 
 
 def test_loader_eval_batches_in_order(stream_dir: Path) -> None:
     val = TokenBatches(stream_dir, "val", 8, 4, 16)
-    batches = val.eval_batches(10)
+    batches = windows(val.eval_batches(10))
     assert len(batches) == 7 * 4  # (999 // 8) // 16 = 7 global batches available, capped
     starts = torch.cat(batches)[:, 0]
     assert torch.equal(starts, torch.arange(7 * 16) * 8)
-    assert all(torch.equal(x, y) for x, y in zip(batches, val.eval_batches(10)))
+    assert all(torch.equal(x, y) for x, y in zip(batches, windows(val.eval_batches(10))))
 
 
 def test_loader_errors(stream_dir: Path) -> None:

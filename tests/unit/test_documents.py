@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from suite.config.schema import ModelConfig
+from suite.data.batch import Batch
 from suite.data.documents import document_ids, document_mask, document_positions
 from suite.models import build_model, materialize
 from suite.parallel.context_parallel import chunk_index, split_batch
@@ -38,12 +39,12 @@ def test_context_parallel_chunks_are_load_balanced_and_cover_the_sequence():
     assert len({int((p + 1).sum()) for p in parts}) == 1
     tokens = torch.tensor([[1, 2, EOS, 4, 5, 6, EOS, 8] * 2])
     ids = document_ids(tokens, EOS)
-    local, targets, kwargs = split_batch(tokens, tokens + 1, cp, 1, ids)
+    local, targets, kwargs = split_batch(Batch(tokens, tokens + 1, document_positions(ids), ids), cp, 1)
     index = chunk_index(seq, cp, 1)
     assert torch.equal(local, tokens[:, index]) and torch.equal(targets, tokens[:, index] + 1)
     assert torch.equal(kwargs["positions"], document_positions(ids)[:, index])
     assert torch.equal(kwargs["mask"], document_mask(ids)[:, :, index])  # rows of the full mask
-    plain = split_batch(tokens, tokens, cp, 1)[2]  # no documents: real positions, causal attention
+    plain = split_batch(Batch(tokens, tokens), cp, 1)[2]  # no documents: real positions, causal attention
     assert list(plain) == ["positions"] and torch.equal(plain["positions"], index)
 
 
@@ -62,7 +63,7 @@ def test_a_document_has_the_same_logits_packed_or_alone(family):
     )
     model = materialize(build_model(cfg), "cpu", seed=3).eval()
     dims = ParallelDims(dp=1, sharding=1, tp=1, pp=1, cp=1, ep=1, world_size=1)
-    runner = TrainStep(Placement(model=model, dims=dims), None, None, nullcontext, None, eos_id=EOS)
+    runner = TrainStep(Placement(model=model, dims=dims), None, None, nullcontext, None)
     gen = torch.Generator().manual_seed(0)
     before, doc, after = (torch.randint(1, 512, (n,), generator=gen) for n in (37, 21, 30))
     eos = torch.tensor([EOS])
@@ -70,9 +71,9 @@ def test_a_document_has_the_same_logits_packed_or_alone(family):
     packed = torch.cat([before, eos, doc, eos, after])[None]
     start, length = len(before) + 1, len(doc) + 1  # where the document (with its EOS) sits in the row
     with torch.no_grad():
-        tokens, _, kwargs = runner.model_inputs(alone)
+        tokens, _, kwargs = runner.model_inputs(Batch.from_windows(alone, EOS))
         ref = model(tokens, **kwargs)[0, :length]
-        tokens, _, kwargs = runner.model_inputs(packed)
+        tokens, _, kwargs = runner.model_inputs(Batch.from_windows(packed, EOS))
         got = model(tokens, **kwargs)[0, start : start + length]
         leaky = model(packed[:, :-1])[0, start : start + length]  # no document mask: it sees `before`
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from suite.config.schema import ModelConfig, ParallelConfig
+from suite.data.batch import Batch
 from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
 from suite.parallel.parallelize import Placement
 from suite.train.loss import HeadInput, chunked_cross_entropy, cross_entropy
-from suite.train.step import TrainStep
+from suite.train.step import TrainStep, training_loss
 
 
 def plain_and_chunked(hidden, weight, targets, chunk):
@@ -64,8 +65,11 @@ def test_model_loss_with_chunks_equals_the_plain_model_loss(family):
     for chunk in (0, 5):
         model = materialize(build_model(cfg), "cpu", seed=3)
         placement = Placement(model=model, dims=ParallelDims.from_config(ParallelConfig(), 1))
-        parallel = TrainStep(placement, None, cross_entropy, nullcontext, None, loss_chunk_tokens=chunk)
-        loss = parallel.model_loss(*parallel.model_inputs(batch), cross_entropy)
+        parallel = TrainStep(
+            placement, None, training_loss(model, False), nullcontext, None, loss_chunk_tokens=chunk
+        )
+        micro = Batch.from_windows(batch)
+        loss = parallel.model_loss(*parallel.model_inputs(micro), parallel.loss_weight([micro]))
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (ref, ref_grads), (got, got_grads) = results

@@ -12,14 +12,14 @@ import torch
 from suite.checks import validate
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
+from suite.data.batch import Batch
 from suite.models import build_model, materialize
 from suite.parallel.parallelize import parallelize
 from suite.runtime import resolve_auto, resolve_precision
 from suite.train import checkpoint as ckpt
-from suite.train.loss import cross_entropy
 from suite.train.master_weights import MasterWeightOptimizer
 from suite.train.optim import optimizer_for
-from suite.train.step import TrainStep
+from suite.train.step import TrainStep, training_loss
 from suite.train.trainer import autocast_factory
 from tests.helpers import TINY_MODEL
 
@@ -49,13 +49,14 @@ def _build(param_dtype: str):
     optimizer = optimizer_for(placement, cfg.optim)
     autocast = autocast_factory(CPU, precision)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    return TrainStep(placement, optimizer, cross_entropy, autocast, scaler), optimizer, autocast
+    loss_fn = training_loss(placement.model, False)
+    return TrainStep(placement, optimizer, loss_fn, autocast, scaler), optimizer, autocast
 
 
-def _batches(count: int) -> list[torch.Tensor]:
+def _batches(count: int) -> list[Batch]:
     """Two random batches in turn (random tokens: what can be learned is those batches)."""
     gen = torch.Generator().manual_seed(0)
-    pair = [torch.randint(0, 512, (4, 33), generator=gen) for _ in range(2)]
+    pair = [Batch.from_windows(torch.randint(0, 512, (4, 33), generator=gen)) for _ in range(2)]
     return [pair[i % 2] for i in range(count)]
 
 

@@ -11,23 +11,19 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
-from suite.data.sft import (
+from suite.data.batch import IGNORE_INDEX, Batch
+from suite.data.chat import (
     CHAT_TEMPLATES,
-    IGNORE_INDEX,
     MalformedRow,
-    SFTBatch,
-    SFTBatches,
-    SFTDataError,
-    SFTDataset,
-    SFTOptions,
-    attention_mask_from_doc_ids,
     encode_conversation,
     normalize_record,
     prompt_ids,
     resolve_chat_template,
-    sft_loss,
 )
+from suite.data.documents import document_mask
+from suite.data.sft import SFTBatches, SFTDataError, SFTDataset, SFTOptions
 from suite.models import build_model, materialize
+from suite.train.loss import cross_entropy
 
 CORPUS = [
     "What is 12 + 5? The answer is 17.",
@@ -259,11 +255,11 @@ def test_truncate_drops_from_the_left_and_keeps_the_reply(tok, tmp_path):
     assert "What is 12 + 5?" in tok.decode(b.tokens[0].tolist())
 
 
-def _loss_and_grads(model, b: SFTBatch):
+def _loss_and_grads(model, b: Batch):
     model.zero_grad(set_to_none=True)
     logits = model(b.tokens, **b.model_kwargs())
     logits.retain_grad()
-    loss = sft_loss(logits, b.labels)
+    loss = cross_entropy(logits, b.labels)
     loss.backward()
     return loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -293,7 +289,7 @@ def test_loss_and_gradient_ignore_prompt_and_padding(tok, tmp_path, packing):
     assert pad.any() and (batch.labels[pad] == IGNORE_INDEX).all()
     noisy = batch.tokens.clone()
     noisy[pad] = torch.randint(0, len(tok), (int(pad.sum()),), generator=torch.Generator().manual_seed(0))
-    loss2, _, grads2 = _loss_and_grads(model, SFTBatch(noisy, batch.labels, batch.positions, batch.doc_ids))
+    loss2, _, grads2 = _loss_and_grads(model, Batch(noisy, batch.labels, batch.positions, batch.doc_ids))
     torch.testing.assert_close(loss2, loss, rtol=0, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(grads2[name], grads[name], rtol=0, atol=1e-6, msg=name)
@@ -331,9 +327,9 @@ def test_packed_sample_logits_equal_the_sample_alone(tok, tmp_path, family):
     assert found == 3
 
 
-def test_attention_mask_from_doc_ids():
+def test_document_mask():
     doc = torch.tensor([[0, 0, 1, 1, 1, -1]])
-    mask = attention_mask_from_doc_ids(doc)
+    mask = document_mask(doc)
     assert mask.shape == (1, 1, 6, 6) and mask.dtype == torch.bool
     want = torch.tensor(
         [

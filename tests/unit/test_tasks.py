@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from suite.config.errors import ConfigError
-from suite.data.sft import CHAT_TEMPLATES, SFTDataset, SFTOptions, normalize_record, prompt_ids, sft_loss
+from suite.data.chat import CHAT_TEMPLATES, normalize_record, prompt_ids
+from suite.data.sft import SFTDataset, SFTOptions
 from suite.data.tasks import DEFAULT_TASK, generate_task, get_task, list_tasks, score, write_task
+from suite.train.loss import cross_entropy
 from tests.unit.test_sft import make_tokenizer, tiny_model
 
 
@@ -93,7 +95,7 @@ def test_evaluate_task_and_perplexity_run_on_a_tiny_model(tmp_path):
     # perplexity = exp(token-weighted mean loss over targets)
     batch = ds.batch(range(len(ds)))
     with torch.no_grad():
-        want = sft_loss(model(batch.tokens, **batch.model_kwargs()), batch.labels)
+        want = cross_entropy(model(batch.tokens, **batch.model_kwargs()), batch.labels)
     got = perplexity(model, [ds.batch([i]) for i in range(len(ds))])
     assert got["tokens"] == batch.num_targets
     assert math.isclose(got["loss"], float(want), rel_tol=1e-5)
