@@ -65,6 +65,7 @@ RESULT_TAG = "BENCH_RESULT "
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from bench.baseline import ab_lines  # noqa: E402
 from bench.contenders import (  # noqa: E402  (after the path fix above)
     SHAPES,
     SUITE_EXTRA_ROWS,
@@ -260,17 +261,18 @@ class Worker:
         self.memory: dict = {}
         self.failed = ""
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in stop())
+        root = Path(spec.get("tree") or ROOT)  # --baseline: an earlier commit's checkout runs its own step
         env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
         )
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            [sys.executable, str(root / "bench" / "throughput.py"), "--worker", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
             env=env,
-            cwd=ROOT,
+            cwd=root,
         )
 
     def _read(self, tag: str) -> dict | None:
@@ -438,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="how many times a contended window is timed again before it is kept (default: %(default)s)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time the suite step of this earlier commit (a temporary git worktree), interleaved with "
+        "today's rows in the same run: an A/B of a change (bench/baseline.py)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -483,6 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     if reps < 1:
         parser.error("--reps must be at least 1")
 
+    trees: dict[str, str] = {}
+    if args.baseline:
+        from bench.baseline import checkout
+
+        commit, tree = checkout(ROOT, args.baseline)
+        variants[f"@{commit}"] = ()
+        trees[f"@{commit}"] = str(tree)
     started = time.perf_counter()
     quiet = args.quiet_wait
     ceilings = {p: matmul_ceiling(p, quiet, args.min_share, args.retries) for p in precisions}
@@ -507,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                     "overrides": list(overrides),  # the suite's settings
                     "steps": steps,
                     "seed": 1,
+                    "tree": trees.get(variant) if contender == "suite" else None,
                 }
                 t0 = time.perf_counter()
                 worker = Worker(spec, args.timeout)  # one at a time: build and warm-up alone on the machine
@@ -581,8 +597,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             + "`train.compile=auto` (compile s column: `eager` where auto chose not to compile), "
             "`train.keep_host_memory=auto` (on: the CPU step keeps freed host memory)"
-            + "".join(f"; `[{n}]` adds `{' '.join(o)}`" for n, o in variants.items()),
+            + "".join(f"; `[{n}]` adds `{' '.join(o)}`" for n, o in variants.items() if n not in trees)
+            + "".join(f"; `[{n}]` is commit {n[1:]}'s own step (--baseline, a git worktree)" for n in trees),
             *details,
+            *[line for name in trees for line in ab_lines(workers, name)],
             "",
             table,
         ]
