@@ -18,6 +18,7 @@ from suite.checks import validate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
+from suite.outputs import check_new_file
 from suite.runtime import DTYPES, resolve_auto
 
 USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
@@ -207,6 +208,9 @@ def _report(flags: set[str], result: dict, text: str) -> int:
 
 def cmd_eval(overrides: list[str], flags: set[str]) -> int:
     cfg = _compose_with_ckpt(overrides, "runs/sft-tiny")
+    from suite.infer.checks import check_eval
+
+    check_eval(cfg)
     from suite.infer.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg.ckpt, cfg.eval, device=cfg.train.device)
@@ -225,6 +229,9 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
     _, cfg = _compose(overrides)
     from suite.data import ensure_prepared, prepare
+    from suite.data.checks import check_prepare
+
+    check_prepare(cfg)
 
     if cfg.data.path and (cfg.data.sources or not Path(cfg.data.path).exists()):
         out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True)
@@ -240,7 +247,13 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
 
 
 def cmd_generate(overrides: list[str], flags: set[str]) -> int:
+    from suite.infer.checks import check_generate, take_prompt
+
+    overrides, prompt = take_prompt(overrides)  # verbatim: never through the override grammar
     cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    if prompt is not None:
+        cfg.generate.prompt = prompt
+    check_generate(cfg)
     from suite.infer.generate import generate_from_checkpoint
 
     text = generate_from_checkpoint(cfg.ckpt, cfg.generate, device=cfg.train.device)
@@ -249,8 +262,10 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
-    validate(cfg, needs_data=False)
+    validate(cfg, needs_data=False, writes_run=False)
+    from suite.export.checks import check_default_out, check_export_out
 
+    check_export_out(cfg.export.out)
     from suite.export.hf import export_checkpoint_hf
     from suite.sources import ModelSource
 
@@ -266,6 +281,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
         out = source.run_dir / f"export-{cfg.export.format}"
+        check_default_out(out)
     dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
@@ -291,6 +307,8 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
             print(OmegaConf.to_yaml(raw), end="")
         return 0
     if sub == "list":
+        if rest:
+            raise ConfigError(f"config list takes no arguments (got '{rest[0]}'); use config show {rest[0]}")
         table = {group: known_options(group) for group in GROUP_NAMES}
         if "--json" in flags:
             print(json.dumps(table, indent=1))
@@ -318,6 +336,9 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
         dest = Path(dests[0])
         if dest.is_dir():
             dest = dest / source.name
+        check_new_file(
+            "config cp destination", str(dest), "choose a new file name (your edits stay untouched)"
+        )
         shutil.copyfile(source, dest)
         print(f"copied {source.name} to {dest}; run it with: suite pretrain recipe={dest}")
         return 0
