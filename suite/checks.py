@@ -34,7 +34,7 @@ def validate(
     check_values(cfg)
     check_device(cfg.train.device)
     if writes_run and world is None:
-        check_run_dir(cfg.run.dir)
+        check_run_dir(cfg.run.dir, cfg.train.max_steps, cfg.train.resume)
     check_model(cfg.model)
     check_data(cfg, needs_data)
     check_recompute(cfg.recompute, cfg.model.num_layers)

@@ -47,11 +47,21 @@ def check_output_folder(key: str, value: str | None, fix: str, owned_marker: str
     return path
 
 
-def check_run_dir(run_dir: str) -> Path:
-    """run.dir: a folder that can hold the run (created by the trainer, not here)."""
-    return check_output_folder(
-        "run.dir", run_dir, "give a new or earlier run's folder, e.g. run.dir=runs/my-run"
-    )
+def check_run_dir(run_dir: str, max_steps: int | None = None, resume: bool = True) -> Path:
+    """run.dir: a folder that can hold the run (created by the trainer, not here); a run resumed
+    there must not have gone past train.max_steps already."""
+    fix = "give a new or earlier run's folder, e.g. run.dir=runs/my-run"
+    path = check_output_folder("run.dir", run_dir, fix)
+    latest = path / "checkpoints" / "latest"
+    if resume and max_steps is not None and latest.is_file():
+        name = latest.read_text().strip().removeprefix("step_")
+        step = int(name) if name.isdigit() else None
+        if step is not None and step > max_steps:
+            raise ConfigError(
+                f"train.max_steps={max_steps} is below step {step}, which run.dir='{run_dir}' already "
+                f"reached; pass train.max_steps above {step} to train on, or a new run.dir to start over"
+            )
+    return path
 
 
 def check_new_file(key: str, value: str, fix: str) -> Path:

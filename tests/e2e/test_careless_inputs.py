@@ -98,6 +98,7 @@ CASES: list[tuple[list[str], str]] = [
     ([*PRE, "run.dir="], "run.dir is empty"),
     ([*PRE, "run.dir=/proc/suite-run"], "run.dir='/proc/suite-run'"),
     ([*PRE, "run.dir={file}"], "is a file"),
+    ([*PRE, "run.dir={run}", "train.max_steps=1"], "train.max_steps=1 is below step 2"),
     # --- processes and degrees
     ([*PRE, "launch.nproc_per_node=abc"], "launch.nproc_per_node='abc' is not a process count"),
     ([*PRE, "launch.nproc_per_node=4:2"], "the minimum 4 exceeds the maximum 2"),
