@@ -77,11 +77,16 @@ def _wait(pid: int, timeout: float) -> int:
 def serve() -> None:
     sys.path[:] = [str(REPO) if p in ("", ".") else p for p in sys.path]
     import torch  # noqa: F401  (what every verb needs, imported once before forking)
+    import torch.distributed.checkpoint  # noqa: F401
+    from transformers import PreTrainedTokenizerFast  # noqa: F401  (the tokenizer of every run)
 
     import suite.cli  # noqa: F401
     import suite.infer.generate  # noqa: F401
     import suite.sources  # noqa: F401
     import suite.train.trainer  # noqa: F401
+    from suite.config.compose import compose_config
+
+    compose_config([])  # Hydra's own lazy imports and caches, paid once
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
