@@ -13,18 +13,28 @@ from suite.config.schema import SuiteConfig
 from suite.config.validate import check_values, world_size
 from suite.data.checks import check_data
 from suite.models.checks import check_model
+from suite.outputs import check_run_dir
 from suite.parallel.dims import ParallelDims, check_elastic, resolve_dims
 from suite.parallel.recompute import check_recompute
-from suite.runtime import check_precision
+from suite.runtime import check_device, check_precision
 
 
 def validate(
-    cfg: SuiteConfig, *, needs_data: bool = True, world: int | None = None, finetune: bool = False
+    cfg: SuiteConfig,
+    *,
+    needs_data: bool = True,
+    world: int | None = None,
+    finetune: bool = False,
+    writes_run: bool = True,
 ) -> ParallelDims:
     """Check everything that can be checked before any process starts; returns the resolved degrees
     (for `world` processes when given, else the job's starting world). `finetune`: also what
-    finetuning cannot run (suite.finetune.checks.check_finetune ran before the base model was read)."""
+    finetuning cannot run (suite.finetune.checks.check_finetune ran before the base model was read).
+    `writes_run`: the verb writes run.dir (pretrain, finetune), which must be a folder it can create."""
     check_values(cfg)
+    check_device(cfg.train.device)
+    if writes_run and world is None:
+        check_run_dir(cfg.run.dir, cfg.train.max_steps, cfg.train.resume)
     check_model(cfg.model)
     check_data(cfg, needs_data)
     check_recompute(cfg.recompute, cfg.model.num_layers)

@@ -18,6 +18,7 @@ from suite.checks import validate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
+from suite.outputs import check_new_file
 from suite.runtime import DTYPES, resolve_auto
 
 USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
@@ -42,14 +43,19 @@ on this machine, writing to run.dir (runs/<model.name>). Re-running the same com
 the newest good checkpoint (train.resume=true).
 
 Common keys:
-  recipe=gpt-tiny|gpt345m|gpt1.3b|gpt6.7b|gpt13b|gpt175b|llama-tiny|llama2-7b|llama3-8b|./my.yaml
+  recipe={recipes}|./my.yaml
   run.dir=DIR  train.max_steps=N  train.save_every=N  train.log_every=N  train.eval_every=N
   train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.compile=auto|true|false
   parallel.micro_batch_size=N  parallel.global_batch_size=N  parallel.dp/sharding/tp/pp=N
   data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N  model.num_heads=N
   model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
-Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json""",
+Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
+
+Examples:
+  suite pretrain
+  suite pretrain recipe=llama-tiny train.max_steps=200 run.dir=runs/llama-200
+  suite pretrain recipe=moe-tiny train.precision=fp32""",
     "finetune": """usage: suite finetune [recipe=sft-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> [key=value ...]
 
 Supervised finetuning with the pretraining trainer (same parallel layouts, recompute, logging,
@@ -60,30 +66,54 @@ Common keys:
   finetune.method=full|lora  finetune.lora.rank=N  finetune.lora.alpha=X  finetune.lora.dropout=X
   'finetune.lora.target_modules=[wq,wk,wv,wo,w1,w2,w3]'  finetune.epochs=X (sets train.max_steps)
   finetune.data.task=reverse-6|sort-6|addition-3  finetune.data.num_train=N  finetune.data.num_eval=N
-  'finetune.data.sources=[{path: data/chat.jsonl}]'  'finetune.data.eval_sources=[{path: ...}]'
+  finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' (the recipe sets a task)
+  'finetune.data.eval_sources=[{path: ...}]'
   finetune.data.template=auto|chatml|plain|FILE.jinja  finetune.data.packing=true|false
   finetune.data.truncation=truncate|skip  finetune.data.on_error=skip|fail  finetune.eval_samples=N
   run.dir=DIR  train.max_steps=N  train.eval_every=N  optim.lr=X  data.seq_len=N  launch.nproc_per_node=N
 
 Writes: <run.dir>/config.yaml, metrics.jsonl (val_loss, val_accuracy), checkpoints/step_<N>/ (+ lora/),
-tokenizer files with the chat template, task/ (a built-in task's train/eval rows), lora/ (LoRA runs)""",
+tokenizer files with the chat template, task/ (a built-in task's train/eval rows), lora/ (LoRA runs)
+
+Examples:
+  suite finetune model.init_from=runs/gpt-tiny
+  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny
+  suite finetune model.init_from=runs/gpt-tiny finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' run.dir=runs/sft-chat""",
     "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
 
 Greedy exact-match accuracy on a built-in task's held-out questions (the ones finetuning held out:
 same finetune.data.task_seed, the first eval.num_samples of them). `task=` is short for eval.task;
-without it, the task the checkpoint was finetuned on.""",
+without it, the task the checkpoint was finetuned on.
+
+Examples:
+  suite eval ckpt=runs/sft-tiny
+  suite eval ckpt=runs/sft-tiny task=reverse-6 eval.num_samples=50 --json""",
     "prepare": """usage: suite prepare [data=OPTION] [data.path=OUT] ['data.sources=[{path: GLOB_OR_DATASET, weight: W}]']
 
 Trains a byte-level BPE tokenizer (data.vocab_size) and writes packed, memory-mapped token shards
 (train/val split by data.val_fraction) into data.path. Sources are local .txt/.jsonl/.parquet globs
 or `datasets` names, blended by weight. With no sources: the embedded corpus (no network).
 
-Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir""",
+Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir
+A prepared folder trains with data.path=<it>, model.vocab_size at least its vocabulary and
+data.seq_len at most the model's max_seq_len (gpt-tiny: 256).
+
+Examples:
+  suite prepare
+  suite prepare 'data.sources=[{path: "corpus/*.jsonl"}]' data.path=data/prepared data.vocab_size=8192
+  suite pretrain data.path=data/prepared""",
     "generate": """usage: suite generate ckpt=<run.dir|checkpoint dir> prompt="..." [generate.KEY=VALUE ...] [--json]
 
-Samples text with a KV cache. `prompt=` is short for generate.prompt.
+Samples text with a KV cache. `prompt=` (or generate.prompt=) is taken exactly as typed: no override
+grammar, no ${...} interpolation; prompt_file=PATH reads it from a file, prompt_file=- from stdin.
+A prompt longer than the model's context is refused; generation stops at the context length (said).
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
-      generate.seed""",
+      generate.seed
+
+Examples:
+  suite generate ckpt=runs/gpt-tiny prompt="The module"
+  suite generate ckpt=runs/gpt-tiny prompt="It's a test (1, 2)" generate.temperature=0 --json
+  suite generate ckpt=runs/gpt-tiny prompt_file=data/prompt.txt generate.max_new_tokens=20""",
     "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
        [export.max_shard_mb=2048]
 
@@ -94,11 +124,22 @@ gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias)
 A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
 weights. A run finetuned with a chat template exports it (chat_template.jinja).
 The checkpoint (any parallel layout wrote it) is read one tensor at a time, never the whole model;
-export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).""",
+export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).
+`out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
+
+Examples:
+  suite export ckpt=runs/gpt-tiny
+  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
-                                                 suite pretrain recipe=DEST.yaml""",
+                                                 suite pretrain recipe=DEST.yaml
+
+Examples:
+  suite config list
+  suite config show recipe=llama-tiny
+  suite config cp recipe=gpt-tiny ./mytiny.yaml
+  suite pretrain recipe=./mytiny.yaml train.max_steps=20""",
 }
 
 SHORTCUTS = {
@@ -108,6 +149,11 @@ SHORTCUTS = {
     "merge_lora": "export.merge_lora",
     "task": "eval.task",
 }
+
+
+def verb_help(verb: str) -> str:
+    """A verb's --help (the recipe list is the one `suite config list` shows, never a stale copy)."""
+    return VERB_HELP[verb].replace("{recipes}", "|".join(known_options("recipe")))
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
@@ -207,6 +253,9 @@ def _report(flags: set[str], result: dict, text: str) -> int:
 
 def cmd_eval(overrides: list[str], flags: set[str]) -> int:
     cfg = _compose_with_ckpt(overrides, "runs/sft-tiny")
+    from suite.infer.checks import check_eval
+
+    check_eval(cfg)
     from suite.infer.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg.ckpt, cfg.eval, device=cfg.train.device)
@@ -225,6 +274,9 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
     _, cfg = _compose(overrides)
     from suite.data import ensure_prepared, prepare
+    from suite.data.checks import check_prepare
+
+    check_prepare(cfg)
 
     if cfg.data.path and (cfg.data.sources or not Path(cfg.data.path).exists()):
         out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True)
@@ -240,7 +292,13 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
 
 
 def cmd_generate(overrides: list[str], flags: set[str]) -> int:
+    from suite.infer.checks import check_generate, take_prompt
+
+    overrides, prompt = take_prompt(overrides)  # verbatim: never through the override grammar
     cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    if prompt is not None:
+        cfg.generate.prompt = prompt
+    check_generate(cfg)
     from suite.infer.generate import generate_from_checkpoint
 
     text = generate_from_checkpoint(cfg.ckpt, cfg.generate, device=cfg.train.device)
@@ -249,8 +307,10 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
-    validate(cfg, needs_data=False)
+    validate(cfg, needs_data=False, writes_run=False)
+    from suite.export.checks import check_default_out, check_export_out
 
+    check_export_out(cfg.export.out)
     from suite.export.hf import export_checkpoint_hf
     from suite.sources import ModelSource
 
@@ -266,6 +326,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
         out = source.run_dir / f"export-{cfg.export.format}"
+        check_default_out(out)
     dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
@@ -291,6 +352,8 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
             print(OmegaConf.to_yaml(raw), end="")
         return 0
     if sub == "list":
+        if rest:
+            raise ConfigError(f"config list takes no arguments (got '{rest[0]}'); use config show {rest[0]}")
         table = {group: known_options(group) for group in GROUP_NAMES}
         if "--json" in flags:
             print(json.dumps(table, indent=1))
@@ -318,6 +381,9 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
         dest = Path(dests[0])
         if dest.is_dir():
             dest = dest / source.name
+        check_new_file(
+            "config cp destination", str(dest), "choose a new file name (your edits stay untouched)"
+        )
         shutil.copyfile(source, dest)
         print(f"copied {source.name} to {dest}; run it with: suite pretrain recipe={dest}")
         return 0
@@ -346,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     overrides, flags = _split_flags(rest)
     if flags & {"--help", "-h"} or "-h" in overrides:
-        print(VERB_HELP[verb])
+        print(verb_help(verb))
         return 0
     unknown = flags - {"--json", "--help"}
     if unknown:

@@ -517,7 +517,9 @@ class Trainer:
                         "lr": lr_at(self.step - 1, cfg.optim, cfg.sched, cfg.train.max_steps),
                         "grad_norm": float(grad_norm),
                         "tokens_per_s": tokens_per_s,
-                        "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size),
+                        "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size)
+                        if self.peak
+                        else None,  # no peak applies (suite.train.flops.peak_flops)
                         "mem_gb": memory_gb(self.device),
                         "bad_steps": self.bad_steps,
                     }
