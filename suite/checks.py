@@ -25,6 +25,7 @@ def validate(
     needs_data: bool = True,
     world: int | None = None,
     finetune: bool = False,
+    distill: bool = False,
     writes_run: bool = True,
 ) -> ParallelDims:
     """Check everything that can be checked before any process starts; returns the resolved degrees
@@ -38,13 +39,13 @@ def validate(
     check_model(cfg.model)
     check_data(cfg, needs_data)
     check_recompute(cfg.recompute, cfg.model.num_layers)
-    dims = _layout(cfg, world or world_size(cfg), finetune)
+    dims = _layout(cfg, world or world_size(cfg), finetune, distill)
     if world is None:
         check_elastic(cfg)
     return dims
 
 
-def _layout(cfg: SuiteConfig, world: int, finetune: bool) -> ParallelDims:
+def _layout(cfg: SuiteConfig, world: int, finetune: bool, distill: bool = False) -> ParallelDims:
     """The checks that depend on the world size."""
     dims = resolve_dims(cfg, world)
     check_precision(cfg, dims)
@@ -52,13 +53,19 @@ def _layout(cfg: SuiteConfig, world: int, finetune: bool) -> ParallelDims:
         from suite.finetune.checks import check_finetune_layout
 
         check_finetune_layout(cfg, dims)
+    if distill:
+        from suite.distill.checks import check_distill_layout
+
+        check_distill_layout(cfg, dims)
     return dims
 
 
-def worker_dims(cfg: SuiteConfig, world: int | None, finetune: bool = False) -> ParallelDims:
+def worker_dims(
+    cfg: SuiteConfig, world: int | None, finetune: bool = False, distill: bool = False
+) -> ParallelDims:
     """A launched worker's degrees. The parent checked the job at its starting world; an elastic
     attempt on fewer processes checks its own world's layout (and nothing else again)."""
     start = world_size(cfg)
     if world is None or world == start:
         return ParallelDims.from_config(cfg.parallel, start)
-    return _layout(cfg, world, finetune)
+    return _layout(cfg, world, finetune, distill)

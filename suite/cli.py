@@ -26,6 +26,7 @@ USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
 verbs:
   pretrain   train a language model from scratch (default: gpt-tiny on the embedded corpus)
   finetune   supervised finetuning (full or LoRA) of a suite or HF checkpoint: suite finetune model.init_from=runs/gpt-tiny
+  distill    train a smaller student against a frozen teacher: suite distill recipe=distill-gpt-tiny
   eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
@@ -56,6 +57,25 @@ Examples:
   suite pretrain
   suite pretrain recipe=llama-tiny train.max_steps=200 run.dir=runs/llama-200
   suite pretrain recipe=moe-tiny train.precision=fp32""",
+    "distill": """usage: suite distill distill.teacher=<run.dir|checkpoint|hf:folder> [recipe=NAME|PATH.yaml] [key=value ...]
+
+Knowledge distillation: the recipe's model (the student; from scratch, or model.init_from=<run>)
+trains on the recipe's pretraining data against the frozen teacher's next-token distribution,
+mixed with the hard-label loss. Default recipe: distill-gpt-tiny (a half-size gpt-tiny student of
+runs/gpt-tiny). The teacher is placed like the student (dp, sharding) and must share its tokenizer.
+Layouts: dp and sharding (tp, pp and cp are not supported yet for distillation).
+
+Common keys:
+  distill.teacher=runs/gpt-tiny|hf:DIR  distill.loss=forward_kl|reverse_kl|jsd  distill.temperature=X
+  distill.ce_weight=X (hard-label share, 0..1)  distill.chunk_tokens=N  model.num_layers=N
+  model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding=N  launch.nproc_per_node=N
+
+Writes: <run.dir>/config.yaml, metrics.jsonl (loss: the mixed loss; val_loss: the student's
+cross-entropy), checkpoints/step_<N>/, tokenizer.json, summary.json
+
+Examples:
+  suite distill
+  suite distill distill.loss=jsd distill.temperature=2 run.dir=runs/distill-jsd""",
     "finetune": """usage: suite finetune [recipe=sft-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> [key=value ...]
 
 Supervised finetuning with the pretraining trainer (same parallel layouts, recompute, logging,
@@ -194,16 +214,25 @@ def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
         if not inside_worker():
             launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir))
             return 0
-    if verb == "finetune":
-        from suite.finetune.trainer import FinetuneTrainer
+    from suite.worker import run_trainer
 
-        FinetuneTrainer(cfg, dims, resolved_yaml).train()
-        return 0
-    from suite.sources import initial_weights
-    from suite.train.trainer import Trainer
+    return run_trainer(verb, cfg, dims, resolved_yaml)
 
-    Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-    return 0
+
+def cmd_distill(overrides: list[str], flags: set[str]) -> int:
+    if not any(o.split("=", 1)[0] == "recipe" for o in overrides):
+        overrides = ["recipe=distill-gpt-tiny", *overrides]
+    raw, cfg = _compose(overrides)
+    from suite.distill.checks import check_distill
+
+    check_distill(cfg)
+    if cfg.model.init_from:  # a student that starts from a checkpoint (e.g. a pruned teacher)
+        raw, cfg = _with_base_model(raw)
+    dims = validate(cfg, distill=True)
+    from suite.data import ensure_prepared
+
+    ensure_prepared(cfg.data, progress=True)
+    return _train("distill", cfg, dims, OmegaConf.to_yaml(raw))
 
 
 def _with_base_model(raw):
@@ -393,6 +422,7 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
 VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
     "finetune": cmd_finetune,
+    "distill": cmd_distill,
     "eval": cmd_eval,
     "prepare": cmd_prepare,
     "generate": cmd_generate,

@@ -282,6 +282,18 @@ class EvalConfig:
 
 
 @dataclass
+class DistillConfig:
+    """`suite distill teacher=<run|checkpoint|hf:dir>`: train the recipe's model (the student) on the
+    recipe's data against a frozen teacher's distribution (docs/compression.md)."""
+
+    teacher: Optional[str] = None  # the teacher model: a suite run/checkpoint folder or hf:<folder>
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd: the divergence to the teacher
+    temperature: float = 1.0  # both distributions softened by it; the divergence is scaled by T^2
+    ce_weight: float = 0.5  # weight of the hard-label cross-entropy; the divergence gets 1 - ce_weight
+    chunk_tokens: int = 1024  # tokens whose logits exist at once (both models' full vocabulary)
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/${model.name}"
     name: Optional[str] = None
@@ -304,6 +316,7 @@ class SuiteConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
     recipe_name: str = "default"
 

@@ -152,12 +152,7 @@ class Trainer:
             self.host_group = dist.new_group(backend="gloo")
         self._sigterm = False
         self.resumed = False
-        self.runner = build_step(
-            self.placement,
-            self.optimizer,
-            training_loss(self.model, bool(cfg.model.num_experts)),
-            self.autocast,
-            self.scaler,
+        self.runner = self._make_step(
             grad_scaler=self.precision.grad_scaler,
             grad_clip=cfg.optim.grad_clip,
             # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
@@ -184,6 +179,15 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                 f"{self.meta['vocab_size']} tokens in {self.data_dir}; set model.vocab_size>={self.meta['vocab_size']}"
             )
+
+    def _loss_fn(self):
+        return training_loss(self.model, bool(self.cfg.model.num_experts))
+
+    def _make_step(self, **options) -> TrainStep:
+        """The step on this rank's placement (distillation adds the teacher's forward to the loss)."""
+        return build_step(
+            self.placement, self.optimizer, self._loss_fn(), self.autocast, self.scaler, **options
+        )
 
     def _adapt_model(self, model: torch.nn.Module) -> None:
         """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
