@@ -33,6 +33,7 @@ from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
+from suite.train import run_folder
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
@@ -142,8 +143,15 @@ class Trainer:
         if cfg.train.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         t = cfg.train
+        tokenizer = run_folder.tokenizer_file(cfg, self.verb, getattr(self, "data_dir", None))
         self.saver = Saver(
-            self.run_dir, t.keep_last, t.keep_every, self.env.is_main, self.async_group, self._log
+            self.run_dir,
+            t.keep_last,
+            t.keep_every,
+            self.env.is_main,
+            self.async_group,
+            self._log,
+            run_folder.fingerprint(cfg, self.verb, tokenizer),
         )
         # the per-step SIGTERM check all-reduces a host flag: over gloo when the device is an accelerator
         self.host_group = None
