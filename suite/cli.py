@@ -197,7 +197,7 @@ def _with_base_model(raw):
 
     init_from = raw.model.init_from
     source = ModelSource.parse(init_from, "model.init_from")
-    _say(source.describe())
+    print(source.describe(), flush=True)  # training verbs report on stdout
     base = asdict(source.model_config())
     base["init_from"] = init_from
     if source.is_hf:  # a weight layout, not architecture: an HF base is fused on load
@@ -231,7 +231,8 @@ def _say(text: str) -> None:
 
 def _compose_with_ckpt(overrides: list[str], example: str):
     """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required.
-    Returns (config, the verified model source); says which checkpoint (step) is read."""
+    Returns (config, the verified model source); the verb says which step it read once it has
+    succeeded (`_report`), so that a failure stays one line."""
     _, cfg = _compose(overrides)
     if not cfg.ckpt:
         raise ConfigError(
@@ -239,13 +240,14 @@ def _compose_with_ckpt(overrides: list[str], example: str):
         )
     from suite.sources import ModelSource
 
-    source = ModelSource.parse(cfg.ckpt, "ckpt")
-    _say(source.describe())
-    return cfg, source
+    return cfg, ModelSource.parse(cfg.ckpt, "ckpt")
 
 
-def _report(flags: set[str], result: dict, text: str) -> int:
-    """The verb's result: one JSON line with --json, else the human-readable text."""
+def _report(flags: set[str], result: dict, text: str, source=None) -> int:
+    """The verb's result: one JSON line with --json, else the human-readable text; first, on stderr,
+    which checkpoint `source` (a ModelSource) was read, and at which step."""
+    if source is not None:
+        _say(source.describe())
     print(json.dumps(result) if "--json" in flags else text)
     return 0
 
@@ -264,7 +266,7 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
         f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
         f"held-out questions), {result['ckpt']}"
     )
-    return _report(flags, result, "\n".join(lines))
+    return _report(flags, result, "\n".join(lines), source)
 
 
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
@@ -289,7 +291,8 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
     from suite.infer.generate import generate_from_checkpoint
 
     text = generate_from_checkpoint(source, cfg.generate, device=cfg.train.device)
-    return _report(flags, {"prompt": cfg.generate.prompt, "text": text}, cfg.generate.prompt + text)
+    result = {"prompt": cfg.generate.prompt, "text": text}
+    return _report(flags, result, cfg.generate.prompt + text, source)
 
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
@@ -319,6 +322,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         flags,
         {"out": str(out), "format": cfg.export.format},
         f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
+        source,
     )
 
 
