@@ -195,3 +195,46 @@ def test_failed_validation_leaves_no_run_folder(tmp_path, tiny_data, change, exp
     proc = pretrain(run_dir, tiny_data, change)
     assert_one_line(proc, 2, expected)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_checkpoint_without_a_fingerprint_is_compared_by_its_config(base_run, tiny_data, tmp_path):
+    """Checkpoints written before fingerprints existed: their config.yaml tells the architecture."""
+    from suite.train.checkpoint import write_manifest
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(base_run, run_dir)
+    for step in (1, 2):
+        folder = run_dir / "checkpoints" / f"step_{step}"
+        (folder / "fingerprint.json").unlink()
+        write_manifest(folder, step)
+    before = snapshot(run_dir)
+    proc = pretrain(run_dir, tiny_data, "model.num_layers=2", "train.max_steps=4")
+    assert_one_line(proc, 2, "model.num_layers: checkpoint 4, now 2")
+    assert snapshot(run_dir) == before
+
+
+def test_finetune_resume_with_another_method_refuses(base_run, tmp_path):
+    run_dir = tmp_path / "sft"
+    args = [
+        "finetune",
+        f"model.init_from={base_run}",
+        f"run.dir={run_dir}",
+        "finetune.data.num_train=64",
+        "finetune.data.num_eval=8",
+        "finetune.eval_samples=0",
+        "data.seq_len=64",
+        "parallel.micro_batch_size=2",
+        "parallel.global_batch_size=2",
+        "train.max_steps=1",
+        "train.eval_batches=1",
+        "train.precision=fp32",
+        "log.wandb=false",
+        "log.progress=false",
+    ]
+    first = run_suite(*args, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"model.init_from='{base_run}': step 2 (" in first.stdout
+    before = snapshot(run_dir)
+    proc = run_suite(*args, "finetune.method=lora", "train.max_steps=2", timeout=300)
+    assert_one_line(proc, 2, "finetune.method: checkpoint full, now lora")
+    assert snapshot(run_dir) == before
