@@ -238,3 +238,46 @@ def test_finetune_resume_with_another_method_refuses(base_run, tmp_path):
     proc = run_suite(*args, "finetune.method=lora", "train.max_steps=2", timeout=300)
     assert_one_line(proc, 2, "finetune.method: checkpoint full, now lora")
     assert snapshot(run_dir) == before
+
+
+def test_a_node_waiting_for_its_peers_says_so(tmp_path, tiny_data):
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, free_port, suite_env
+
+    port = free_port()
+    fast = [a for a in FAST if not a.startswith("parallel.global_batch_size=")]
+    args = ["pretrain", f"data.path={tiny_data}", f"run.dir={tmp_path / 'run'}", *fast]
+    args += [
+        "parallel.dp=2",
+        "launch.nnodes=2",
+        "launch.node_rank=0",
+        f"launch.rdzv_endpoint=127.0.0.1:{port}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "suite", *args],
+        cwd=REPO,
+        env=suite_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        line, seen = "", []
+        while time.monotonic() < deadline and "waiting" not in line:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if not line:
+                break  # the node ended instead of waiting
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert "node 0 of 2: waiting" in line and f"launch.rdzv_endpoint=127.0.0.1:{port}" in line, seen
+    assert "launch.node_rank=<n>" in line and "start node(s) 1" in line, line
