@@ -135,7 +135,7 @@ def _compose(overrides: list[str]):
 def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
     if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
-        raw, cfg = _with_base_model(raw)
+        raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg)
     from suite.parallel.hosting import check_hosting
 
@@ -189,19 +189,29 @@ def _run_training(verb: str, cfg, dims, resolved_yaml: str) -> int:
     return 0
 
 
-def _with_base_model(raw):
-    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>)."""
+def _with_base_model(raw, overrides: list[str]):
+    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>); an
+    architecture key that the command line sets to another value than the base's is refused."""
     from dataclasses import asdict
 
     from suite.sources import ModelSource
+    from suite.train.run_folder import ARCHITECTURE
 
     init_from = raw.model.init_from
     source = ModelSource.parse(init_from, "model.init_from")
-    print(source.describe(), flush=True)  # training verbs report on stdout
     base = asdict(source.model_config())
     base["init_from"] = init_from
     if source.is_hf:  # a weight layout, not architecture: an HF base is fused on load
         base["fused_projections"] = bool(raw.model.get("fused_projections", False))
+    typed = {o.split("=", 1)[0].removeprefix("model.") for o in _expand(overrides) if o.startswith("model.")}
+    for key in ARCHITECTURE:
+        if key in typed and raw.model.get(key) != base[key]:
+            raise ConfigError(
+                f"model.{key}={raw.model.get(key)} conflicts with model.init_from={init_from}, whose "
+                f"model.{key} is {base[key]}: the architecture comes from init_from; drop model.{key}, "
+                "or leave out model.init_from to train a new model"
+            )
+    print(source.describe(), flush=True)  # training verbs report on stdout
     for key, value in base.items():
         raw.model[key] = value
     return raw, to_object(raw)
@@ -214,7 +224,7 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     from suite.finetune.checks import check_finetune
 
     check_finetune(cfg)  # before the base model is read (model.init_from must be there)
-    raw, cfg = _with_base_model(raw)
+    raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg, needs_data=False, finetune=True)
     from suite.parallel.hosting import check_hosting
     from suite.train.run_folder import check_run_folder

@@ -46,8 +46,10 @@ def estimate_state(cfg: SuiteConfig, dims: ParallelDims) -> StateEstimate:
     sharded = {"AdamW state", "fp32 master weights"} | ({"gradients"} if stage >= 2 else set())
     sharded |= {"weights"} if stage >= 3 else set()
     per_param = sum(b / shard if name in sharded else b for name, b in parts.items())
-    per_process = params / (dims.tp * dims.pp) * per_param
-    split = f"tp={dims.tp} x pp={dims.pp}" + (f", sharding={shard} (stage {stage})" if shard > 1 else "")
+    # ep splits only the experts; dividing everything by it keeps the estimate a lower bound
+    per_process = params / (dims.tp * dims.pp * dims.ep) * per_param
+    split = f"tp={dims.tp} x pp={dims.pp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
+    split += f", sharding={shard} (stage {stage})" if shard > 1 else ""
     detail = " + ".join(f"{name} {b}" for name, b in parts.items()) + f" bytes per parameter, split {split}"
     return StateEstimate(params, per_process, detail)
 

@@ -281,3 +281,17 @@ def test_a_node_waiting_for_its_peers_says_so(tmp_path, tiny_data):
         proc.wait()
     assert "node 0 of 2: waiting" in line and f"launch.rdzv_endpoint=127.0.0.1:{port}" in line, seen
     assert "launch.node_rank=<n>" in line and "start node(s) 1" in line, line
+
+
+def test_the_suggested_init_from_starts_a_new_run_from_those_weights(base_run, tiny_data, tmp_path):
+    new = tmp_path / "continued"
+    proc = pretrain(new, tiny_data, f"model.init_from={base_run}", "train.max_steps=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"model.init_from='{base_run}': step 2 (" in proc.stdout and "resumed" not in proc.stdout
+    assert (
+        json.loads((new / "checkpoints" / "step_1" / "fingerprint.json").read_text())["model.num_layers"] == 4
+    )
+
+    proc = pretrain(tmp_path / "other", tiny_data, f"model.init_from={base_run}", "model.num_layers=2")
+    assert_one_line(proc, 2, "model.num_layers=2 conflicts with model.init_from=", "is 4")
+    assert not (tmp_path / "other").exists()
