@@ -114,6 +114,13 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     run_dir = Path(cfg.run.dir).expanduser()
     named = f"run.dir={cfg.run.dir}"
     if cfg.train.overwrite:
+        source = str(cfg.model.init_from or "").removeprefix("hf:")
+        init = Path(source).expanduser().resolve() if source else None
+        if init is not None and run_dir.resolve() in (init, *init.parents):
+            raise ConfigError(
+                f"model.init_from={cfg.model.init_from} is inside {named}, which train.overwrite=true would "
+                "move aside before its weights are read; pass a new run.dir=..."
+            )
         if cfg.launch.node_rank == 0 and run_dir.is_dir() and any(run_dir.iterdir()):
             moved = move_aside(run_dir)
             print(f"train.overwrite=true: moved the previous run in {run_dir} to {moved}", flush=True)

@@ -295,3 +295,10 @@ def test_the_suggested_init_from_starts_a_new_run_from_those_weights(base_run, t
     proc = pretrain(tmp_path / "other", tiny_data, f"model.init_from={base_run}", "model.num_layers=2")
     assert_one_line(proc, 2, "model.num_layers=2 conflicts with model.init_from=", "is 4")
     assert not (tmp_path / "other").exists()
+
+
+def test_overwrite_never_moves_the_weights_it_starts_from(base_run, tiny_data):
+    before = snapshot(base_run)
+    proc = pretrain(base_run, tiny_data, f"model.init_from={base_run}", "train.overwrite=true")
+    assert_one_line(proc, 2, "train.overwrite=true", "run.dir=")
+    assert snapshot(base_run) == before
