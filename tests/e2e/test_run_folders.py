@@ -71,16 +71,10 @@ def test_checkpoints_record_what_must_match(base_run):
     assert "fingerprint.json" in listed
 
 
-@pytest.mark.parametrize(
-    "change, expected",
-    [
-        ("model.num_layers=2", "model.num_layers: checkpoint 4, now 2"),
-        ("model.hidden_size=128", "model.hidden_size: checkpoint 256, now 128"),
-    ],
-)
-def test_resume_with_a_changed_model_refuses_and_writes_nothing(base_run, tiny_data, change, expected):
+def test_resume_with_a_changed_model_refuses_and_writes_nothing(base_run, tiny_data):
     before = snapshot(base_run)
-    proc = pretrain(base_run, tiny_data, change, "train.max_steps=4")
+    proc = pretrain(base_run, tiny_data, "model.num_layers=2", "train.max_steps=4")
+    expected = "model.num_layers: checkpoint 4, now 2"
     line = assert_one_line(proc, 2, expected, "run.dir=", f"model.init_from={base_run}")
     assert "resumed" not in proc.stdout, line
     assert snapshot(base_run) == before  # byte for byte, mtimes included: nothing new, nothing rewritten
@@ -124,19 +118,22 @@ def test_resume_false_refuses_then_overwrite_moves_the_old_run_aside(base_run, t
 
 def test_every_checkpoint_reader_names_the_step_and_verifies_a_step_folder(base_run, tmp_path):
     step_1 = base_run / "checkpoints" / "step_1"
-    for ckpt, step in ((base_run, 2), (step_1, 1), (base_run / "checkpoints", 2)):
+    for ckpt, step in ((base_run, 2), (step_1, 1)):
         proc = run_suite("generate", f"ckpt={ckpt}", "prompt=The ", "generate.max_new_tokens=2", "--json")
         assert proc.returncode == 0, proc.stderr
         assert f": step {step} (" in proc.stderr and "verified" in proc.stderr, proc.stderr
         json.loads(proc.stdout)  # stdout stays the result alone
 
+    from suite.train.checkpoint import find_checkpoint
+
+    assert find_checkpoint(base_run / "checkpoints") == (base_run / "checkpoints" / "step_2", [])
+
     corrupt = tmp_path / "run"
     shutil.copytree(base_run, corrupt)
     (corrupt / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"not a checkpoint")
     folder = corrupt / "checkpoints" / "step_1"
-    for verb, extra in (("generate", ["prompt=The "]), ("export", [f"out={tmp_path / 'hf'}"])):
-        proc = run_suite(verb, f"ckpt={folder}", *extra)
-        assert_one_line(proc, 2, f"ckpt='{folder}'", "does not verify", "trainer_state.pt")
+    proc = run_suite("export", f"ckpt={folder}", f"out={tmp_path / 'hf'}")
+    assert_one_line(proc, 2, f"ckpt='{folder}'", "does not verify", "trainer_state.pt")
     assert not (tmp_path / "hf").exists()
 
     # a run folder whose newest checkpoint is corrupt: the older one is read, and the skip is said once
