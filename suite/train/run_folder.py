@@ -73,6 +73,11 @@ def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> d
     return json.loads(json.dumps(out))  # plain JSON values, as read back from a checkpoint
 
 
+def of_run(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> dict[str, Any]:
+    """The fingerprint of the run a training verb starts: `fingerprint` with its tokenizer."""
+    return fingerprint(cfg, verb, tokenizer_file(cfg, verb, data_dir))
+
+
 def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
     """A checkpoint's fingerprint; for one written before fingerprints, what its config.yaml tells
     (the architecture, optimizer and LoRA keys; not the tokenizer). None when neither is readable."""
@@ -139,7 +144,7 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     saved = None if newest is None else saved_fingerprint(newest)
     if saved is None:
         return
-    changed = differences(saved, fingerprint(cfg, verb, tokenizer_file(cfg, verb, data_dir)))
+    changed = differences(saved, of_run(cfg, verb, data_dir))
     if changed:
         raise ConfigError(
             f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "

@@ -47,7 +47,7 @@ class Saver:
         log: Callable,
         fingerprint: dict | None = None,
     ):
-        """`fingerprint`: written into every checkpoint (suite.train.run_folder)."""
+        """`fingerprint` (settable later): written into every checkpoint (suite.train.run_folder)."""
         self.run_dir, self.keep_last, self.keep_every = run_dir, keep_last, keep_every
         self.fingerprint = fingerprint
         self.is_main, self.async_group, self.log = is_main, async_group, log

@@ -143,16 +143,10 @@ class Trainer:
         if cfg.train.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         t = cfg.train
-        tokenizer = run_folder.tokenizer_file(cfg, self.verb, getattr(self, "data_dir", None))
         self.saver = Saver(
-            self.run_dir,
-            t.keep_last,
-            t.keep_every,
-            self.env.is_main,
-            self.async_group,
-            self._log,
-            run_folder.fingerprint(cfg, self.verb, tokenizer),
+            self.run_dir, t.keep_last, t.keep_every, self.env.is_main, self.async_group, self._log
         )
+        self.saver.fingerprint = run_folder.of_run(cfg, self.verb, getattr(self, "data_dir", None))
         # the per-step SIGTERM check all-reduces a host flag: over gloo when the device is an accelerator
         self.host_group = None
         if dist.is_initialized() and self.device.type != "cpu":
