@@ -84,11 +84,15 @@ def check_hosting(cfg: SuiteConfig, dims: ParallelDims) -> StateEstimate:
         f"recipe {cfg.recipe_name} (model {cfg.model.name}) runs world size {dims.world_size}"
         f" = launch.nnodes={nodes} x launch.nproc_per_node={nproc}"
     )
-    if on_gpu and gpus < nproc:
-        wants = "train.device=cuda" if cfg.train.device == "cuda" else "its processes"
+    if on_gpu and gpus == 0:  # train.device=cuda
         raise ConfigError(
-            f"{job}: {nproc} processes on this node, one CUDA GPU each ({wants}), but {_machine(gpus)}; "
-            f"run it where each node has {nproc} GPUs, or lower launch.nproc_per_node"
+            f"train.device=cuda, but {_machine(0)}; use train.device=auto (or cpu), or run it "
+            f"on a machine with {nproc} GPU{'s' if nproc != 1 else ''}"
+        )
+    if on_gpu and gpus < nproc:
+        raise ConfigError(
+            f"{job}: {nproc} processes on this node, one CUDA GPU each, but {_machine(gpus)}; run it where "
+            f"each node has {nproc} GPUs, or lower launch.nproc_per_node to {gpus}"
         )
     estimate = estimate_state(cfg, dims)
     need_each = estimate.per_process

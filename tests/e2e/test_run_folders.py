@@ -299,3 +299,13 @@ def test_overwrite_never_moves_the_weights_it_starts_from(base_run, tiny_data):
     proc = pretrain(base_run, tiny_data, f"model.init_from={base_run}", "train.overwrite=true")
     assert_one_line(proc, 2, "train.overwrite=true", "run.dir=")
     assert snapshot(base_run) == before
+
+
+def test_cuda_asked_for_on_a_machine_without_one_is_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_suite("pretrain", "train.device=cuda", f"run.dir={tmp_path / 'run'}", timeout=60)
+    assert_one_line(proc, 2, "train.device=cuda", "no CUDA GPU", "train.device=auto")
+    assert not (tmp_path / "run").exists()
