@@ -41,15 +41,17 @@ VERB_HELP = {
 
 Causal-LM pretraining. With no arguments: gpt-tiny on the embedded corpus (built on first use),
 on this machine, writing to run.dir (runs/<model.name>). Re-running the same command resumes from
-the newest good checkpoint (train.resume=true).
+the newest good checkpoint (train.resume=true). A run folder holds one run: a config that its
+checkpoints do not fit (another model, tokenizer) is refused; train.overwrite=true starts clean
+after moving the old run aside to <run.dir>.old-<N>.
 
 Common keys:
   recipe={recipes}|./my.yaml
   run.dir=DIR  train.max_steps=N  train.save_every=N  train.log_every=N  train.eval_every=N
-  train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.compile=auto|true|false
-  parallel.micro_batch_size=N  parallel.global_batch_size=N  parallel.dp/sharding/tp/pp=N
-  data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N  model.num_heads=N
-  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
+  train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.overwrite=true
+  train.compile=auto|true|false  parallel.micro_batch_size=N  parallel.global_batch_size=N
+  parallel.dp/sharding/tp/pp=N  data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N
+  model.num_heads=N  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
 Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
 
@@ -162,6 +164,8 @@ Examples:
   suite pretrain recipe=./mytiny.yaml train.max_steps=20""",
 }
 
+BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
+
 SHORTCUTS = {
     "prompt": "generate.prompt",
     "format": "export.format",
@@ -197,16 +201,41 @@ def _compose(overrides: list[str]):
 def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
     if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
-        raw, cfg = _with_base_model(raw)
+        raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg)
+    from suite.parallel.hosting import check_hosting
+
+    estimate = check_hosting(cfg, dims)  # before the data is prepared: a cluster recipe stops here
+    if not cfg.data.path and estimate.params > BIG_MODEL:
+        _say(
+            f"note: data.path is not set, so {cfg.model.name} pretrains on the small embedded corpus "
+            "(Python docstrings); prepare your text with `suite prepare data.path=DIR ...` and pass data.path=DIR"
+        )
     resolved_yaml = OmegaConf.to_yaml(raw)
     from suite.data import ensure_prepared
+    from suite.train.run_folder import check_run_folder
 
-    ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
+    data_dir = ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
+    check_run_folder(cfg, "pretrain", data_dir)  # refuses, writing nothing, or moves an old run aside
     return _train("pretrain", cfg, dims, resolved_yaml)
 
 
 def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
+    """`_run_training`, leaving no empty run folder behind when a check inside the trainer refuses."""
+    run_dir = Path(cfg.run.dir).expanduser().absolute()
+    missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    try:
+        return _run_training(verb, cfg, dims, resolved_yaml)
+    except ConfigError:
+        for folder in missing:  # innermost first; one that holds anything stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _run_training(verb: str, cfg, dims, resolved_yaml: str) -> int:
     """Train here, or hand the frozen config to the elastic launcher when more processes are asked for."""
     if world_size(cfg) > 1:
         from suite.parallel.launcher import inside_worker, launch
@@ -227,19 +256,25 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
 
     check_distill(cfg)
     if cfg.model.init_from:  # a student that starts from a checkpoint (e.g. a pruned teacher)
-        raw, cfg = _with_base_model(raw)
+        raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg, distill=True)
     from suite.data import ensure_prepared
+    from suite.parallel.hosting import check_hosting
+    from suite.train.run_folder import check_run_folder
 
-    ensure_prepared(cfg.data, progress=True)
+    check_hosting(cfg, dims)
+    data_dir = ensure_prepared(cfg.data, progress=True)
+    check_run_folder(cfg, "distill", data_dir)
     return _train("distill", cfg, dims, OmegaConf.to_yaml(raw))
 
 
-def _with_base_model(raw):
-    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>)."""
+def _with_base_model(raw, overrides: list[str]):
+    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>); an
+    architecture key that the command line sets to another value than the base's is refused."""
     from dataclasses import asdict
 
     from suite.sources import ModelSource
+    from suite.train.run_folder import ARCHITECTURE
 
     init_from = raw.model.init_from
     source = ModelSource.parse(init_from, "model.init_from")
@@ -247,6 +282,15 @@ def _with_base_model(raw):
     base["init_from"] = init_from
     if source.is_hf:  # a weight layout, not architecture: an HF base is fused on load
         base["fused_projections"] = bool(raw.model.get("fused_projections", False))
+    typed = {o.split("=", 1)[0].removeprefix("model.") for o in _expand(overrides) if o.startswith("model.")}
+    for key in ARCHITECTURE:
+        if key in typed and raw.model.get(key) != base[key]:
+            raise ConfigError(
+                f"model.{key}={raw.model.get(key)} conflicts with model.init_from={init_from}, whose "
+                f"model.{key} is {base[key]}: the architecture comes from init_from; drop model.{key}, "
+                "or leave out model.init_from to train a new model"
+            )
+    print(source.describe(), flush=True)  # training verbs report on stdout
     for key, value in base.items():
         raw.model[key] = value
     return raw, to_object(raw)
@@ -259,35 +303,52 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     from suite.finetune.checks import check_finetune
 
     check_finetune(cfg)  # before the base model is read (model.init_from must be there)
-    raw, cfg = _with_base_model(raw)
+    raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg, needs_data=False, finetune=True)
+    from suite.parallel.hosting import check_hosting
+    from suite.train.run_folder import check_run_folder
+
+    check_hosting(cfg, dims)
+    check_run_folder(cfg, "finetune")
     return _train("finetune", cfg, dims, OmegaConf.to_yaml(raw))
 
 
+def _say(text: str) -> None:
+    """A note for the user on stderr (stdout holds the verb's result, one JSON line with --json)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def _compose_with_ckpt(overrides: list[str], example: str):
-    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required."""
+    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required.
+    Returns (config, the verified model source); the verb says which step it read once it has
+    succeeded (`_report`), so that a failure stays one line."""
     _, cfg = _compose(overrides)
     if not cfg.ckpt:
         raise ConfigError(
             f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
         )
-    return cfg
+    from suite.sources import ModelSource
+
+    return cfg, ModelSource.parse(cfg.ckpt, "ckpt")
 
 
-def _report(flags: set[str], result: dict, text: str) -> int:
-    """The verb's result: one JSON line with --json, else the human-readable text."""
+def _report(flags: set[str], result: dict, text: str, source=None) -> int:
+    """The verb's result: one JSON line with --json, else the human-readable text; first, on stderr,
+    which checkpoint `source` (a ModelSource) was read, and at which step."""
+    if source is not None:
+        _say(source.describe())
     print(json.dumps(result) if "--json" in flags else text)
     return 0
 
 
 def cmd_eval(overrides: list[str], flags: set[str]) -> int:
-    cfg = _compose_with_ckpt(overrides, "runs/sft-tiny")
+    cfg, source = _compose_with_ckpt(overrides, "runs/sft-tiny")
     from suite.infer.checks import check_eval
 
     check_eval(cfg)
     from suite.infer.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(cfg.ckpt, cfg.eval, device=cfg.train.device)
+    result = evaluate_checkpoint(source, cfg.eval, device=cfg.train.device)
     lines = [
         f"  {'ok ' if ex['correct'] else 'err'} {ex['prompt']!r} -> {ex['prediction']!r} "
         f"(reference {ex['reference']!r})"
@@ -297,7 +358,7 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
         f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
         f"held-out questions), {result['ckpt']}"
     )
-    return _report(flags, result, "\n".join(lines))
+    return _report(flags, result, "\n".join(lines), source)
 
 
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
@@ -308,9 +369,9 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
     check_prepare(cfg)
 
     if cfg.data.path and (cfg.data.sources or not Path(cfg.data.path).exists()):
-        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True)
+        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True, summary=False)
     else:
-        out = ensure_prepared(cfg.data, progress=True)
+        out = ensure_prepared(cfg.data, progress=True, summary=False)
     meta = json.loads((out / "meta.json").read_text())
     return _report(
         flags,
@@ -324,26 +385,25 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
     from suite.infer.checks import check_generate, take_prompt
 
     overrides, prompt = take_prompt(overrides)  # verbatim: never through the override grammar
-    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     if prompt is not None:
         cfg.generate.prompt = prompt
     check_generate(cfg)
     from suite.infer.generate import generate_from_checkpoint
 
-    text = generate_from_checkpoint(cfg.ckpt, cfg.generate, device=cfg.train.device)
-    return _report(flags, {"prompt": cfg.generate.prompt, "text": text}, cfg.generate.prompt + text)
+    text = generate_from_checkpoint(source, cfg.generate, device=cfg.train.device)
+    result = {"prompt": cfg.generate.prompt, "text": text}
+    return _report(flags, result, cfg.generate.prompt + text, source)
 
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
-    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     validate(cfg, needs_data=False, writes_run=False)
     from suite.export.checks import check_default_out, check_export_out
 
     check_export_out(cfg.export.out)
     from suite.export.hf import export_checkpoint_hf
-    from suite.sources import ModelSource
 
-    source = ModelSource.parse(cfg.ckpt, "ckpt")
     if source.lora is not None and not cfg.export.merge_lora:
         raise ConfigError(
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
@@ -366,6 +426,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         flags,
         {"out": str(out), "format": cfg.export.format},
         f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
+        source,
     )
 
 

@@ -33,6 +33,8 @@ def run(verb: str, config_path: Path) -> int:
     from suite.config.compose import load_saved_config
 
     resolved_yaml = config_path.read_text()
+    with contextlib.suppress(OSError):  # the launcher stops saying that this node waits for its peers
+        config_path.with_name("started").touch()
     cfg = load_saved_config(config_path)
     # this attempt's world: an elastic job (launch.nproc_per_node=min:max) may run below its maximum;
     # the parent checked everything else before it launched us

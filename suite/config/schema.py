@@ -163,6 +163,8 @@ class TrainConfig:
     # bf16: model params/grads in bf16, AdamW on fp32 master copies with fp32 state (docs/performance.md)
     param_dtype: str = "fp32"  # fp32 | bf16 (needs precision=bf16)
     resume: bool = True
+    # start clean in a run.dir that holds a run: move that run aside to <run.dir>.old-<N> first
+    overwrite: bool = False
     peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
     compile: Any = (
         "auto"  # torch.compile each block: auto (where it pays, docs/performance.md) | true | false

@@ -34,6 +34,7 @@ from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
+from suite.train import run_folder
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
@@ -146,6 +147,7 @@ class Trainer:
         self.saver = Saver(
             self.run_dir, t.keep_last, t.keep_every, self.env.is_main, self.async_group, self._log
         )
+        self.saver.fingerprint = run_folder.of_run(cfg, self.verb, getattr(self, "data_dir", None))
         # the per-step SIGTERM check all-reduces a host flag: over gloo when the device is an accelerator
         self.host_group = None
         if dist.is_initialized() and self.device.type != "cpu":
