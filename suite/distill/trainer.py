@@ -10,6 +10,7 @@ from __future__ import annotations
 from suite.config.errors import ConfigError
 from suite.distill.step import DistillStep
 from suite.distill.teacher import load_teacher
+from suite.train.step import training_loss
 from suite.train.trainer import Trainer
 
 
@@ -25,7 +26,7 @@ class DistillTrainer(Trainer):
         return DistillStep(
             self.placement,
             self.optimizer,
-            self._loss_fn(),
+            training_loss(self.model, False),  # dense students only (suite.distill.checks)
             self.autocast,
             self.scaler,
             teacher=teacher,

@@ -182,14 +182,10 @@ class Trainer:
                 f"{self.meta['vocab_size']} tokens in {self.data_dir}; set model.vocab_size>={self.meta['vocab_size']}"
             )
 
-    def _loss_fn(self):
-        return training_loss(self.model, bool(self.cfg.model.num_experts))
-
     def _make_step(self, **options) -> TrainStep:
         """The step on this rank's placement (distillation adds the teacher's forward to the loss)."""
-        return build_step(
-            self.placement, self.optimizer, self._loss_fn(), self.autocast, self.scaler, **options
-        )
+        loss_fn = training_loss(self.model, bool(self.cfg.model.num_experts))
+        return build_step(self.placement, self.optimizer, loss_fn, self.autocast, self.scaler, **options)
 
     def _adapt_model(self, model: torch.nn.Module) -> None:
         """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
