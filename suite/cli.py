@@ -62,14 +62,15 @@ Examples:
     "distill": """usage: suite distill distill.teacher=<run.dir|checkpoint|hf:folder> [recipe=NAME|PATH.yaml] [key=value ...]
 
 Knowledge distillation: the recipe's model (the student; from scratch, or model.init_from=<run>)
-trains on the recipe's pretraining data against the frozen teacher's next-token distribution,
+trains on the recipe's pretraining data (or chat rows: distill.data=sft) against the frozen teacher's next-token distribution,
 mixed with the hard-label loss. Default recipe: distill-gpt-tiny (a half-size gpt-tiny student of
 runs/gpt-tiny). The teacher is placed like the student (dp, sharding) and must share its tokenizer.
 Layouts: dp and sharding (tp, pp and cp are not supported yet for distillation).
 
 Common keys:
   distill.teacher=runs/gpt-tiny|hf:DIR  distill.loss=forward_kl|reverse_kl|jsd  distill.temperature=X
-  distill.ce_weight=X (hard-label share, 0..1)  distill.chunk_tokens=N  model.num_layers=N
+  distill.ce_weight=X (hard-label share, 0..1)  distill.chunk_tokens=N  distill.data=pretrain|sft
+  (sft: finetune.data.task=... or finetune.data.sources=..., as for suite finetune)  model.num_layers=N
   model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding=N  launch.nproc_per_node=N
 
 Writes: <run.dir>/config.yaml, metrics.jsonl (loss: the mixed loss; val_loss: the student's
@@ -123,7 +124,7 @@ data.seq_len at most the model's max_seq_len (gpt-tiny: 256).
 Examples:
   suite prepare
   suite prepare 'data.sources=[{path: "corpus/*.jsonl"}]' data.path=data/prepared data.vocab_size=8192
-  suite pretrain data.path=data/prepared""",
+  suite pretrain data.path=data/prepared run.dir=runs/prepared-8k""",
     "generate": """usage: suite generate ckpt=<run.dir|checkpoint dir> prompt="..." [generate.KEY=VALUE ...] [--json]
 
 Samples text with a KV cache. `prompt=` (or generate.prompt=) is taken exactly as typed: no override
@@ -257,13 +258,13 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
     check_distill(cfg)
     if cfg.model.init_from:  # a student that starts from a checkpoint (e.g. a pruned teacher)
         raw, cfg = _with_base_model(raw, overrides)
-    dims = validate(cfg, distill=True)
+    dims = validate(cfg, needs_data=cfg.distill.data == "pretrain", distill=True)
     from suite.data import ensure_prepared
     from suite.parallel.hosting import check_hosting
     from suite.train.run_folder import check_run_folder
 
     check_hosting(cfg, dims)
-    data_dir = ensure_prepared(cfg.data, progress=True)
+    data_dir = ensure_prepared(cfg.data, progress=True) if cfg.distill.data == "pretrain" else None
     check_run_folder(cfg, "distill", data_dir)
     return _train("distill", cfg, dims, OmegaConf.to_yaml(raw))
 

@@ -57,10 +57,13 @@ def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
         FinetuneTrainer(cfg, dims, resolved_yaml).train()
         return 0
     if verb == "distill":
-        from suite.distill.trainer import DistillTrainer
+        from suite.distill.trainer import DistillTrainer, SFTDistillTrainer
         from suite.sources import initial_weights
 
-        DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
+        if cfg.distill.data == "sft":
+            SFTDistillTrainer(cfg, dims, resolved_yaml).train()
+        else:
+            DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
         return 0
     raise ConfigError(f"verb {verb!r} does not run under the launcher")
 

@@ -289,6 +289,7 @@ class DistillConfig:
     recipe's data against a frozen teacher's distribution (docs/compression.md)."""
 
     teacher: Optional[str] = None  # the teacher model: a suite run/checkpoint folder or hf:<folder>
+    data: str = "pretrain"  # pretrain: the recipe's data (data.*) | sft: finetune.data's chat rows
     loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd: the divergence to the teacher
     temperature: float = 1.0  # both distributions softened by it; the divergence is scaled by T^2
     ce_weight: float = 0.5  # weight of the hard-label cross-entropy; the divergence gets 1 - ce_weight

@@ -23,6 +23,21 @@ def check_distill(cfg: SuiteConfig) -> None:
         raise ConfigError(
             f"distill.ce_weight={d.ce_weight} must be in [0, 1] (the hard-label share of the loss); e.g. 0.5"
         )
+    if d.data not in ("pretrain", "sft"):
+        raise ConfigError(
+            f"distill.data={d.data!r} is not a data kind; use pretrain (data.*) or sft (finetune.data)"
+        )
+    if d.data == "sft":
+        if cfg.finetune.method != "full":
+            raise ConfigError(
+                f"finetune.method={cfg.finetune.method} with suite distill: the student trains all its weights; "
+                "set finetune.method=full"
+            )
+        if not (cfg.finetune.data.task or cfg.finetune.data.sources):
+            raise ConfigError(
+                "distill.data=sft needs chat rows: finetune.data.task=reverse-6 or "
+                "'finetune.data.sources=[{path: data/chat.jsonl}]'"
+            )
     if d.chunk_tokens < 1:
         raise ConfigError(f"distill.chunk_tokens={d.chunk_tokens} must be >= 1; e.g. 1024")
     from suite.sources import ModelSource

@@ -106,3 +106,32 @@ def test_bad_distill_input_is_one_line(tmp_path, teacher, tiny_data, extra, word
     for word in words:
         assert word in err, (word, err)
     assert not run.exists()
+
+
+def test_distill_on_chat_rows_matches_single_process_at_dp2(tmp_path, tiny_data):
+    """distill.data=sft: a student from scratch on a task's chat rows (the teacher's tokenizer and chat
+    template), the loss only on assistant tokens; dp=2 equals one process."""
+    from tests.e2e.test_finetune import TINY_FT, tiny_base
+
+    base = tiny_base(tmp_path / "teacher-hf", tiny_data)
+    rows = merged(
+        [o for o in TINY_FT if not o.startswith("finetune.eval_samples")],
+        ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=4", "model.vocab_size=512"],
+        [
+            "model.max_seq_len=64",
+            "finetune.eval_samples=0",
+            "sched.warmup_steps=1",
+            "train.save_grads_step=1",
+        ],
+    )
+
+    def run(name: str, *extra: str) -> Path:
+        out = tmp_path / name
+        run_suite(
+            "distill", "recipe=distill-sft-tiny", f"distill.teacher=hf:{base}", f"run.dir={out}", *rows, *extra,
+            check=True,
+        )  # fmt: skip
+        return out
+
+    single = run("single")
+    assert_equivalent(single, run("dp2", "parallel.dp=2", "launch.nproc_per_node=2"))

@@ -122,7 +122,7 @@ CASES: list[tuple[list[str], str]] = [
     ([*FT, "finetune.data.sources=[{path: {chat}}]"], "finetune.data.task=null"),
     # --- eval
     (["eval"], "ckpt is missing"),
-    (["eval", "ckpt=/nowhere"], "ckpt='/nowhere' is neither a run folder"),
+    (["eval", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
     (["eval", "ckpt={run}"], "was not finetuned on a built-in task"),
     (["eval", "ckpt={run}", "task=nope"], "task='nope'"),
     (["eval", "ckpt={run}", "task=reverse-6", "eval.num_samples=0"], "eval.num_samples=0"),
@@ -136,7 +136,7 @@ CASES: list[tuple[list[str], str]] = [
     (["prepare", "data.tokenizer=/nope/tokenizer.json", "data.path={cwd}/out"], "data.tokenizer='/nope"),
     # --- generate
     (["generate", "prompt=hi"], "ckpt is missing"),
-    (["generate", "ckpt=/nowhere"], "ckpt='/nowhere' is neither a run folder"),
+    (["generate", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
     ([*GEN, "generate.max_new_tokens=-5"], "generate.max_new_tokens=-5"),
     ([*GEN, "generate.max_new_tokens=0"], "generate.max_new_tokens=0"),
     ([*GEN, "generate.top_k=-3"], "generate.top_k=-3"),
@@ -151,10 +151,10 @@ CASES: list[tuple[list[str], str]] = [
     ([*GEN, "prompt=hi", "prompt_file={file}"], "prompt= or prompt_file="),
     ([*GEN, f"prompt={LONG_PROMPT}"], "longer than the model's context"),
     ([*GEN, "train.device=cuda"], "train.device=cuda"),
-    (["generate", "ckpt={run}/checkpoints/step_7"], "is neither a run folder"),
+    (["generate", "ckpt={run}/checkpoints/step_7"], "step_7 does not exist"),
     # --- export
     (["export"], "ckpt is missing"),
-    (["export", "ckpt=/nowhere"], "ckpt='/nowhere' is neither a run folder"),
+    (["export", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
     ([*EXP, "format=onnx"], "export.format='onnx' is not supported"),
     ([*EXP, "export.dtype=int8"], "export.dtype='int8' is not supported"),
     ([*EXP, "export.max_shard_mb=0"], "export.max_shard_mb=0"),

@@ -53,6 +53,7 @@ SHRINK = {
         "finetune.data.num_eval=8",
         "finetune.eval_samples=2",
     ],
+    "distill": [*TRAIN, *DATA, *MODEL],
     "eval": ["eval.num_samples=2"],
     "prepare": DATA,
     "generate": ["generate.max_new_tokens=4"],
@@ -72,7 +73,7 @@ def _readme_commands() -> list[str]:
 
 def _help_commands() -> list[str]:
     commands = []
-    for verb in ("pretrain", "prepare", "finetune", "eval", "generate", "export", "config"):
+    for verb in ("pretrain", "prepare", "finetune", "distill", "eval", "generate", "export", "config"):
         text = verb_help(verb)
         assert "\nExamples:\n" in text, f"`suite {verb} --help` has no Examples: section"
         block = text.split("\nExamples:\n", 1)[1]
@@ -109,7 +110,16 @@ def workdir(tmp_path_factory):
 
 
 def test_every_verb_shows_examples_and_every_recipe():
-    assert set(VERB_HELP) <= {"pretrain", "finetune", "eval", "prepare", "generate", "export", "config"}
+    assert set(VERB_HELP) <= {
+        "pretrain",
+        "finetune",
+        "distill",
+        "eval",
+        "prepare",
+        "generate",
+        "export",
+        "config",
+    }
     from suite.config.compose import known_options
 
     pretrain_help = verb_help("pretrain")

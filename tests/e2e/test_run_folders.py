@@ -307,5 +307,5 @@ def test_cuda_asked_for_on_a_machine_without_one_is_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     proc = run_suite("pretrain", "train.device=cuda", f"run.dir={tmp_path / 'run'}", timeout=60)
-    assert_one_line(proc, 2, "train.device=cuda", "no CUDA GPU", "train.device=auto")
+    assert_one_line(proc, 2, "train.device=cuda", "no CUDA device", "train.device=auto")
     assert not (tmp_path / "run").exists()
