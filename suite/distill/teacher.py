@@ -67,4 +67,4 @@ def load_teacher(
     model.eval()
     weight = model.output.weight
     weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # one gather, at setup
-    return Teacher(model, weight.detach(), source)
+    return Teacher(model, weight.detach().to(placement.input_device()), source)  # offload: params on CPU
