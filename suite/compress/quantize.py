@@ -69,7 +69,13 @@ def output_folder(cfg: SuiteConfig, source, explicit: bool) -> Path:
 def _saved_config(cfg: SuiteConfig, source) -> SuiteConfig:
     """The config written with the output: the source run's, with this compress section and run.dir."""
     base = source.saved if source.saved is not None else SuiteConfig(model=source.model_config())
-    return replace(base, compress=cfg.compress, run=replace(base.run, dir=str(cfg.run.dir)), ckpt=None)
+    return replace(
+        base,
+        compress=cfg.compress,
+        run=replace(base.run, dir=str(cfg.run.dir)),
+        finetune=replace(base.finetune, method="full"),  # LoRA adapters were merged into the weights
+        ckpt=None,
+    )
 
 
 def _data(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path):

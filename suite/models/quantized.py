@@ -82,7 +82,7 @@ def save_quantized(model: nn.Module, folder: str | Path, info: dict[str, Any]) -
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / WEIGHTS_FILE
-    save_file({k: v.contiguous() for k, v in data.items()}, str(path), metadata=metadata)
+    save_file({k: v.detach().cpu().contiguous() for k, v in data.items()}, str(path), metadata=metadata)
     (folder / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return path
 
