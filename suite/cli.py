@@ -108,11 +108,12 @@ recipe's held-out data. compress= picks a recipes/compress option (compress.meth
   smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
       compress.calib_samples  compress.smoothquant_alpha  compress.eval_batches  compress.decode_tokens
+      compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)
       run.dir (default <ckpt run>-<method>)  train.device=auto|cpu|cuda
 
 Writes: <run.dir>/checkpoints/step_<N>/ (model.safetensors with torchao's quantized tensors,
 quantized.json), config.yaml (with compress), the tokenizer, report.json (parameters, bytes on disk,
-held-out perplexity, decode tokens/s, before and after). `suite generate` and `suite eval` take
+held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after). `suite generate` and `suite eval` take
 the folder as ckpt=. See docs/compression.md.""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option

@@ -29,6 +29,8 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
         value = getattr(c, key)
         if value < 1:
             raise ConfigError(f"compress.{key}={value} must be a positive integer")
+    if c.task_samples < 0:
+        raise ConfigError(f"compress.task_samples={c.task_samples} must be >= 0 (0: no task accuracy)")
     if not 0.0 <= c.smoothquant_alpha <= 1.0:
         raise ConfigError(f"compress.smoothquant_alpha={c.smoothquant_alpha} must be in [0, 1], e.g. 0.5")
     if any(not isinstance(p, str) or not p for p in c.skip):

@@ -79,10 +79,11 @@ def _saved_config(cfg: SuiteConfig, source) -> SuiteConfig:
 
 
 def _data(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path):
-    """(held-out batches, calibration batches) from the source run's recipe; (None, None) for an
-    HF folder (no recipe to take data from)."""
+    """(held-out batches, calibration batches, task) from the source run's recipe; (None, None, None)
+    for an HF folder (no recipe to take data from). task: (name, held-out file, chat template) when
+    the run was finetuned on a built-in task, else None."""
     if saved is None:
-        return None, None
+        return None, None, None
     c = cfg.compress
     calib_mb = min(8, c.calib_samples)
     calib_steps = math.ceil(c.calib_samples / calib_mb)
@@ -92,11 +93,12 @@ def _data(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path
         from suite.data.sft import SFTBatches
         from suite.finetune.trainer import build_sft_data
 
-        train, held, _ = build_sft_data(saved, tokenizer, tmp, True)
+        train, held, task_file = build_sft_data(saved, tokenizer, tmp, True)
         held_mb = min(mb, len(held))
         evals = SFTBatches(held, held_mb, held_mb, split="held-out").eval_batches(c.eval_batches)
         calib_mb = min(calib_mb, len(train))
-        return evals, SFTBatches(train, calib_mb, calib_mb).eval_batches(calib_steps)
+        task = (ft.task, task_file, ft.template) if ft.task and task_file and c.task_samples else None
+        return evals, SFTBatches(train, calib_mb, calib_mb).eval_batches(calib_steps), task
     from suite.data import ensure_prepared
     from suite.data.loader import TokenBatches
 
@@ -105,7 +107,7 @@ def _data(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path
     seq = saved.data.seq_len
     evals = TokenBatches(folder, "val", seq, mb, mb, eos_id=eos).eval_batches(c.eval_batches)
     calib = TokenBatches(folder, "train", seq, calib_mb, calib_mb, eos_id=eos).eval_batches(calib_steps)
-    return evals, calib
+    return evals, calib, None
 
 
 def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str) -> Path:
@@ -129,6 +131,11 @@ def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str)
 
 def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
     """The verb: returns the report (also written to <run.dir>/report.json)."""
+    with tempfile.TemporaryDirectory(prefix="suite-quantize-") as tmp:
+        return _quantize(cfg, explicit_dir, Path(tmp))
+
+
+def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
     from suite.compress.methods import METHODS, linear_plan, quantize_model
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
@@ -160,19 +167,18 @@ def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
     model = source.load_model("cpu").to(device)
     tokenizer = source.tokenizer()
     saved = _saved_config(cfg, source)
-    with tempfile.TemporaryDirectory(prefix="suite-quantize-") as tmp_name:
-        tmp = Path(tmp_name)
-        evals, calib = _data(source.saved, tokenizer, cfg, tmp)
-        prompt = (
-            evals[0].tokens[0, :PROMPT_TOKENS].tolist()
-            if evals
-            else tokenizer.encode("The", add_special_tokens=False)
-        )
-        _progress(2, f"measuring the model before ({len(evals or [])} held-out batches, decode speed)")
-        before = measure(model, evals, prompt, c.decode_tokens)
-        before["file_bytes"], before["block_bytes"] = stored_bytes(
-            save_plain(model, tmp / "plain.safetensors")
-        )
+    evals, calib, task = _data(source.saved, tokenizer, cfg, tmp)
+    prompt = (
+        evals[0].tokens[0, :PROMPT_TOKENS].tolist()
+        if evals
+        else tokenizer.encode("The", add_special_tokens=False)
+    )
+    task_eval = None
+    if task is not None:
+        task_eval = {"task": task[0], "file": task[1], "template": task[2], "limit": c.task_samples}
+    _progress(2, f"measuring the model before ({len(evals or [])} held-out batches, decode speed)")
+    before = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
+    before["file_bytes"], before["block_bytes"] = stored_bytes(save_plain(model, tmp / "plain.safetensors"))
 
     _progress(
         3, f"quantizing {len(targets)} Linear layers with {c.method} on {device.type} ({len(skip)} skipped)"
@@ -207,7 +213,7 @@ def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
     del reloaded
 
     _progress(5, "measuring the quantized model")
-    after = measure(model, evals, prompt, c.decode_tokens)
+    after = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
     after["file_bytes"], after["block_bytes"] = stored_bytes(folder / WEIGHTS_FILE)
     weight_types = sorted({type(m.weight).__name__ for n, m in model.named_modules() if n in set(targets)})
     report = {

@@ -5,6 +5,8 @@ file_bytes          the weights file: the full-precision model as safetensors (b
                     quantized checkpoint's model.safetensors (after)
 block_bytes         the transformer blocks' tensors alone (layers.*: no embeddings, no head)
 perplexity, loss    token-weighted, on the recipe's held-out data (suite.infer.evaluate.perplexity)
+task_accuracy       a run finetuned on a built-in task: greedy exact match on compress.task_samples
+                    of its held-out questions (suite.infer.evaluate.evaluate_task)
 decode_tokens_per_s a greedy generate with the KV cache (prompt + compress.decode_tokens tokens,
                     after one warm-up call), tokens generated / seconds, the best of 3 calls
 """
@@ -73,11 +75,33 @@ def decode_speed(model: nn.Module, prompt: list[int], tokens: int, repeats: int 
     return max(rates)
 
 
-def measure(model: nn.Module, batches: list | None, prompt: list[int], tokens: int) -> dict[str, Any]:
-    """Perplexity (None without held-out data) and decode speed of `model`."""
-    from suite.infer.evaluate import perplexity
+def measure(
+    model: nn.Module,
+    batches: list | None,
+    prompt: list[int],
+    tokens: int,
+    tokenizer: Any = None,
+    task: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Perplexity (None without held-out data), decode speed and, with `task` ({task, file,
+    template, limit}: a run finetuned on a built-in task), held-out exact match of `model`."""
+    from suite.infer.evaluate import evaluate_task, perplexity
 
     row: dict[str, Any] = {"params": count_params(model)}
+    if task is not None:
+        from suite.data.tasks import get_task
+
+        result = evaluate_task(
+            model,
+            tokenizer,
+            task["task"],
+            task["file"],
+            max_new_tokens=get_task(task["task"]).max_answer_chars + 2,
+            limit=task["limit"],
+            template=task["template"],
+            num_examples=0,
+        )
+        row.update(task_accuracy=result["accuracy"], task_questions=result["total"])
     if batches:
         result = perplexity(model, batches)
         row.update(loss=result["loss"], perplexity=result["perplexity"], eval_tokens=result["tokens"])
@@ -102,10 +126,13 @@ def table(before: dict[str, Any], after: dict[str, Any]) -> str:
         ("weights file (bytes)", "file_bytes"),
         ("block weights (bytes)", "block_bytes"),
         ("held-out perplexity", "perplexity"),
+        ("task exact match", "task_accuracy"),
         ("decode tokens/s", "decode_tokens_per_s"),
     ]
     lines = [f"{'':24s}{'before':>16s}{'after':>16s}{'after/before':>14s}"]
     for label, key in rows:
+        if key not in before:
+            continue
         a, b = before.get(key), after.get(key)
         ratio = f"{b / a:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else ""
         lines.append(f"{label:24s}{_fmt(a):>16s}{_fmt(b):>16s}{ratio:>14s}")

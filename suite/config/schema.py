@@ -100,6 +100,8 @@ class CompressConfig:
     smoothquant_alpha: float = 0.5  # smoothquant: migration strength (0: none, 1: all onto the weights)
     eval_batches: int = 8  # report: held-out batches for the perplexity before and after
     decode_tokens: int = 32  # report: greedy tokens generated to time decoding (tokens/s)
+    # report: held-out questions answered greedily (exact match) when the run was finetuned on a built-in task; 0: none
+    task_samples: int = 50
 
 
 @dataclass

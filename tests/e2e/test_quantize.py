@@ -74,7 +74,7 @@ def _held_out_tokens(base_run: Path) -> torch.Tensor:
     from tests.helpers import run_config
 
     cfg = run_config(base_run)
-    evals, _ = _data(cfg, ModelSource.parse(base_run).tokenizer(), cfg, base_run)
+    evals, _, _ = _data(cfg, ModelSource.parse(base_run).tokenizer(), cfg, base_run)
     return evals[0].tokens
 
 
@@ -176,3 +176,56 @@ def test_quantize_has_help(capsys):
     assert main(["quantize", "--help"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("usage: suite quantize") and "int4-tinygemm" in text
+
+
+def test_finetuned_run_reports_task_accuracy_and_evals(base_run, capsys):
+    """A run finetuned on a built-in task: perplexity on its held-out rows, exact match before and
+    after, and `suite eval` on the quantized folder finds the task in its config."""
+    from suite.cli import main
+
+    sft = base_run.parent / "sft"
+    run_suite(
+        "finetune",
+        f"model.init_from={base_run}",
+        f"run.dir={sft}",
+        "log.wandb=false",
+        "log.progress=false",
+        "data.seq_len=64",
+        "finetune.data.task=reverse-3",
+        "finetune.data.num_train=48",
+        "finetune.data.num_eval=8",
+        "finetune.eval_samples=2",
+        "train.max_steps=2",
+        "train.eval_every=2",
+        "train.save_every=2",
+        "parallel.micro_batch_size=2",
+        "parallel.global_batch_size=4",
+        "train.precision=fp32",
+        check=True,
+    )
+    out = base_run.parent / "sft-int8"
+    assert main(["quantize", f"ckpt={sft}", "compress=int8", f"run.dir={out}", *FAST_REPORT]) == 0
+    report = json.loads((out / "report.json").read_text())
+    for side in ("before", "after"):
+        assert report[side]["task_questions"] == 8 and 0.0 <= report[side]["task_accuracy"] <= 1.0
+        assert report[side]["perplexity"] is not None
+    capsys.readouterr()
+    assert main(["eval", f"ckpt={out}", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["task"] == "reverse-3" and result["total"] == 8
+
+
+def test_hf_folder_quantizes_without_held_out_data(base_run, capsys):
+    from suite.cli import main
+
+    hf = base_run.parent / "base-hf"
+    assert main(["export", f"ckpt={base_run}", f"out={hf}"]) == 0
+    out = base_run.parent / "hf-w8a8"
+    assert main(["quantize", f"ckpt=hf:{hf}", "compress=w8a8", f"run.dir={out}", *FAST_REPORT]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["before"]["perplexity"] is None and report["all_quantized"]
+    capsys.readouterr()
+    assert main(["generate", f"ckpt={out}", "prompt=The quick", "generate.max_new_tokens=4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
+    err = _refused(capsys, "quantize", f"ckpt=hf:{hf}", "compress=smoothquant", f"run.dir={out}-sq")
+    assert "compress=w8a8" in err
