@@ -105,7 +105,7 @@ recipe's held-out data. compress= picks a recipes/compress option (compress.meth
   w8a8           int8 weights + int8 activations quantized per token at run time  CPU, CUDA
   int4           int4 weights, one bf16 scale per compress.group_size weights      CPU, CUDA
   int4-tinygemm  int4 with torchao's tinygemm kernels                              CUDA only
-  smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences
+  smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences  CPU, CUDA
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
       compress.calib_samples  compress.smoothquant_alpha  compress.eval_batches  compress.decode_tokens
       compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)
@@ -113,8 +113,8 @@ Keys: compress.group_size  compress.skip (module-name patterns kept in full prec
 
 Writes: <run.dir>/checkpoints/step_<N>/ (model.safetensors with torchao's quantized tensors,
 quantized.json), config.yaml (with compress), the tokenizer, report.json (parameters, bytes on disk,
-held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after). `suite generate` and `suite eval` take
-the folder as ckpt=. See docs/compression.md.""",
+held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after).
+`suite generate` and `suite eval` take the folder as ckpt=. See docs/compression.md.""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
