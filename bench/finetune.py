@@ -64,7 +64,7 @@ def main() -> None:
             f"model.init_from={args.base}",
             f"run.dir={run_dir}",
             f"finetune.data.task={args.task}",
-            "train.resume=false",
+            "train.overwrite=true",  # a fresh run each time; an earlier one is moved aside
             "log.progress=false",
             "log.wandb=false",
             *args.overrides,

@@ -18,6 +18,7 @@ from suite.checks import validate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
+from suite.outputs import check_new_file
 from suite.runtime import DTYPES, resolve_auto
 
 USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
@@ -25,6 +26,7 @@ USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
 verbs:
   pretrain   train a language model from scratch (default: gpt-tiny on the embedded corpus)
   finetune   supervised finetuning (full or LoRA) of a suite or HF checkpoint: suite finetune model.init_from=runs/gpt-tiny
+  distill    train a smaller student against a frozen teacher: suite distill recipe=distill-gpt-tiny
   eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
@@ -40,17 +42,44 @@ VERB_HELP = {
 
 Causal-LM pretraining. With no arguments: gpt-tiny on the embedded corpus (built on first use),
 on this machine, writing to run.dir (runs/<model.name>). Re-running the same command resumes from
-the newest good checkpoint (train.resume=true).
+the newest good checkpoint (train.resume=true). A run folder holds one run: a config that its
+checkpoints do not fit (another model, tokenizer) is refused; train.overwrite=true starts clean
+after moving the old run aside to <run.dir>.old-<N>.
 
 Common keys:
-  recipe=gpt-tiny|gpt345m|gpt1.3b|gpt6.7b|gpt13b|gpt175b|llama-tiny|llama2-7b|llama3-8b|./my.yaml
+  recipe={recipes}|./my.yaml
   run.dir=DIR  train.max_steps=N  train.save_every=N  train.log_every=N  train.eval_every=N
-  train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.compile=auto|true|false
-  parallel.micro_batch_size=N  parallel.global_batch_size=N  parallel.dp/sharding/tp/pp=N
-  data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N  model.num_heads=N
-  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
+  train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.overwrite=true
+  train.compile=auto|true|false  parallel.micro_batch_size=N  parallel.global_batch_size=N
+  parallel.dp/sharding/tp/pp=N  data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N
+  model.num_heads=N  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
-Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json""",
+Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
+
+Examples:
+  suite pretrain
+  suite pretrain recipe=llama-tiny train.max_steps=200 run.dir=runs/llama-200
+  suite pretrain recipe=moe-tiny train.precision=fp32""",
+    "distill": """usage: suite distill distill.teacher=<run.dir|checkpoint|hf:folder> [recipe=NAME|PATH.yaml] [key=value ...]
+
+Knowledge distillation: the recipe's model (the student; from scratch, or model.init_from=<run>)
+trains on the recipe's pretraining data (or chat rows: distill.data=sft) against the frozen teacher's next-token distribution,
+mixed with the hard-label loss. Default recipe: distill-gpt-tiny (a half-size gpt-tiny student of
+runs/gpt-tiny). The teacher is placed like the student (dp, sharding) and must share its tokenizer.
+Layouts: dp and sharding (tp, pp and cp are not supported yet for distillation).
+
+Common keys:
+  distill.teacher=runs/gpt-tiny|hf:DIR  distill.loss=forward_kl|reverse_kl|jsd  distill.temperature=X
+  distill.ce_weight=X (hard-label share, 0..1)  distill.chunk_tokens=N  distill.data=pretrain|sft
+  (sft: finetune.data.task=... or finetune.data.sources=..., as for suite finetune)  model.num_layers=N
+  model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding=N  launch.nproc_per_node=N
+
+Writes: <run.dir>/config.yaml, metrics.jsonl (loss: the mixed loss; val_loss: the student's
+cross-entropy), checkpoints/step_<N>/, tokenizer.json, summary.json
+
+Examples:
+  suite distill
+  suite distill distill.loss=jsd distill.temperature=2 run.dir=runs/distill-jsd""",
     "finetune": """usage: suite finetune [recipe=sft-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> [key=value ...]
 
 Supervised finetuning with the pretraining trainer (same parallel layouts, recompute, logging,
@@ -61,30 +90,54 @@ Common keys:
   finetune.method=full|lora  finetune.lora.rank=N  finetune.lora.alpha=X  finetune.lora.dropout=X
   'finetune.lora.target_modules=[wq,wk,wv,wo,w1,w2,w3]'  finetune.epochs=X (sets train.max_steps)
   finetune.data.task=reverse-6|sort-6|addition-3  finetune.data.num_train=N  finetune.data.num_eval=N
-  'finetune.data.sources=[{path: data/chat.jsonl}]'  'finetune.data.eval_sources=[{path: ...}]'
+  finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' (the recipe sets a task)
+  'finetune.data.eval_sources=[{path: ...}]'
   finetune.data.template=auto|chatml|plain|FILE.jinja  finetune.data.packing=true|false
   finetune.data.truncation=truncate|skip  finetune.data.on_error=skip|fail  finetune.eval_samples=N
   run.dir=DIR  train.max_steps=N  train.eval_every=N  optim.lr=X  data.seq_len=N  launch.nproc_per_node=N
 
 Writes: <run.dir>/config.yaml, metrics.jsonl (val_loss, val_accuracy), checkpoints/step_<N>/ (+ lora/),
-tokenizer files with the chat template, task/ (a built-in task's train/eval rows), lora/ (LoRA runs)""",
+tokenizer files with the chat template, task/ (a built-in task's train/eval rows), lora/ (LoRA runs)
+
+Examples:
+  suite finetune model.init_from=runs/gpt-tiny
+  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny
+  suite finetune model.init_from=runs/gpt-tiny finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' run.dir=runs/sft-chat""",
     "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
 
 Greedy exact-match accuracy on a built-in task's held-out questions (the ones finetuning held out:
 same finetune.data.task_seed, the first eval.num_samples of them). `task=` is short for eval.task;
-without it, the task the checkpoint was finetuned on.""",
+without it, the task the checkpoint was finetuned on.
+
+Examples:
+  suite eval ckpt=runs/sft-tiny
+  suite eval ckpt=runs/sft-tiny task=reverse-6 eval.num_samples=50 --json""",
     "prepare": """usage: suite prepare [data=OPTION] [data.path=OUT] ['data.sources=[{path: GLOB_OR_DATASET, weight: W}]']
 
 Trains a byte-level BPE tokenizer (data.vocab_size) and writes packed, memory-mapped token shards
 (train/val split by data.val_fraction) into data.path. Sources are local .txt/.jsonl/.parquet globs
 or `datasets` names, blended by weight. With no sources: the embedded corpus (no network).
 
-Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir""",
+Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir
+A prepared folder trains with data.path=<it>, model.vocab_size at least its vocabulary and
+data.seq_len at most the model's max_seq_len (gpt-tiny: 256).
+
+Examples:
+  suite prepare
+  suite prepare 'data.sources=[{path: "corpus/*.jsonl"}]' data.path=data/prepared data.vocab_size=8192
+  suite pretrain data.path=data/prepared run.dir=runs/prepared-8k""",
     "generate": """usage: suite generate ckpt=<run.dir|checkpoint dir> prompt="..." [generate.KEY=VALUE ...] [--json]
 
-Samples text with a KV cache. `prompt=` is short for generate.prompt.
+Samples text with a KV cache. `prompt=` (or generate.prompt=) is taken exactly as typed: no override
+grammar, no ${...} interpolation; prompt_file=PATH reads it from a file, prompt_file=- from stdin.
+A prompt longer than the model's context is refused; generation stops at the context length (said).
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
-      generate.seed""",
+      generate.seed
+
+Examples:
+  suite generate ckpt=runs/gpt-tiny prompt="The module"
+  suite generate ckpt=runs/gpt-tiny prompt="It's a test (1, 2)" generate.temperature=0 --json
+  suite generate ckpt=runs/gpt-tiny prompt_file=data/prompt.txt generate.max_new_tokens=20""",
     "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
        [export.max_shard_mb=2048]
 
@@ -95,7 +148,12 @@ gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias)
 A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
 weights. A run finetuned with a chat template exports it (chat_template.jinja).
 The checkpoint (any parallel layout wrote it) is read one tensor at a time, never the whole model;
-export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).""",
+export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).
+`out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
+
+Examples:
+  suite export ckpt=runs/gpt-tiny
+  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
     "quantize": """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant [run.dir=OUT]
        [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
 
@@ -114,12 +172,24 @@ Keys: compress.group_size  compress.skip (module-name patterns kept in full prec
 Writes: <run.dir>/checkpoints/step_<N>/ (model.safetensors with torchao's quantized tensors,
 quantized.json), config.yaml (with compress), the tokenizer, report.json (parameters, bytes on disk,
 held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after).
-`suite generate` and `suite eval` take the folder as ckpt=. See docs/compression.md.""",
+`suite generate` and `suite eval` take the folder as ckpt=. See docs/compression.md.
+
+Examples:
+  suite quantize ckpt=runs/gpt-tiny compress=int8
+  suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
-                                                 suite pretrain recipe=DEST.yaml""",
+                                                 suite pretrain recipe=DEST.yaml
+
+Examples:
+  suite config list
+  suite config show recipe=llama-tiny
+  suite config cp recipe=gpt-tiny ./mytiny.yaml
+  suite pretrain recipe=./mytiny.yaml train.max_steps=20""",
 }
+
+BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
 
 SHORTCUTS = {
     "prompt": "generate.prompt",
@@ -128,6 +198,11 @@ SHORTCUTS = {
     "merge_lora": "export.merge_lora",
     "task": "eval.task",
 }
+
+
+def verb_help(verb: str) -> str:
+    """A verb's --help (the recipe list is the one `suite config list` shows, never a stale copy)."""
+    return VERB_HELP[verb].replace("{recipes}", "|".join(known_options("recipe")))
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
@@ -151,16 +226,41 @@ def _compose(overrides: list[str]):
 def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
     if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
-        raw, cfg = _with_base_model(raw)
+        raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg)
+    from suite.parallel.hosting import check_hosting
+
+    estimate = check_hosting(cfg, dims)  # before the data is prepared: a cluster recipe stops here
+    if not cfg.data.path and estimate.params > BIG_MODEL:
+        _say(
+            f"note: data.path is not set, so {cfg.model.name} pretrains on the small embedded corpus "
+            "(Python docstrings); prepare your text with `suite prepare data.path=DIR ...` and pass data.path=DIR"
+        )
     resolved_yaml = OmegaConf.to_yaml(raw)
     from suite.data import ensure_prepared
+    from suite.train.run_folder import check_run_folder
 
-    ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
+    data_dir = ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
+    check_run_folder(cfg, "pretrain", data_dir)  # refuses, writing nothing, or moves an old run aside
     return _train("pretrain", cfg, dims, resolved_yaml)
 
 
 def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
+    """`_run_training`, leaving no empty run folder behind when a check inside the trainer refuses."""
+    run_dir = Path(cfg.run.dir).expanduser().absolute()
+    missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    try:
+        return _run_training(verb, cfg, dims, resolved_yaml)
+    except ConfigError:
+        for folder in missing:  # innermost first; one that holds anything stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _run_training(verb: str, cfg, dims, resolved_yaml: str) -> int:
     """Train here, or hand the frozen config to the elastic launcher when more processes are asked for."""
     if world_size(cfg) > 1:
         from suite.parallel.launcher import inside_worker, launch
@@ -168,24 +268,39 @@ def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
         if not inside_worker():
             launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir))
             return 0
-    if verb == "finetune":
-        from suite.finetune.trainer import FinetuneTrainer
+    from suite.worker import run_trainer
 
-        FinetuneTrainer(cfg, dims, resolved_yaml).train()
-        return 0
-    from suite.sources import initial_weights
-    from suite.train.trainer import Trainer
-
-    Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-    return 0
+    return run_trainer(verb, cfg, dims, resolved_yaml)
 
 
-def _with_base_model(raw):
-    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>)."""
+def cmd_distill(overrides: list[str], flags: set[str]) -> int:
+    if not any(o.split("=", 1)[0] == "recipe" for o in overrides):
+        overrides = ["recipe=distill-gpt-tiny", *overrides]
+    raw, cfg = _compose(overrides)
+    from suite.distill.checks import check_distill
+
+    check_distill(cfg)
+    if cfg.model.init_from:  # a student that starts from a checkpoint (e.g. a pruned teacher)
+        raw, cfg = _with_base_model(raw, overrides)
+    dims = validate(cfg, needs_data=cfg.distill.data == "pretrain", distill=True)
+    from suite.data import ensure_prepared
+    from suite.parallel.hosting import check_hosting
+    from suite.train.run_folder import check_run_folder
+
+    check_hosting(cfg, dims)
+    data_dir = ensure_prepared(cfg.data, progress=True) if cfg.distill.data == "pretrain" else None
+    check_run_folder(cfg, "distill", data_dir)
+    return _train("distill", cfg, dims, OmegaConf.to_yaml(raw))
+
+
+def _with_base_model(raw, overrides: list[str]):
+    """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>); an
+    architecture key that the command line sets to another value than the base's is refused."""
     from dataclasses import asdict
 
     from suite.compress.checks import refuse_quantized
     from suite.sources import ModelSource
+    from suite.train.run_folder import ARCHITECTURE
 
     init_from = raw.model.init_from
     refuse_quantized(init_from, "model.init_from", "training from it")
@@ -194,6 +309,15 @@ def _with_base_model(raw):
     base["init_from"] = init_from
     if source.is_hf:  # a weight layout, not architecture: an HF base is fused on load
         base["fused_projections"] = bool(raw.model.get("fused_projections", False))
+    typed = {o.split("=", 1)[0].removeprefix("model.") for o in _expand(overrides) if o.startswith("model.")}
+    for key in ARCHITECTURE:
+        if key in typed and raw.model.get(key) != base[key]:
+            raise ConfigError(
+                f"model.{key}={raw.model.get(key)} conflicts with model.init_from={init_from}, whose "
+                f"model.{key} is {base[key]}: the architecture comes from init_from; drop model.{key}, "
+                "or leave out model.init_from to train a new model"
+            )
+    print(source.describe(), flush=True)  # training verbs report on stdout
     for key, value in base.items():
         raw.model[key] = value
     return raw, to_object(raw)
@@ -206,32 +330,52 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     from suite.finetune.checks import check_finetune
 
     check_finetune(cfg)  # before the base model is read (model.init_from must be there)
-    raw, cfg = _with_base_model(raw)
+    raw, cfg = _with_base_model(raw, overrides)
     dims = validate(cfg, needs_data=False, finetune=True)
+    from suite.parallel.hosting import check_hosting
+    from suite.train.run_folder import check_run_folder
+
+    check_hosting(cfg, dims)
+    check_run_folder(cfg, "finetune")
     return _train("finetune", cfg, dims, OmegaConf.to_yaml(raw))
 
 
+def _say(text: str) -> None:
+    """A note for the user on stderr (stdout holds the verb's result, one JSON line with --json)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def _compose_with_ckpt(overrides: list[str], example: str):
-    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required."""
+    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required.
+    Returns (config, the verified model source); the verb says which step it read once it has
+    succeeded (`_report`), so that a failure stays one line."""
     _, cfg = _compose(overrides)
     if not cfg.ckpt:
         raise ConfigError(
             f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
         )
-    return cfg
+    from suite.sources import ModelSource
+
+    return cfg, ModelSource.parse(cfg.ckpt, "ckpt")
 
 
-def _report(flags: set[str], result: dict, text: str) -> int:
-    """The verb's result: one JSON line with --json, else the human-readable text."""
+def _report(flags: set[str], result: dict, text: str, source=None) -> int:
+    """The verb's result: one JSON line with --json, else the human-readable text; first, on stderr,
+    which checkpoint `source` (a ModelSource) was read, and at which step."""
+    if source is not None:
+        _say(source.describe())
     print(json.dumps(result) if "--json" in flags else text)
     return 0
 
 
 def cmd_eval(overrides: list[str], flags: set[str]) -> int:
-    cfg = _compose_with_ckpt(overrides, "runs/sft-tiny")
+    cfg, source = _compose_with_ckpt(overrides, "runs/sft-tiny")
+    from suite.infer.checks import check_eval
+
+    check_eval(cfg)
     from suite.infer.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(cfg.ckpt, cfg.eval, device=cfg.train.device)
+    result = evaluate_checkpoint(source, cfg.eval, device=cfg.train.device)
     lines = [
         f"  {'ok ' if ex['correct'] else 'err'} {ex['prompt']!r} -> {ex['prediction']!r} "
         f"(reference {ex['reference']!r})"
@@ -241,17 +385,20 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
         f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
         f"held-out questions), {result['ckpt']}"
     )
-    return _report(flags, result, "\n".join(lines))
+    return _report(flags, result, "\n".join(lines), source)
 
 
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
     _, cfg = _compose(overrides)
     from suite.data import ensure_prepared, prepare
+    from suite.data.checks import check_prepare
+
+    check_prepare(cfg)
 
     if cfg.data.path and (cfg.data.sources or not Path(cfg.data.path).exists()):
-        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True)
+        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True, summary=False)
     else:
-        out = ensure_prepared(cfg.data, progress=True)
+        out = ensure_prepared(cfg.data, progress=True, summary=False)
     meta = json.loads((out / "meta.json").read_text())
     return _report(
         flags,
@@ -262,23 +409,31 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
 
 
 def cmd_generate(overrides: list[str], flags: set[str]) -> int:
-    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    from suite.infer.checks import check_generate, take_prompt
+
+    overrides, prompt = take_prompt(overrides)  # verbatim: never through the override grammar
+    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    if prompt is not None:
+        cfg.generate.prompt = prompt
+    check_generate(cfg)
     from suite.infer.generate import generate_from_checkpoint
 
-    text = generate_from_checkpoint(cfg.ckpt, cfg.generate, device=cfg.train.device)
-    return _report(flags, {"prompt": cfg.generate.prompt, "text": text}, cfg.generate.prompt + text)
+    text = generate_from_checkpoint(source, cfg.generate, device=cfg.train.device)
+    result = {"prompt": cfg.generate.prompt, "text": text}
+    return _report(flags, result, cfg.generate.prompt + text, source)
 
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
-    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny")
-    validate(cfg, needs_data=False)
-
+    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     from suite.compress.checks import refuse_quantized
-    from suite.export.hf import export_checkpoint_hf
-    from suite.sources import ModelSource
 
     refuse_quantized(cfg.ckpt, "ckpt", "exporting")
-    source = ModelSource.parse(cfg.ckpt, "ckpt")
+    validate(cfg, needs_data=False, writes_run=False)
+    from suite.export.checks import check_default_out, check_export_out
+
+    check_export_out(cfg.export.out)
+    from suite.export.hf import export_checkpoint_hf
+
     if source.lora is not None and not cfg.export.merge_lora:
         raise ConfigError(
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
@@ -290,6 +445,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
     else:
         out = source.run_dir / f"export-{cfg.export.format}"
+        check_default_out(out)
     dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
@@ -300,6 +456,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         flags,
         {"out": str(out), "format": cfg.export.format},
         f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
+        source,
     )
 
 
@@ -307,7 +464,7 @@ def cmd_quantize(overrides: list[str], flags: set[str]) -> int:
     from suite.compress.checks import check_compress_option
 
     check_compress_option(overrides)  # a method that is not built yet: named before composing
-    cfg = _compose_with_ckpt(overrides, "runs/gpt-tiny compress=int8")
+    cfg, _ = _compose_with_ckpt(overrides, "runs/gpt-tiny compress=int8")
     from suite.compress.quantize import run_quantize
 
     explicit_dir = any(o.split("=", 1)[0] == "run.dir" for o in overrides)
@@ -328,6 +485,8 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
             print(OmegaConf.to_yaml(raw), end="")
         return 0
     if sub == "list":
+        if rest:
+            raise ConfigError(f"config list takes no arguments (got '{rest[0]}'); use config show {rest[0]}")
         table = {group: known_options(group) for group in GROUP_NAMES}
         if "--json" in flags:
             print(json.dumps(table, indent=1))
@@ -355,6 +514,9 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
         dest = Path(dests[0])
         if dest.is_dir():
             dest = dest / source.name
+        check_new_file(
+            "config cp destination", str(dest), "choose a new file name (your edits stay untouched)"
+        )
         shutil.copyfile(source, dest)
         print(f"copied {source.name} to {dest}; run it with: suite pretrain recipe={dest}")
         return 0
@@ -364,6 +526,7 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
 VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
     "finetune": cmd_finetune,
+    "distill": cmd_distill,
     "eval": cmd_eval,
     "prepare": cmd_prepare,
     "generate": cmd_generate,
@@ -384,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     overrides, flags = _split_flags(rest)
     if flags & {"--help", "-h"} or "-h" in overrides:
-        print(VERB_HELP[verb])
+        print(verb_help(verb))
         return 0
     unknown = flags - {"--json", "--help"}
     if unknown:

@@ -74,6 +74,17 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def check_device(device: str) -> None:
+    """train.device is one this machine has (every verb that runs a model checks it first)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={device!r} is not supported; use one of: auto, cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.device=cuda but this machine has no CUDA device (torch {torch.__version__}); "
+            "use train.device=cpu, or train.device=auto to take a GPU where there is one"
+        )
+
+
 def check_precision(cfg, dims) -> None:
     """train.param_dtype=bf16: bf16 compute (precision=bf16); fp32 masters in one process (the
     optimizer's) or in FSDP2's sharded parameters (any layout with data parallelism).

@@ -56,6 +56,7 @@ class ModelSource:
     key: str  # the config key it came from: ckpt, model.init_from
     folder: Path
     is_hf: bool
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over because they did not verify
 
     @classmethod
     def parse(cls, value: str | Path | ModelSource, key: str = "ckpt") -> ModelSource:
@@ -71,16 +72,23 @@ class ModelSource:
                     f"{key}='{text}' has no config.json; give hf:<a folder written by save_pretrained>"
                 )
             return cls(text, key, folder, True)
-        from suite.train.checkpoint import resolve_checkpoint
+        from suite.train.checkpoint import find_checkpoint
 
         try:
-            folder = resolve_checkpoint(text)
-        except ConfigError:
-            raise ConfigError(
-                f"{key}='{text}' is neither a run folder with a checkpoint nor a checkpoint folder "
-                "(expected <run.dir>, <run.dir>/checkpoints/step_<N> or hf:<folder>)"
-            ) from None
-        return cls(text, key, folder, False)
+            folder, skipped = find_checkpoint(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}='{text}': {exc}") from None
+        return cls(text, key, folder, False, tuple(skipped))
+
+    def describe(self) -> str:
+        """One line naming what is read: `ckpt='runs/x': step 8 (runs/x/checkpoints/step_8, verified)`,
+        after the checkpoints that were skipped because they did not verify."""
+        if self.is_hf:
+            return f"{self.named}: Hugging Face folder {self.folder}"
+        from suite.train.checkpoint import checkpoint_step
+
+        skipped = "".join(f"; {note}" for note in self.skipped)
+        return f"{self.named}: step {checkpoint_step(self.folder)} ({self.folder}, verified{skipped})"
 
     @property
     def named(self) -> str:

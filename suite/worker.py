@@ -33,11 +33,18 @@ def run(verb: str, config_path: Path) -> int:
     from suite.config.compose import load_saved_config
 
     resolved_yaml = config_path.read_text()
+    with contextlib.suppress(OSError):  # the launcher stops saying that this node waits for its peers
+        config_path.with_name("started").touch()
     cfg = load_saved_config(config_path)
     # this attempt's world: an elastic job (launch.nproc_per_node=min:max) may run below its maximum;
     # the parent checked everything else before it launched us
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    dims = worker_dims(cfg, world, finetune=verb == "finetune")
+    dims = worker_dims(cfg, world, finetune=verb == "finetune", distill=verb == "distill")
+    return run_trainer(verb, cfg, dims, resolved_yaml)
+
+
+def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
+    """Run a training verb's trainer in this process (the parent for one process, or a worker)."""
     if verb == "pretrain":
         from suite.sources import initial_weights
         from suite.train.trainer import Trainer
@@ -48,6 +55,15 @@ def run(verb: str, config_path: Path) -> int:
         from suite.finetune.trainer import FinetuneTrainer
 
         FinetuneTrainer(cfg, dims, resolved_yaml).train()
+        return 0
+    if verb == "distill":
+        from suite.distill.trainer import DistillTrainer, SFTDistillTrainer
+        from suite.sources import initial_weights
+
+        if cfg.distill.data == "sft":
+            SFTDistillTrainer(cfg, dims, resolved_yaml).train()
+        else:
+            DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
         return 0
     raise ConfigError(f"verb {verb!r} does not run under the launcher")
 

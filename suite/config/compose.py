@@ -114,7 +114,10 @@ def _split_override(text: str) -> tuple[str, str]:
             "or group=option (e.g. recipe=gpt13b)"
         )
     key, value = text.split("=", 1)
-    return key.strip().lstrip("+"), value.strip()
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError(f"argument '{text}' has an empty key; write key=value, e.g. train.max_steps=100")
+    return key, value.strip()
 
 
 def _materialise_recipe_file(value: str, workdir: Path) -> str:
@@ -125,10 +128,44 @@ def _materialise_recipe_file(value: str, workdir: Path) -> str:
             f"recipe='{value}': no such file; give an existing .yaml path or one of: "
             + ", ".join(known_options("recipe"))
         )
+    _check_recipe_text(value, path)
     target = workdir / "recipe"
     target.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, target / path.name)
     return path.stem
+
+
+def _check_recipe_text(value: str, path: Path) -> None:
+    """A user's recipe file: valid YAML (the error names the file and line) with the package header."""
+    import yaml
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"recipe='{value}' cannot be read ({exc}); give a readable UTF-8 .yaml file"
+        ) from None
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        # the construct that was left open (context) is where the mistake is, not where parsing gave up
+        mark = getattr(exc, "context_mark", None) or getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = "; ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+        raise ConfigError(
+            f"recipe='{value}' is not valid YAML: {path.name}{where}: {what or str(exc).splitlines()[0]}; "
+            "fix that line (`suite config cp recipe=gpt-tiny my.yaml` writes a valid example)"
+        ) from None
+    header = any(
+        line.lstrip("#").split() == ["@package", "_global_"]
+        for line in text.splitlines()
+        if line.startswith("#")
+    )
+    if not header:
+        raise ConfigError(
+            f"recipe='{value}': {path} lacks the line '# @package _global_' that a recipe starts with "
+            "(without it its keys land under recipe.*); add it as the first line"
+        )
 
 
 def _check_override(key: str, value: str, extra_dirs: list[Path]) -> None:
@@ -158,7 +195,7 @@ def _explain(exc: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None) or "?"
-        msg = str(getattr(cause, "msg", cause)).splitlines()[0]
+        msg = str(getattr(cause, "msg", None) or cause or type(cause).__name__).splitlines()[0]
         expected = _schema_type(key)
         return f"{key}: {msg}" + (f"; use a value of type {expected}" if expected else "")
     return str(exc).splitlines()[0]
@@ -195,7 +232,14 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         try:
             OmegaConf.resolve(cfg)
         except OmegaConfBaseException as exc:
-            raise ConfigError(_explain(exc)) from None
+            message = _explain(exc)
+            typed = [text for text in final if "${" in text]
+            if message.startswith("?: ") and typed:  # an interpolation the user typed
+                message = (
+                    f"{typed[0]}: {message[3:]}; ${{...}} refers to another key (e.g. ${{model.name}}); "
+                    "name an existing key or drop the ${...}"
+                )
+            raise ConfigError(message) from None
         return cfg
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

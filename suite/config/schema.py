@@ -180,6 +180,8 @@ class TrainConfig:
     # bf16: model params/grads in bf16, AdamW on fp32 master copies with fp32 state (docs/performance.md)
     param_dtype: str = "fp32"  # fp32 | bf16 (needs precision=bf16)
     resume: bool = True
+    # start clean in a run.dir that holds a run: move that run aside to <run.dir>.old-<N> first
+    overwrite: bool = False
     peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
     compile: Any = (
         "auto"  # torch.compile each block: auto (where it pays, docs/performance.md) | true | false
@@ -299,6 +301,19 @@ class EvalConfig:
 
 
 @dataclass
+class DistillConfig:
+    """`suite distill teacher=<run|checkpoint|hf:dir>`: train the recipe's model (the student) on the
+    recipe's data against a frozen teacher's distribution (docs/compression.md)."""
+
+    teacher: Optional[str] = None  # the teacher model: a suite run/checkpoint folder or hf:<folder>
+    data: str = "pretrain"  # pretrain: the recipe's data (data.*) | sft: finetune.data's chat rows
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd: the divergence to the teacher
+    temperature: float = 1.0  # both distributions softened by it; the divergence is scaled by T^2
+    ce_weight: float = 0.5  # weight of the hard-label cross-entropy; the divergence gets 1 - ce_weight
+    chunk_tokens: int = 1024  # tokens whose logits exist at once (both models' full vocabulary)
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/${model.name}"
     name: Optional[str] = None
@@ -321,6 +336,7 @@ class SuiteConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
     recipe_name: str = "default"
 

@@ -93,6 +93,7 @@ def check_values(cfg: SuiteConfig) -> None:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive, e.g. optim.lr=3e-4")
+    _check_ranges(cfg)
     t = cfg.train
     for key in ("keep_last", "keep_every"):
         if getattr(t, key) < 0:
@@ -124,3 +125,37 @@ def check_values(cfg: SuiteConfig) -> None:
         )
     if (t.fault_kill_rank is None) != (t.fault_kill_step is None):
         raise ConfigError("train.fault_kill_rank and train.fault_kill_step go together; set both or neither")
+
+
+def _check_ranges(cfg: SuiteConfig) -> None:
+    """Numbers whose sign or range cannot be meant: optimizer, schedule, dropout, threads, run.dir."""
+    o, t = cfg.optim, cfg.train
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}={value} must be in [0, 1), e.g. {key}=0.9")
+    if o.eps <= 0:
+        raise ConfigError(f"optim.eps={o.eps} must be positive, e.g. optim.eps=1e-8")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0, e.g. optim.weight_decay=0.1")
+    if o.grad_clip < 0:
+        raise ConfigError(
+            f"optim.grad_clip={o.grad_clip} must be >= 0 (0: no clipping), e.g. optim.grad_clip=1.0"
+        )
+    if cfg.sched.warmup_steps < 0:
+        raise ConfigError(
+            f"sched.warmup_steps={cfg.sched.warmup_steps} must be >= 0 (0: no warmup), e.g. sched.warmup_steps=20"
+        )
+    if not 0.0 <= cfg.sched.min_lr_ratio <= 1.0:
+        raise ConfigError(
+            f"sched.min_lr_ratio={cfg.sched.min_lr_ratio} must be in [0, 1] (the final lr over optim.lr), e.g. 0.1"
+        )
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1), e.g. model.dropout=0.1")
+    if t.num_threads is not None and t.num_threads < 1:
+        raise ConfigError(f"train.num_threads={t.num_threads} must be at least 1 (or null: torch's default)")
+    if t.peak_flops is not None and t.peak_flops <= 0:
+        raise ConfigError(
+            f"train.peak_flops={t.peak_flops} must be positive FLOP/s per device (or null: tabled/measured)"
+        )
+    if not str(cfg.run.dir).strip():
+        raise ConfigError("run.dir is empty; name the run's folder, e.g. run.dir=runs/my-run")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from suite.config.errors import ConfigError
@@ -16,13 +17,58 @@ def check_data(cfg: SuiteConfig, needs_data: bool = True) -> None:
             f"lower data.seq_len or raise model.max_seq_len"
         )
     data_path = cfg.data.path
-    if (
-        needs_data
-        and data_path is not None
-        and not cfg.data.sources
-        and not Path(data_path).expanduser().is_dir()
-    ):
+    if not needs_data:
+        return
+    if data_path is not None and not str(data_path).strip():
         raise ConfigError(
-            f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path} ...` "
-            "first, or drop data.path to use the embedded corpus"
+            "data.path is empty; give a prepared data folder, or data.path=null for the embedded corpus"
+        )
+    if data_path is not None and not cfg.data.sources:
+        folder = Path(data_path).expanduser()
+        if folder.is_file():
+            raise ConfigError(
+                f"data.path='{data_path}' is a file; data.path is the folder `suite prepare` writes: run "
+                f"`suite prepare data=local 'data.sources=[{{path: {data_path}}}]' data.path=<new folder>` first"
+            )
+        if not folder.is_dir():
+            raise ConfigError(
+                f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path} ...` "
+                "first, or drop data.path to use the embedded corpus"
+            )
+        if not (folder / "meta.json").is_file():
+            raise ConfigError(
+                f"data.path='{data_path}' is not a prepared data folder (no meta.json); run "
+                f"`suite prepare data.path=<new folder> ...` and pass that folder"
+            )
+        vocab = json.loads((folder / "meta.json").read_text()).get("vocab_size")
+        where = f"the tokenizer in data.path='{data_path}'"
+    else:
+        vocab, where = cfg.data.vocab_size, f"data.vocab_size={cfg.data.vocab_size}"
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"{where} has {vocab} tokens but model.vocab_size={cfg.model.vocab_size}; "
+            f"set model.vocab_size={vocab} (or more)"
+        )
+
+
+def check_prepare(cfg: SuiteConfig) -> None:
+    """`suite prepare`'s keys, before any corpus is built or tokenizer trained."""
+    d = cfg.data
+    if d.vocab_size < 258:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} is too small for a byte-level tokenizer; use at least 258 "
+            "(256 bytes + 2 special tokens), e.g. data.vocab_size=8192"
+        )
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(
+            f"data.val_fraction={d.val_fraction} must be in [0, 1), e.g. data.val_fraction=0.02"
+        )
+    if d.path is not None and not str(d.path).strip():
+        raise ConfigError("data.path is empty; name the folder to write, e.g. data.path=data/prepared")
+    if d.path is not None and Path(d.path).expanduser().is_file():
+        raise ConfigError(f"data.path='{d.path}' is a file; name a new folder for the prepared data")
+    if d.tokenizer and not Path(d.tokenizer).expanduser().exists():
+        raise ConfigError(
+            f"data.tokenizer='{d.tokenizer}' does not exist; give a tokenizer.json (or its folder), "
+            "or drop data.tokenizer to train one"
         )

@@ -44,8 +44,9 @@ ENCODE_CHUNK = 512
 _SPLIT_SEED, _WEIGHT_SEED, _ORDER_SEED = 20240501, 20240502, 20240503
 
 
-def prepare(cfg: Any, out_dir: Path, progress: bool = True) -> Path:
-    """Prepare `cfg.sources` (or the embedded corpus when empty) into `out_dir`; return `out_dir`."""
+def prepare(cfg: Any, out_dir: Path, progress: bool = True, summary: bool = True) -> Path:
+    """Prepare `cfg.sources` (or the embedded corpus when empty) into `out_dir`; return `out_dir`.
+    `summary`: end with a `prepared ...` line (with `progress`); `suite prepare` prints its own."""
     out_dir = Path(out_dir).expanduser()
     _check_config(cfg)
     _check_target(out_dir)
@@ -90,10 +91,11 @@ def prepare(cfg: Any, out_dir: Path, progress: bool = True) -> Path:
         _install(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    console.print(
-        f"[green]prepared[/] {out_dir}: {counts['train'][1]:,} train / {counts['val'][1]:,} val tokens, "
-        f"vocab {vocab}"
-    )
+    if summary:
+        console.print(
+            f"[green]prepared[/] {out_dir}: {counts['train'][1]:,} train / {counts['val'][1]:,} val tokens, "
+            f"vocab {vocab}"
+        )
     return out_dir
 
 
@@ -333,7 +335,7 @@ def _file_lock(path: Path) -> Iterator[None]:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_prepared(cfg: Any, progress: bool = True) -> Path:
+def ensure_prepared(cfg: Any, progress: bool = True, summary: bool = True) -> Path:
     """The prepared folder training reads: `cfg.path` (checked), or the cached default, built once."""
     if cfg.path:
         folder = Path(str(cfg.path)).expanduser()
@@ -350,5 +352,5 @@ def ensure_prepared(cfg: Any, progress: bool = True) -> Path:
     if not is_prepared(folder):
         with _file_lock(folder.with_name(f".{folder.name}.lock")):
             if not is_prepared(folder):
-                prepare(cfg, folder, progress=progress)
+                prepare(cfg, folder, progress=progress, summary=summary)
     return folder

@@ -9,6 +9,7 @@ of `max_shard_bytes` in memory. Config files are written through transformers' o
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def write_hf_weights(
         )
         shard = {n: as_lazy(hf_sd[n]).read().to(dtype).contiguous() for n in names}
         save_file(shard, str(file), metadata={"format": "pt"})
+        file.chmod(_file_mode())  # safetensors writes 0600; the other files of the folder follow the umask
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(names, file.name))
         files.append(file)
@@ -109,3 +111,10 @@ def write_hf_weights(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return files
+
+
+def _file_mode() -> int:
+    """The mode a plain open() gives a new file: 0666 less the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

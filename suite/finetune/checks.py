@@ -27,7 +27,7 @@ def check_finetune(cfg: SuiteConfig) -> None:
         get_task(ft.data.task)  # a one-line error for an unknown name
         if ft.data.sources:
             raise ConfigError(
-                f"finetune.data.task={ft.data.task} and finetune.data.sources are both set; pick one"
+                f"finetune.data.task={ft.data.task} and finetune.data.sources are both set; pick one: finetune.data.task=null to train on the sources (the recipe sets a task)"
             )
     elif not ft.data.sources:
         raise ConfigError(

@@ -108,14 +108,18 @@ def build_sft_data(
 class FinetuneTrainer(Trainer):
     verb = "finetune"
 
-    def _setup_data(self) -> None:
-        cfg = self.cfg
-        if not cfg.model.init_from:
+    def _tokenizer_source(self) -> ModelSource:
+        """Where the tokenizer (and the chat template) comes from: the base model."""
+        if not self.cfg.model.init_from:
             raise ConfigError(
                 "model.init_from is missing; finetuning starts from a base model: model.init_from=runs/gpt-tiny "
                 "(a suite run) or model.init_from=hf:<folder>"
             )
-        self.source = ModelSource.parse(cfg.model.init_from, "model.init_from")
+        return ModelSource.parse(self.cfg.model.init_from, "model.init_from")
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        self.source = self._tokenizer_source()
         self.tokenizer = self.source.tokenizer()
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(

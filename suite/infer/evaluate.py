@@ -111,7 +111,7 @@ def evaluate_checkpoint(ckpt: str, eval_cfg, device: str = "auto") -> dict[str, 
     task = eval_cfg.task or run_data.task
     if not task:
         raise ConfigError(
-            f"ckpt='{ckpt}' was not finetuned on a built-in task; pass task=<name>, e.g. task=reverse-6"
+            f"{source.named} was not finetuned on a built-in task; pass task=<name>, e.g. task=reverse-6"
         )
     num = eval_cfg.num_samples or run_data.num_eval
     with tempfile.TemporaryDirectory(prefix="suite-eval-") as tmp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -68,6 +69,24 @@ def generate_tokens(
     return out
 
 
+def fit_context(prompt_len: int, max_new_tokens: int, limit: int) -> int:
+    """Tokens `suite generate` can add: a prompt that leaves no room is refused; a budget beyond the
+    context is cut to what fits, said on stderr (never silently)."""
+    if prompt_len >= limit:
+        raise ConfigError(
+            f"the prompt is {prompt_len} tokens, longer than the model's context allows: model.max_seq_len={limit} "
+            f"leaves room for at most {limit - 1} prompt tokens; shorten the prompt (the model cannot see more)"
+        )
+    room = limit - prompt_len
+    if max_new_tokens > room:
+        print(
+            f"note: generation stops at the context length: the prompt ({prompt_len} tokens) + "
+            f"generate.max_new_tokens={max_new_tokens} exceed model.max_seq_len={limit}; at most {room} new tokens",
+            file=sys.stderr,
+        )
+    return min(max_new_tokens, room)
+
+
 def generate_from_checkpoint(ckpt: str, cfg: GenerateConfig, device: str = "auto") -> str:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +94,7 @@ def generate_from_checkpoint(ckpt: str, cfg: GenerateConfig, device: str = "auto
     prompt_ids = tokenizer.encode(cfg.prompt, add_special_tokens=False)
     if not prompt_ids:
         raise ConfigError('generate.prompt is empty; pass prompt="some text"')
+    fit_context(len(prompt_ids), cfg.max_new_tokens, model.cfg.max_seq_len)
     ids = generate_tokens(model, prompt_ids, cfg, tokenizer.eos_token_id)
     if ids and ids[-1] == tokenizer.eos_token_id:
         ids = ids[:-1]

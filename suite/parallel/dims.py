@@ -69,6 +69,12 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel degrees {desc} multiply to {product} but the world size "
                 f"(launch.nnodes * launch.nproc_per_node) is {world_size}; make them equal, or set one degree to 'auto'"
+                + (
+                    f" (parallel.ep={cfg.ep} is no degree of its own: expert parallelism borrows the data-parallel "
+                    f"ranks, so it needs parallel.dp or parallel.sharding to give {cfg.ep} ranks, e.g. parallel.dp={cfg.ep})"
+                    if str(cfg.ep) not in ("1", "auto")
+                    else ""
+                )
             )
         ep = _as_degree("ep", cfg.ep)
         data_ranks = degrees["dp"] * degrees["sharding"]  # type: ignore[operator]

@@ -9,6 +9,8 @@ that file (`python -m suite.worker <verb> <config.yaml>`), so no worker ever re-
     launch.rdzv_endpoint    host:port of the rendezvous (node 0's address). On one node the default
                             127.0.0.1:29500 is replaced by a free port picked by the OS, so two jobs
                             on one machine never collide.
+                            While node(s) wait for their peers, each says so every few seconds,
+                            with the endpoint and how to start the others.
     launch.max_restarts     how many times the whole worker group is restarted after a failure
                             (workers resume from the newest checkpoint)
 
@@ -34,6 +36,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from suite.config.errors import ConfigError
@@ -43,6 +47,8 @@ WORKER_FLAG = "SUITE_WORKER"
 RESTART_ENV = "SUITE_RESTART_COUNT"  # the attempt number of an elastic (min:max) job, for the workers
 LOSE_DEVICE_ENV = "SUITE_FAULT_LOSE_DEVICE"
 DEFAULT_ENDPOINT = LaunchConfig.rdzv_endpoint
+STARTED = "started"  # a worker touches this file beside the frozen config once it runs
+WAIT_NOTICE_S = 5.0  # a node waiting for its peers says so this often
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -65,6 +71,33 @@ def run_id(launch_cfg: LaunchConfig, run_dir: Path) -> str:
         return os.environ["SUITE_RUN_ID"]
     key = f"{launch_cfg.rdzv_endpoint}|{launch_cfg.nnodes}|{run_dir}"
     return "suite-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _announce_waiting(launch_cfg: LaunchConfig, endpoint: str, started: Path) -> threading.Event:
+    """Until this node's workers start (they touch `started`), say every WAIT_NOTICE_S seconds that
+    the node waits for its peers, where, and how to start them. Set the returned event to stop."""
+    stop = threading.Event()
+    nodes, rank = launch_cfg.nnodes, launch_cfg.node_rank
+    others = ", ".join(str(r) for r in range(nodes) if r != rank)
+    host = endpoint.rsplit(":", 1)[0]
+    reach = (
+        f" ({host} is this machine's loopback address: other machines need launch.rdzv_endpoint=<node 0's address>:<port>)"
+        if host.startswith(("127.", "localhost"))
+        else ""
+    )
+
+    def loop() -> None:
+        start = time.monotonic()
+        while not stop.wait(WAIT_NOTICE_S) and not started.exists():
+            print(
+                f"node {rank} of {nodes}: waiting {time.monotonic() - start:.0f}s for the other nodes at "
+                f"launch.rdzv_endpoint={endpoint}{reach}; start node(s) {others} with this same command and "
+                f"launch.node_rank=<n> launch.rdzv_endpoint={endpoint}",
+                flush=True,
+            )
+
+    threading.Thread(target=loop, name="suite-wait-notice", daemon=True).start()
+    return stop
 
 
 def _first_failure(exc) -> tuple[int, int, str]:
@@ -218,6 +251,7 @@ def _run_group(
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    waiting = _announce_waiting(launch_cfg, endpoint, frozen.with_name(STARTED)) if nodes > 1 else None
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "suite.worker", verb, str(frozen))
     except ChildFailedError as exc:
@@ -233,6 +267,8 @@ def _run_group(
             f"error: {verb} could not start its workers: {type(exc).__name__}: {first}"
         ) from None
     finally:
+        if waiting is not None:
+            waiting.set()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

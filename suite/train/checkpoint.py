@@ -5,6 +5,7 @@ Layout of `<run.dir>/checkpoints/step_<N>/`:
     trainer_state.pt    step, data position (tensors and ints only: loads with weights_only=True)
     rng_rank<r>.pt      each rank's RNG state, for bitwise resume
     config.yaml         the resolved config of the run that wrote it
+    fingerprint.json    what a config must share to resume it (suite.train.run_folder)
     manifest.json       every file with size and sha256, written last
 The folder is written under a temporary name and renamed into place; `checkpoints/latest` names
 the newest complete checkpoint and changes only after the rename.
@@ -51,6 +52,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
+FINGERPRINT = "fingerprint.json"  # what a resume must match (suite.train.run_folder)
 ENOSPC_ENV = "SUITE_FAULT_ENOSPC_STEP"
 KILL_IN_SAVE_ENV = "SUITE_FAULT_KILL_IN_SAVE_STEP"
 
@@ -138,19 +140,54 @@ def latest_checkpoint(run_dir: Path, log=print) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run folder (its newest good checkpoint) or a checkpoint folder."""
+def find_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
+    """The checkpoint folder that `path` names, verified against its manifest, and the checkpoints
+    skipped on the way (one line each): `path` is a run folder (its newest checkpoint that
+    verifies), its `checkpoints/` folder, or a `step_<N>` folder (which must verify itself).
+    Raises ConfigError with the reason (the caller names the key)."""
     path = Path(path).expanduser()
-    if (path / MANIFEST).is_file():
-        return path
+    if path.name == checkpoint_root(path.parent).name and (path / "latest").is_file():
+        path = path.parent  # <run.dir>/checkpoints: the run folder
+    step_folder = (path / MANIFEST).is_file() or (
+        path.name.startswith(STEP_PREFIX) and path.parent.name == "checkpoints"
+    )
+    if step_folder:
+        if not path.is_dir():
+            raise ConfigError(f"{path} does not exist")
+        problem = verify(path)
+        if problem is not None:
+            raise ConfigError(
+                f"checkpoint {path.name} does not verify ({problem}); name another step or the run "
+                f"folder {path.parent.parent} (its newest checkpoint that verifies)"
+            )
+        return path, []
+    skipped: list[str] = []
     if checkpoint_root(path).is_dir():
-        found = latest_checkpoint(path)
+        found = latest_checkpoint(path, log=skipped.append)
         if found is not None:
-            return found
+            return found, skipped
+        if skipped:
+            raise ConfigError(f"no checkpoint of {path} verifies: {'; '.join(skipped)}")
     raise ConfigError(
-        f"ckpt='{path}' is neither a run folder with a checkpoint nor a checkpoint folder "
+        "neither a run folder with a checkpoint nor a checkpoint folder "
         "(expected <run.dir> or <run.dir>/checkpoints/step_<N>)"
     )
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run folder (its newest good checkpoint) or a checkpoint folder that verifies."""
+    try:
+        return find_checkpoint(path)[0]
+    except ConfigError as exc:
+        raise ConfigError(f"ckpt='{path}': {exc}") from None
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step a checkpoint folder holds (its manifest's)."""
+    try:
+        return int(json.loads((folder / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return int(folder.name[len(STEP_PREFIX) :])
 
 
 class _WriteErrors(FileSystem):
@@ -256,6 +293,7 @@ def save_checkpoint(
     config_yaml: str,
     async_group: dist.ProcessGroup | None | bool = False,
     write_extra: Callable[[Path], None] | None = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> Path | PendingSave:
     """Collective: every rank calls it. Returns the final folder, or a `PendingSave` when
     `async_group` is given (a gloo process group reserved for checkpoint writes; None when the
@@ -283,6 +321,8 @@ def save_checkpoint(
         if _rank() == 0:
             _torch_save(trainer_state, tmp / "trainer_state.pt")
             _write_bytes(tmp / "config.yaml", config_yaml.encode())
+            if fingerprint is not None:
+                _write_bytes(tmp / FINGERPRINT, (json.dumps(fingerprint, indent=1) + "\n").encode())
             if write_extra is not None:
                 write_extra(tmp)
     local.check()

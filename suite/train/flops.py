@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from suite.runtime import DTYPES
+from suite.runtime import DTYPES, emulates_low_precision
 
 # Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets.
 GPU_PEAKS = {
@@ -89,10 +90,22 @@ def _cache_file() -> Path:
     return Path(os.environ.get("SUITE_CACHE", Path.home() / ".cache" / "suite")) / "peak_flops.json"
 
 
-def peak_flops(device: torch.device, precision: str, override: float | None = None) -> float:
-    """Peak FLOP/s of one device: the recipe's value, the data sheet, or a cached measurement."""
+def peak_flops(device: torch.device, precision: str, override: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: the recipe's value, the data sheet, or a cached measurement.
+
+    None where no peak applies: a CPU that only emulates `precision` (fp16/bf16 without native
+    instructions) runs a step's matmuls through other paths than the square products one can time,
+    so an MFU against the emulated ceiling came out above 1; it is not reported (said once)."""
     if override:
         return float(override)
+    if emulates_low_precision(device, precision):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"note: MFU is not reported: this CPU only emulates {precision} matmuls, so no peak applies "
+                "(train.peak_flops=<FLOP/s> sets one; fp32, or a CPU with native support, measures it)",
+                file=sys.stderr,
+            )
+        return None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peaks in GPU_PEAKS.items():

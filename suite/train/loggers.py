@@ -153,7 +153,8 @@ class MetricsLogger:
         record = scrub_secrets(record)
         self.jsonl.write(record)
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            metrics = {k: v for k, v in record.items() if k != "step" and v is not None}
+            self.wandb_run.log(metrics, step=record["step"])
         self.print(" | ".join(_fmt(k, v) for k, v in record.items()))
 
     def rewind(self, step: int) -> None:
@@ -187,6 +188,8 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def _fmt(key: str, value: Any) -> str:
+    if value is None:  # e.g. mfu where no peak applies
+        return f"{key} n/a"
     if isinstance(value, float):
         if key in ("lr",):
             return f"{key} {value:.2e}"

@@ -38,9 +38,18 @@ class Saver:
     else the gloo group of background writes)."""
 
     def __init__(
-        self, run_dir: Path, keep_last: int, keep_every: int, is_main: bool, async_group, log: Callable
+        self,
+        run_dir: Path,
+        keep_last: int,
+        keep_every: int,
+        is_main: bool,
+        async_group,
+        log: Callable,
+        fingerprint: dict | None = None,
     ):
+        """`fingerprint` (settable later): written into every checkpoint (suite.train.run_folder)."""
         self.run_dir, self.keep_last, self.keep_every = run_dir, keep_last, keep_every
+        self.fingerprint = fingerprint
         self.is_main, self.async_group, self.log = is_main, async_group, log
         self.pending: ckpt.PendingSave | None = None
 
@@ -54,7 +63,15 @@ class Saver:
         self.finish_pending()
         try:
             result = ckpt.save_checkpoint(
-                self.run_dir, step, model, optimizer, state, yaml, self.async_group, write_extra=write_extra
+                self.run_dir,
+                step,
+                model,
+                optimizer,
+                state,
+                yaml,
+                self.async_group,
+                write_extra,
+                self.fingerprint,
             )
         except (OSError, CheckpointException) as exc:
             self._failed(exc, step)

@@ -34,6 +34,7 @@ from suite.parallel.expert_parallel import moe_step_metrics
 from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
+from suite.train import run_folder
 from suite.train.flops import memory_gb, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
@@ -146,18 +147,14 @@ class Trainer:
         self.saver = Saver(
             self.run_dir, t.keep_last, t.keep_every, self.env.is_main, self.async_group, self._log
         )
+        self.saver.fingerprint = run_folder.of_run(cfg, self.verb, getattr(self, "data_dir", None))
         # the per-step SIGTERM check all-reduces a host flag: over gloo when the device is an accelerator
         self.host_group = None
         if dist.is_initialized() and self.device.type != "cpu":
             self.host_group = dist.new_group(backend="gloo")
         self._sigterm = False
         self.resumed = False
-        self.runner = build_step(
-            self.placement,
-            self.optimizer,
-            training_loss(self.model, bool(cfg.model.num_experts)),
-            self.autocast,
-            self.scaler,
+        self.runner = self._make_step(
             grad_scaler=self.precision.grad_scaler,
             grad_clip=cfg.optim.grad_clip,
             # chunked cross-entropy where the logits are plain tensors; tp > 1 keeps DTensor's loss_parallel
@@ -184,6 +181,11 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                 f"{self.meta['vocab_size']} tokens in {self.data_dir}; set model.vocab_size>={self.meta['vocab_size']}"
             )
+
+    def _make_step(self, **options) -> TrainStep:
+        """The step on this rank's placement (distillation adds the teacher's forward to the loss)."""
+        loss_fn = training_loss(self.model, bool(self.cfg.model.num_experts))
+        return build_step(self.placement, self.optimizer, loss_fn, self.autocast, self.scaler, **options)
 
     def _adapt_model(self, model: torch.nn.Module) -> None:
         """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
@@ -517,7 +519,9 @@ class Trainer:
                         "lr": lr_at(self.step - 1, cfg.optim, cfg.sched, cfg.train.max_steps),
                         "grad_norm": float(grad_norm),
                         "tokens_per_s": tokens_per_s,
-                        "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size),
+                        "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size)
+                        if self.peak
+                        else None,  # no peak applies (suite.train.flops.peak_flops)
                         "mem_gb": memory_gb(self.device),
                         "bad_steps": self.bad_steps,
                     }

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import REPO, TINY_MODEL, read_metrics, run_suite, suite_env
 
@@ -192,6 +193,13 @@ def test_mixed_precision_trains(tmp_path, tiny_data, precision):
     run_suite(*args, check=True)
     losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
     assert len(losses) == 2 and all(loss == loss for loss in losses)  # finite, logged
+    from suite.runtime import emulates_low_precision
+
+    mfus = [r["mfu"] for r in read_metrics(run_dir) if "loss" in r]
+    if emulates_low_precision(torch.device("cpu"), precision):  # no ceiling applies: none reported
+        assert mfus == [None, None], mfus
+    else:
+        assert all(0 < m <= 1 for m in mfus), mfus
     val = {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
     assert val[10] < 0.8 * val[0], val  # it learns: 10 steps at lr 3e-3 take off over 20% (ln 512 = 6.24)
 

@@ -24,6 +24,18 @@ def test_peak_flops_prefers_override_then_cache(tmp_path, monkeypatch):
     assert flops.peak_flops(cpu, "fp32") == 7e10
 
 
+def test_no_mfu_peak_where_the_cpu_emulates_the_precision(tmp_path, monkeypatch, capsys):
+    """An emulated fp16/bf16 ceiling does not apply (MFU came out above 1 against it): none, said once."""
+    monkeypatch.setenv("SUITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(flops, "emulates_low_precision", lambda device, precision: precision != "fp32")
+    cpu = torch.device("cpu")
+    assert flops.peak_flops(cpu, "fp16") is None
+    assert "MFU is not reported" in capsys.readouterr().err
+    assert flops.peak_flops(cpu, "fp16", override=2e9) == 2e9  # a peak the user gives applies
+    flops.record_peak(flops.peak_key(cpu, "fp32"), 7e10)
+    assert flops.peak_flops(cpu, "fp32") == 7e10
+
+
 def test_matmul_ceiling_is_measured():
     assert flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(128,), seconds=0.05) > 0
 

@@ -1,0 +1,66 @@
+"""The distill section's checks, run once in the parent (suite.cli.cmd_distill, suite.checks) before
+any process starts."""
+
+from __future__ import annotations
+
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+from suite.distill.loss import DIVERGENCES
+
+
+def check_distill(cfg: SuiteConfig) -> None:
+    d = cfg.distill
+    if not d.teacher:
+        raise ConfigError(
+            "distill.teacher is missing; distillation needs a frozen teacher: distill.teacher=runs/gpt-tiny "
+            "(a `suite pretrain` or `suite finetune` run) or distill.teacher=hf:<folder>"
+        )
+    if d.loss not in DIVERGENCES:
+        raise ConfigError(f"distill.loss={d.loss!r} is not a divergence; use one of {', '.join(DIVERGENCES)}")
+    if not d.temperature > 0:
+        raise ConfigError(f"distill.temperature={d.temperature} must be > 0; e.g. 1.0 or 2.0")
+    if not 0.0 <= d.ce_weight <= 1.0:
+        raise ConfigError(
+            f"distill.ce_weight={d.ce_weight} must be in [0, 1] (the hard-label share of the loss); e.g. 0.5"
+        )
+    if d.data not in ("pretrain", "sft"):
+        raise ConfigError(
+            f"distill.data={d.data!r} is not a data kind; use pretrain (data.*) or sft (finetune.data)"
+        )
+    if d.data == "sft":
+        if cfg.finetune.method != "full":
+            raise ConfigError(
+                f"finetune.method={cfg.finetune.method} with suite distill: the student trains all its weights; "
+                "set finetune.method=full"
+            )
+        if not (cfg.finetune.data.task or cfg.finetune.data.sources):
+            raise ConfigError(
+                "distill.data=sft needs chat rows: finetune.data.task=reverse-6 or "
+                "'finetune.data.sources=[{path: data/chat.jsonl}]'"
+            )
+    if d.chunk_tokens < 1:
+        raise ConfigError(f"distill.chunk_tokens={d.chunk_tokens} must be >= 1; e.g. 1024")
+    from suite.sources import ModelSource
+
+    teacher = ModelSource.parse(d.teacher, "distill.teacher")  # one line when missing or corrupt
+    vocab = teacher.model_config().vocab_size
+    if vocab != cfg.model.vocab_size:
+        raise ConfigError(
+            f"distill.teacher='{d.teacher}' has model.vocab_size={vocab} but the student has "
+            f"model.vocab_size={cfg.model.vocab_size}; teacher and student must share the tokenizer and vocabulary"
+        )
+
+
+def check_distill_layout(cfg: SuiteConfig, dims) -> None:
+    """What distillation cannot run yet, once the degrees are known (`dims`: ParallelDims)."""
+    for axis in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, axis) > 1:
+            raise ConfigError(
+                f"parallel.{axis}={getattr(dims, axis)}: distillation runs under dp and sharding only so far; "
+                f"set parallel.{axis}=1 and use parallel.dp or parallel.sharding"
+            )
+    if cfg.model.num_experts:
+        raise ConfigError(
+            f"model.num_experts={cfg.model.num_experts}: distilling into a Mixture-of-Experts student is not "
+            "supported yet; use a dense student"
+        )

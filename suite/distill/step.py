@@ -1,0 +1,46 @@
+"""The distillation step: the training step whose loss also runs the frozen teacher.
+
+Everything else (micro-batches, the token weighting over the global batch, data-parallel
+synchronisation, clipping, the optimizer skip) is TrainStep's. Evaluation (model in eval mode)
+keeps TrainStep's plain cross-entropy, so the held-out loss compares with the teacher's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from suite.config.schema import DistillConfig
+from suite.distill.loss import distill_loss
+from suite.distill.teacher import Teacher
+from suite.train.step import TrainStep
+
+
+class DistillStep(TrainStep):
+    def __init__(self, *args, teacher: Teacher, distill: DistillConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher
+        self.distill = distill
+
+    def model_loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, weight, aux_weight: float = 0.0
+    ) -> torch.Tensor:
+        if not self.model.training:
+            return super().model_loss(tokens, targets, kwargs, weight, aux_weight)
+        teacher_hidden = self.teacher.hidden(tokens, kwargs)
+        d = self.distill
+
+        def head(hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+            loss = distill_loss(
+                hidden,
+                head_weight,
+                teacher_hidden,
+                self.teacher.head_weight,
+                targets,
+                kind=d.loss,
+                temperature=d.temperature,
+                ce_weight=d.ce_weight,
+                chunk_tokens=d.chunk_tokens,
+            )
+            return loss * weight
+
+        return self.model(tokens, head=head, **kwargs)

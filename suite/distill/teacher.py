@@ -1,0 +1,70 @@
+"""The frozen teacher: built, placed and loaded like the student, then only ever run forward.
+
+The teacher is parallelised by the same `parallelize` as the student (same mesh and data-parallel
+kind: sharded under FSDP, so no rank holds a whole teacher it would not hold a whole student of),
+loaded from its source (suite.sources.ModelSource: a suite run/checkpoint or hf:<folder>, resharded
+to this layout), set to eval mode with every parameter frozen. It hands the step its final hidden
+states (the forward's `head` hook returns them instead of logits) and its output head weight, gathered
+once into a plain tensor: the distillation loss projects both models chunk by chunk itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from suite.config.errors import ConfigError
+from suite.config.schema import RecomputeConfig, SuiteConfig
+from suite.models import build_model, materialize
+from suite.parallel.dims import ParallelDims
+from suite.parallel.parallelize import parallelize
+from suite.runtime import PrecisionPolicy
+from suite.sources import ModelSource
+
+
+class Teacher:
+    def __init__(self, model: nn.Module, head_weight: torch.Tensor, source: ModelSource):
+        self.model = model
+        self.head_weight = head_weight
+        self.source = source
+
+    @torch.no_grad()
+    def hidden(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The teacher's final (normed) hidden states [b, s, h_t] for the student's micro-batch."""
+        return self.model(tokens, head=lambda hidden, weight: hidden, **kwargs)
+
+
+def load_teacher(
+    cfg: SuiteConfig, dims: ParallelDims, device: torch.device, precision: PrecisionPolicy
+) -> Teacher:
+    """The teacher named by distill.teacher, placed like the student and frozen."""
+    source = ModelSource.parse(cfg.distill.teacher, "distill.teacher")
+    if source.lora is not None:
+        raise ConfigError(
+            f"{source.named} holds LoRA adapters beside its base; export it with merge_lora=true and "
+            "use distill.teacher=hf:<that folder>"
+        )
+    model_cfg = source.model_config()
+    if model_cfg.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(
+            f"distill.teacher has model.vocab_size={model_cfg.vocab_size} but the student has "
+            f"model.vocab_size={cfg.model.vocab_size}; teacher and student must share the tokenizer and vocabulary"
+        )
+    if source.is_hf:  # an HF folder never fuses; keep the student's layout choice for speed
+        model_cfg = dataclasses.replace(model_cfg, fused_projections=cfg.model.fused_projections)
+    model_cfg = dataclasses.replace(model_cfg, dropout=0.0, init_from=None)
+    # no backward through the teacher: nothing to recompute
+    teacher_cfg = dataclasses.replace(cfg, model=model_cfg, recompute=RecomputeConfig())
+    placement = parallelize(build_model(model_cfg, "meta"), teacher_cfg, dims, device, precision)
+    model = placement.model
+    if placement.materialized is False:
+        materialize(model, device, cfg.train.seed)
+    source.load_weights(model, model_cfg.fused_projections)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()
+    weight = model.output.weight
+    weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # one gather, at setup
+    return Teacher(model, weight.detach(), source)

@@ -1,0 +1,75 @@
+"""Where a verb writes (run.dir, export.out, a `suite config cp` destination), checked before anything
+is written: a folder that can be created or reused, never a file, never someone else's folder."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from suite.config.errors import ConfigError
+
+
+def _creatable(key: str, value: str, path: Path, fix: str) -> None:
+    """`path` does not exist: its nearest existing parent must be a folder we can write in."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{key}='{value}' cannot be created: {parent} is a file, not a folder; {fix}")
+    try:  # a real try (permissions, read-only and virtual file systems such as /proc), undone at once
+        os.rmdir(tempfile.mkdtemp(prefix=".suite-check-", dir=parent))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"{key}='{value}' cannot be created: {parent} is not writable ({reason}); {fix}"
+        ) from None
+
+
+def check_output_folder(key: str, value: str | None, fix: str, owned_marker: str | None = None) -> Path:
+    """A folder a verb creates or reuses. `owned_marker`: a file that marks a folder the verb wrote
+    before (reused); any other non-empty folder is refused so nothing is mixed into it."""
+    if value is None or not str(value).strip():
+        raise ConfigError(f"{key} is empty; {fix}")
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}='{value}' is a file, not a folder; {fix}")
+    if not path.exists():
+        _creatable(key, value, path, fix)
+        return path
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}='{value}' is not writable; {fix}")
+    if owned_marker is not None and any(path.iterdir()) and not (path / owned_marker).exists():
+        raise ConfigError(
+            f"{key}='{value}' is not empty and was not written by suite (no {owned_marker}); {fix}, "
+            "so nothing of yours is mixed or overwritten"
+        )
+    return path
+
+
+def check_run_dir(run_dir: str, max_steps: int | None = None, resume: bool = True) -> Path:
+    """run.dir: a folder that can hold the run (created by the trainer, not here); a run resumed
+    there must not have gone past train.max_steps already."""
+    fix = "give a new or earlier run's folder, e.g. run.dir=runs/my-run"
+    path = check_output_folder("run.dir", run_dir, fix)
+    latest = path / "checkpoints" / "latest"
+    if resume and max_steps is not None and latest.is_file():
+        name = latest.read_text().strip().removeprefix("step_")
+        step = int(name) if name.isdigit() else None
+        if step is not None and step > max_steps:
+            raise ConfigError(
+                f"train.max_steps={max_steps} is below step {step}, which run.dir='{run_dir}' already "
+                f"reached; pass train.max_steps above {step} to train on, or a new run.dir to start over"
+            )
+    return path
+
+
+def check_new_file(key: str, value: str, fix: str) -> Path:
+    """A file to create that must not replace one (a copied recipe the user may have edited)."""
+    path = Path(value).expanduser()
+    if path.exists():
+        raise ConfigError(f"{key}='{value}' already exists; {fix}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{key}='{value}': no such folder {path.parent}; create it first or {fix}")
+    _creatable(key, value, path, fix)
+    return path

@@ -1,0 +1,169 @@
+"""One run per run folder: what a checkpoint must share with the config that resumes it.
+
+Every checkpoint holds `fingerprint.json`: the keys that must match to resume it (the model's
+architecture, the tokenizer, the optimizer's kind, LoRA's shapes; never the parallel degrees,
+since any layout resumes any other's checkpoint). Before a training verb starts any worker, the
+parent checks its run folder (`check_run_folder`):
+
+- resuming checkpoints whose fingerprint differs from the config refuses, naming the keys;
+- `train.resume=false` on a folder with checkpoints refuses: the new run would mix with the old;
+- `train.overwrite=true` moves whatever the folder holds aside (`<run.dir>.old-<N>`), never
+  deleting it, and the run starts clean.
+
+A refusal writes nothing: the run folder stays byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig, SuiteConfig
+from suite.train import checkpoint as ckpt
+
+FINGERPRINT = ckpt.FINGERPRINT
+# model keys that do not change the weights a checkpoint holds (or that name where they came from)
+NOT_ARCHITECTURE = {
+    "name",
+    "init_from",
+    "dropout",
+    "init_std",
+    "attention",
+    "aux_loss_coef",
+    "z_loss_coef",
+    "capacity_factor",
+}
+ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_ARCHITECTURE]
+
+
+def tokenizer_file(cfg: SuiteConfig, verb: str, data_dir: Path | None) -> Path | None:
+    """The tokenizer the run trains with: the prepared data's (pretrain), the base model's (finetune)."""
+    if verb != "finetune":
+        return None if data_dir is None else Path(data_dir) / "tokenizer.json"
+    init = str(cfg.model.init_from or "")
+    if not init:
+        return None
+    if init.startswith("hf:"):
+        return Path(init[3:]).expanduser() / "tokenizer.json"
+    path = Path(init).expanduser()  # a run folder, or one of its checkpoint folders
+    return (
+        path / "tokenizer.json"
+        if (path / "tokenizer.json").is_file()
+        else path.parent.parent / "tokenizer.json"
+    )
+
+
+def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> dict[str, Any]:
+    """The flat {dotted key: value} that a checkpoint of this config must share with its resumer."""
+    out: dict[str, Any] = {"verb": verb}
+    out |= {f"model.{k}": getattr(cfg.model, k) for k in ARCHITECTURE}
+    out["optim.name"] = cfg.optim.name
+    if verb == "finetune":
+        out["finetune.method"] = cfg.finetune.method
+        if cfg.finetune.method == "lora":
+            out["finetune.lora.rank"] = cfg.finetune.lora.rank
+            out["finetune.lora.target_modules"] = list(cfg.finetune.lora.target_modules)
+    if tokenizer is not None and tokenizer.is_file():
+        out["tokenizer"] = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    return json.loads(json.dumps(out))  # plain JSON values, as read back from a checkpoint
+
+
+def of_run(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> dict[str, Any]:
+    """The fingerprint of the run a training verb starts: `fingerprint` with its tokenizer."""
+    return fingerprint(cfg, verb, tokenizer_file(cfg, verb, data_dir))
+
+
+def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
+    """A checkpoint's fingerprint; for one written before fingerprints, what its config.yaml tells
+    (the architecture, optimizer and LoRA keys; not the tokenizer). None when neither is readable."""
+    try:
+        return json.loads((folder / FINGERPRINT).read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        from suite.config.compose import load_saved_config
+
+        saved = load_saved_config(folder / "config.yaml")
+    except Exception:  # noqa: BLE001 (an old or hand-edited config: nothing to compare)
+        return None
+    found = fingerprint(saved, "finetune")  # its finetune keys count only where the config has them too
+    del found["verb"]
+    return found
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key: checkpoint X, now Y` for every key both sides know and that differs."""
+    out = []
+    for key, then in saved.items():
+        if key not in now or now[key] == then:
+            continue
+        if key == "tokenizer":
+            out.append("the tokenizer (tokenizer.json) differs from the one the checkpoint trained with")
+        else:
+            out.append(f"{key}: checkpoint {_show(then)}, now {_show(now[key])}")
+    return out
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
+
+
+def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> None:
+    """Before any worker starts (see the module docstring). Raises ConfigError and writes nothing,
+    or moves the old run aside (train.overwrite=true), or returns with nothing to do."""
+    run_dir = Path(cfg.run.dir).expanduser()
+    named = f"run.dir={cfg.run.dir}"
+    if cfg.train.overwrite:
+        source = str(cfg.model.init_from or "").removeprefix("hf:")
+        init = Path(source).expanduser().resolve() if source else None
+        if init is not None and run_dir.resolve() in (init, *init.parents):
+            raise ConfigError(
+                f"model.init_from={cfg.model.init_from} is inside {named}, which train.overwrite=true would "
+                "move aside before its weights are read; pass a new run.dir=..."
+            )
+        if cfg.launch.node_rank == 0 and run_dir.is_dir() and any(run_dir.iterdir()):
+            moved = move_aside(run_dir)
+            print(f"train.overwrite=true: moved the previous run in {run_dir} to {moved}", flush=True)
+        return
+    found = ckpt.list_checkpoints(run_dir)
+    if not found:
+        return
+    if not cfg.train.resume:
+        steps = ", ".join(p.name for p in found[-3:])
+        raise ConfigError(
+            f"{named} already holds checkpoints ({steps}) and train.resume=false would mix a new run "
+            f"into them; pass train.overwrite=true to move that run aside ({run_dir}.old-N) and start "
+            f"clean, or a new run.dir=..."
+        )
+    newest = ckpt.latest_checkpoint(run_dir, log=lambda _: None)
+    saved = None if newest is None else saved_fingerprint(newest)
+    if saved is None:
+        return
+    changed = differences(saved, of_run(cfg, verb, data_dir))
+    if changed:
+        raise ConfigError(
+            f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "
+            f"pass a new run.dir=... to start another run, or model.init_from={cfg.run.dir} with a new "
+            f"run.dir=... to start from those weights (their architecture)"
+        )
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename `run_dir` to the first free `<run_dir>.old-<N>` beside it; returns the new name."""
+    here = Path.cwd().resolve()
+    resolved = run_dir.resolve()
+    if resolved == here or resolved in here.parents or resolved == Path.home().resolve():
+        raise ConfigError(
+            f"run.dir={run_dir} is the current folder, one above it or the home folder; train.overwrite=true "
+            "would move it aside: give the run a folder of its own, e.g. run.dir=runs/<name>"
+        )
+    n = 1
+    while (target := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
+        n += 1
+    os.replace(run_dir, target)
+    return target

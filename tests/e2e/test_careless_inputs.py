@@ -1,0 +1,338 @@
+"""Careless inputs across every verb, each answered in one line on stderr with exit code 2.
+
+Every case goes through the real entry point (`python -m suite`'s `sys.exit(main())`) in its own
+process: tests/forked_cli.py imports the CLI once and forks a child per case, so a hundred cases
+cost one interpreter start (`test_forked_cli_matches_python_m_suite` checks that the children
+answer as `python -m suite` does). Each case runs in a fresh working directory that must be left as
+it was (no run folder, no export, nothing that could pass for a result), and the shared run folder
+the checkpoint cases read must stay byte-for-byte unchanged.
+
+Placeholders in a case: {run} a trained tiny run folder, {data} a prepared tiny data folder,
+{cwd} the case's working directory, {file} an existing regular file there, {bad_yaml} a recipe with
+a YAML syntax error (line 3), {no_package} a recipe without `# @package _global_`, {nonempty} a
+folder holding an unrelated file, {chat} a chat .jsonl file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from tests.forked_cli import ForkedCLI
+from tests.helpers import TINY_MODEL, run_suite, suite_env
+
+PRE = ["pretrain", "run.dir={cwd}/run", "data.path={data}", *TINY_MODEL]  # pretrain that would train
+GEN = ["generate", "ckpt={run}"]
+EXP = ["export", "ckpt={run}"]
+FT = ["finetune", "model.init_from={run}", "run.dir={cwd}/ft", "log.wandb=false"]
+LONG_PROMPT = "word " * 2000
+
+# (argv, a distinctive part of the one line on stderr)
+CASES: list[tuple[list[str], str]] = [
+    # --- the verb, flags, the override grammar
+    (["frobnicate"], "unknown verb 'frobnicate'"),
+    (["pretrain", "--fast"], "unknown flag --fast"),
+    (["pretrain", "steps"], "argument 'steps' is not an override"),
+    (["pretrain", "-v"], "argument '-v' is not an override"),
+    (["pretrain", "=5"], "empty key"),
+    (["pretrain", "recipe=gpt14b"], "recipe='gpt14b' is not a known recipe (did you mean"),
+    (["pretrain", "model=gpt99"], "model='gpt99' is not a known model"),
+    (["pretrain", "data=remote"], "data='remote' is not a known data"),
+    (["pretrain", "model.num_layer=3"], "did you mean 'model.num_layers'"),
+    (["pretrain", "trian.max_steps=3"], "unknown key 'trian.max_steps'"),
+    (["pretrain", "train.max_steps=abc"], "train.max_steps"),
+    (["pretrain", "train.max_steps=1e3"], "train.max_steps"),
+    (["pretrain", "train.resume=maybe"], "train.resume"),
+    (["pretrain", "model.num_layers=[1,2]"], "model.num_layers"),
+    (["pretrain", "run.dir=${oops}"], "run.dir"),
+    # --- recipe files
+    (["pretrain", "recipe=./missing.yaml"], "recipe='./missing.yaml': no such file"),
+    (["pretrain", "recipe={bad_yaml}"], "bad.yaml, line 3"),
+    (["pretrain", "recipe={no_package}"], "# @package _global_"),
+    (["pretrain", "recipe={cwd}"], "recipe="),
+    # --- single values
+    ([*PRE, "train.max_steps=0"], "train.max_steps=0 must be a positive integer"),
+    ([*PRE, "train.max_steps=-1"], "train.max_steps=-1 must be a positive integer"),
+    ([*PRE, "train.save_every=0"], "train.save_every=0"),
+    ([*PRE, "train.log_every=-2"], "train.log_every=-2"),
+    ([*PRE, "train.eval_batches=0"], "train.eval_batches=0"),
+    ([*PRE, "train.precision=fp8"], "train.precision='fp8' is not supported"),
+    ([*PRE, "train.device=tpu"], "train.device='tpu' is not supported"),
+    ([*PRE, "train.device=cuda"], "train.device=cuda"),
+    ([*PRE, "train.param_dtype=fp16"], "train.param_dtype='fp16'"),
+    ([*PRE, "train.param_dtype=bf16", "train.precision=fp32"], "train.param_dtype"),
+    ([*PRE, "train.compile=maybe"], "train.compile='maybe'"),
+    ([*PRE, "train.keep_last=-1"], "train.keep_last=-1"),
+    ([*PRE, "train.spike_factor=0.5"], "train.spike_factor=0.5"),
+    ([*PRE, "train.fault_kill_rank=0"], "train.fault_kill_rank and train.fault_kill_step"),
+    ([*PRE, "train.keep_host_memory=sometimes"], "train.keep_host_memory='sometimes'"),
+    ([*PRE, "train.collective_timeout_s=0"], "train.collective_timeout_s=0"),
+    ([*PRE, "train.num_threads=0"], "train.num_threads=0"),
+    ([*PRE, "train.peak_flops=-1"], "train.peak_flops=-1"),
+    ([*PRE, "sched.warmup_steps=-5"], "sched.warmup_steps=-5"),
+    ([*PRE, "sched.name=step"], "sched.name='step' is not supported"),
+    ([*PRE, "sched.min_lr_ratio=2"], "sched.min_lr_ratio=2"),
+    ([*PRE, "optim.lr=0"], "optim.lr=0"),
+    ([*PRE, "optim.lr=-1e-3"], "optim.lr=-0.001"),
+    ([*PRE, "optim.name=sgd"], "optim.name='sgd' is not supported"),
+    ([*PRE, "optim.beta1=1.5"], "optim.beta1=1.5"),
+    ([*PRE, "optim.grad_clip=-1"], "optim.grad_clip=-1"),
+    ([*PRE, "optim.weight_decay=-0.1"], "optim.weight_decay=-0.1"),
+    ([*PRE, "log.wandb_mode=cloud"], "log.wandb_mode='cloud' is not supported"),
+    ([*PRE, "model.family=bert"], "model.family='bert' is not supported"),
+    ([*PRE, "model.attention=flash"], "model.attention='flash'"),
+    ([*PRE, "model.num_experts=-1"], "model.num_experts=-1"),
+    ([*PRE, "model.hidden_size=65"], "model.hidden_size=65"),
+    ([*PRE, "model.vocab_size=100"], "model.vocab_size=100"),
+    ([*PRE, "model.dropout=1.5"], "model.dropout=1.5"),
+    ([*PRE, "model.init_from=/nope"], "model.init_from='/nope'"),
+    ([*PRE, "data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len"),
+    ([*PRE, "data.val_fraction=1.5"], "data.val_fraction=1.5"),
+    ([*PRE, "data.path=/does/not/exist"], "data.path='/does/not/exist' does not exist"),
+    ([*PRE, "data.path={file}"], "is a file"),
+    ([*PRE, "data.path={cwd}"], "not a prepared data folder"),
+    ([*PRE, "recompute.granularity=some"], "recompute.granularity"),
+    # --- the run folder
+    ([*PRE, "run.dir="], "run.dir is empty"),
+    ([*PRE, "run.dir=/proc/suite-run"], "run.dir='/proc/suite-run'"),
+    ([*PRE, "run.dir={file}"], "is a file"),
+    ([*PRE, "run.dir={run}", "train.max_steps=1"], "train.max_steps=1 is below step 2"),
+    # --- processes and degrees
+    ([*PRE, "launch.nproc_per_node=abc"], "launch.nproc_per_node='abc' is not a process count"),
+    ([*PRE, "launch.nproc_per_node=4:2"], "the minimum 4 exceeds the maximum 2"),
+    ([*PRE, "launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be at least 1"),
+    ([*PRE, "launch.nnodes=0"], "launch.nnodes=0"),
+    ([*PRE, "launch.backend=mpi"], "launch.backend='mpi' is not supported"),
+    ([*PRE, "parallel.tp=2"], "world size"),
+    ([*PRE, "parallel.micro_batch_size=0"], "parallel.micro_batch_size=0"),
+    ([*PRE, "parallel.global_batch_size=6", "parallel.micro_batch_size=4"], "parallel.global_batch_size=6"),
+    ([*PRE, "parallel.ep=2", "launch.nproc_per_node=2"], "data-parallel"),
+    ([*PRE, "parallel.pp_schedule=zigzag"], "parallel.pp_schedule"),
+    # --- finetune
+    (["finetune"], "model.init_from='runs/gpt-tiny'"),
+    (["finetune", "model.init_from=/nope"], "model.init_from='/nope'"),
+    ([*FT, "finetune.method=qlora"], "finetune.method='qlora' is not supported"),
+    ([*FT, "finetune.lora.rank=0"], "finetune.lora.rank=0"),
+    ([*FT, "finetune.lora.dropout=1.5"], "finetune.lora.dropout=1.5"),
+    ([*FT, "finetune.epochs=-1"], "finetune.epochs=-1"),
+    ([*FT, "finetune.data.task=reverse-x"], "reverse-x"),
+    ([*FT, "finetune.data.truncation=cut"], "finetune.data.truncation='cut'"),
+    ([*FT, "finetune.data.sources=[{path: {chat}}]"], "finetune.data.task=null"),
+    # --- eval
+    (["eval"], "ckpt is missing"),
+    (["eval", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
+    (["eval", "ckpt={run}"], "was not finetuned on a built-in task"),
+    (["eval", "ckpt={run}", "task=nope"], "task='nope'"),
+    (["eval", "ckpt={run}", "task=reverse-6", "eval.num_samples=0"], "eval.num_samples=0"),
+    (["eval", "ckpt={run}", "task=reverse-6", "eval.num_samples=-3"], "eval.num_samples=-3"),
+    (["eval", "ckpt={run}", "task=reverse-6", "eval.max_new_tokens=0"], "eval.max_new_tokens=0"),
+    # --- prepare
+    (["prepare", "data.vocab_size=0"], "data.vocab_size=0"),
+    (["prepare", "data.val_fraction=-0.1"], "data.val_fraction=-0.1"),
+    (["prepare", "data.sources=[{path: /nope/*.txt}]", "data.path={cwd}/out"], "/nope/*.txt"),
+    (["prepare", "data.sources=[{path: {chat}}]", "data.path={file}"], "is a file"),
+    (["prepare", "data.tokenizer=/nope/tokenizer.json", "data.path={cwd}/out"], "data.tokenizer='/nope"),
+    # --- generate
+    (["generate", "prompt=hi"], "ckpt is missing"),
+    (["generate", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
+    ([*GEN, "generate.max_new_tokens=-5"], "generate.max_new_tokens=-5"),
+    ([*GEN, "generate.max_new_tokens=0"], "generate.max_new_tokens=0"),
+    ([*GEN, "generate.top_k=-3"], "generate.top_k=-3"),
+    ([*GEN, "generate.top_k=0"], "generate.top_k=0"),
+    ([*GEN, "generate.top_p=2"], "generate.top_p=2"),
+    ([*GEN, "generate.top_p=0"], "generate.top_p=0"),
+    ([*GEN, "generate.temperature=-1"], "generate.temperature=-1"),
+    ([*GEN, "generate.seed=abc"], "generate.seed"),
+    ([*GEN, "prompt="], "generate.prompt is empty"),
+    ([*GEN, "prompt_file=/nope.txt"], "prompt_file='/nope.txt'"),
+    ([*GEN, "prompt_file={cwd}"], "is a folder"),
+    ([*GEN, "prompt=hi", "prompt_file={file}"], "prompt= or prompt_file="),
+    ([*GEN, f"prompt={LONG_PROMPT}"], "longer than the model's context"),
+    ([*GEN, "train.device=cuda"], "train.device=cuda"),
+    (["generate", "ckpt={run}/checkpoints/step_7"], "step_7 does not exist"),
+    # --- export
+    (["export"], "ckpt is missing"),
+    (["export", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
+    ([*EXP, "format=onnx"], "export.format='onnx' is not supported"),
+    ([*EXP, "export.dtype=int8"], "export.dtype='int8' is not supported"),
+    ([*EXP, "export.max_shard_mb=0"], "export.max_shard_mb=0"),
+    ([*EXP, "out={file}"], "is a file"),
+    ([*EXP, "out=/proc/suite-export"], "out='/proc/suite-export'"),
+    ([*EXP, "out={nonempty}"], "not empty"),
+    ([*EXP, "merge_lora=maybe"], "export.merge_lora"),
+    ([*EXP, "out="], "export.out is empty"),
+    # --- config
+    (["config"], "config needs a subcommand"),
+    (["config", "frob"], "config subcommand 'frob' is unknown"),
+    (["config", "cp", "recipe=gpt99b", "{cwd}/x.yaml"], "recipe='gpt99b' is not a known recipe"),
+    (["config", "cp", "recipe=gpt13b"], "config cp needs recipe=NAME and a destination"),
+    (["config", "cp", "recipe=gpt13b", "{cwd}/missing/x.yaml"], "no such folder"),
+    (["config", "cp", "recipe=gpt13b", "{file}"], "already exists"),
+    (["config", "show", "recipe=nope"], "recipe='nope' is not a known recipe"),
+    (["config", "show", "model.num_layer=3"], "did you mean 'model.num_layers'"),
+    (["config", "list", "extra"], "config list takes no arguments"),
+]
+
+
+def _case_id(argv: list[str]) -> str:
+    shown = " ".join(
+        a if len(a) < 40 else a[:20] + "..." for a in argv if a not in PRE[1:] or argv[0] != "pretrain"
+    )
+    return shown.replace("{", "").replace("}", "")
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[str(path.relative_to(folder))] = "dir"
+    return out
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory):
+    cli = ForkedCLI(suite_env())
+    yield cli
+    cli.close()
+
+
+@pytest.fixture(scope="module")
+def shared(forked, tmp_path_factory, tiny_data):
+    """A trained tiny run (2 steps), trained through the forked CLI, and its snapshot."""
+    root = tmp_path_factory.mktemp("careless")
+    run = root / "run"
+    args = ["pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={run}", "train.max_steps=2"]
+    args += [
+        "train.save_every=2",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "parallel.micro_batch_size=2",
+    ]
+    args += ["parallel.global_batch_size=2"]
+    proc = forked.run(args, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    chat = root / "chat.jsonl"
+    chat.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
+    return {"run": run, "data": tiny_data, "chat": chat, "snapshot": _snapshot(run), "root": root}
+
+
+def _prepare_cwd(cwd: Path) -> dict[str, str]:
+    cwd.mkdir(parents=True)
+    (cwd / "existing.txt").write_text("an edited file the user keeps\n")
+    (cwd / "bad.yaml").write_text("# @package _global_\ntrain:\n  max_steps: [1, 2\n")
+    (cwd / "nopkg.yaml").write_text("train:\n  max_steps: 5\n")
+    (cwd / "nonempty").mkdir()
+    (cwd / "nonempty" / "notes.txt").write_text("unrelated\n")
+    return {
+        "cwd": str(cwd),
+        "file": str(cwd / "existing.txt"),
+        "bad_yaml": str(cwd / "bad.yaml"),
+        "no_package": str(cwd / "nopkg.yaml"),
+        "nonempty": str(cwd / "nonempty"),
+    }
+
+
+def _fill(arg: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        arg = arg.replace("{" + key + "}", value)
+    return arg
+
+
+def run_case(forked, shared, tmp_path: Path, argv: list[str], fork: bool = True):
+    cwd = tmp_path / "cwd"
+    values = {
+        **_prepare_cwd(cwd),
+        "run": str(shared["run"]),
+        "data": str(shared["data"]),
+        "chat": str(shared["chat"]),
+    }
+    argv = [_fill(a, values) for a in argv]
+    before = _snapshot(cwd)
+    if fork:
+        proc = forked.run(argv, cwd=cwd, out=tmp_path / "out", timeout=120)
+    else:
+        proc = run_suite(*argv, cwd=cwd, timeout=180)
+    return proc, before, _snapshot(cwd)
+
+
+@pytest.mark.parametrize(("argv", "expected"), CASES, ids=[_case_id(a) for a, _ in CASES])
+def test_careless_input_answers_in_one_line(forked, shared, tmp_path, argv, expected):
+    if "train.device=cuda" in argv:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU: train.device=cuda is no mistake here")
+    proc, before, after = run_case(forked, shared, tmp_path, argv)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert after == before, "the working directory changed"
+    assert _snapshot(shared["run"]) == shared["snapshot"], "the run folder changed"
+
+
+def test_the_cases_are_distinct_and_many():
+    assert len(CASES) >= 80
+    assert len({tuple(a) for a, _ in CASES}) == len(CASES)
+    verbs = {a[0] for a, _ in CASES}
+    assert verbs >= {"pretrain", "finetune", "eval", "prepare", "generate", "export", "config"}
+
+
+# a grammar error, a value check after composing, a checkpoint verb's check
+COMPARED = [["pretrain", "steps"], [*PRE, "sched.warmup_steps=-5"], [*GEN, "generate.top_p=2"]]
+
+
+def test_forked_cli_matches_python_m_suite(forked, shared, tmp_path):
+    for index, argv in enumerate(COMPARED):
+        assert any(argv == case for case, _ in CASES)
+        forked_proc, _, _ = run_case(forked, shared, tmp_path / f"fork{index}", argv)
+        plain, _, _ = run_case(forked, shared, tmp_path / f"plain{index}", argv, fork=False)
+        assert (forked_proc.returncode, forked_proc.stdout) == (plain.returncode, plain.stdout)
+        assert forked_proc.stderr.replace("fork", "plain") == plain.stderr.replace("fork", "plain")
+
+
+PROMPTS = [
+    "naïve café, 東京 — ünïcode",
+    "it's (a) test: a=b, c=d",
+    "line one\nline two\n",
+    "${env:HOME} and ${oc.env:PATH} stay text",
+    "trailing spaces   ",
+    "'single' \"double\" [1, 2] {a: b} \\back",
+]
+
+
+@pytest.mark.parametrize("how", ["prompt=", "generate.prompt=", "prompt_file=", "prompt_file=-"])
+def test_prompts_are_taken_verbatim(forked, shared, tmp_path, how):
+    import json
+
+    prompts = PROMPTS if how == "prompt=" else PROMPTS[1:4]  # the override grammar: every one; else a few
+    for i, prompt in enumerate(prompts):
+        cwd = tmp_path / f"p{i}"
+        cwd.mkdir()
+        stdin = None
+        if how == "prompt_file=":
+            (cwd / "prompt.txt").write_text(prompt, encoding="utf-8")
+            arg = f"prompt_file={cwd / 'prompt.txt'}"
+        elif how == "prompt_file=-":
+            arg, stdin = "prompt_file=-", prompt
+        else:
+            arg = how + prompt
+        argv = ["generate", f"ckpt={shared['run']}", arg, "generate.max_new_tokens=1", "--json"]
+        proc = forked.run(argv, cwd=cwd, stdin=stdin)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["prompt"] == prompt
+        assert "Traceback" not in proc.stderr
+
+
+def test_generation_past_the_context_says_where_it_stops(forked, shared, tmp_path):
+    argv = ["generate", f"ckpt={shared['run']}", "prompt=The", "generate.max_new_tokens=500"]
+    proc = forked.run(argv, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "generation stops at the context length" in proc.stderr and "model.max_seq_len=64" in proc.stderr
