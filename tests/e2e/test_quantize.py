@@ -168,6 +168,10 @@ def test_refusals_are_one_line(base_run, quantized, capsys, tmp_path):
     assert "already quantized" in err
     err = _refused(capsys, "pretrain", "compress=int8", f"run.dir={tmp_path / 'c'}")
     assert "suite quantize" in err
+    err = _refused(capsys, "distill", f"distill.teacher={quantized['int8']}", f"run.dir={tmp_path / 'd'}")
+    assert "already quantized" in err
+    err = _refused(capsys, "finetune", f"model.init_from={quantized['int8']}", f"run.dir={tmp_path / 'e'}")
+    assert "already quantized" in err
 
 
 def test_quantize_has_help(capsys):
