@@ -40,6 +40,9 @@ def _progress(step: int, text: str) -> None:
 
 
 def quantize_device(cfg: SuiteConfig) -> torch.device:
+    from suite.runtime import check_device
+
+    check_device(cfg.train.device)  # one line for cuda on a machine without one
     if cfg.train.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(cfg.train.device)

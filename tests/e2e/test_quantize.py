@@ -160,6 +160,8 @@ def test_refusals_are_one_line(base_run, quantized, capsys, tmp_path):
     if not torch.cuda.is_available():
         err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=int4-tinygemm")
         assert "needs CUDA" in err and "compress=int4" in err
+        err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=int8", "train.device=cuda")
+        assert "no CUDA device" in err
     err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=int4", "compress.group_size=48")
     assert "compress.group_size=48" in err and "compress.group_size=64" in err
     err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=int8", f"run.dir={base_run}")
