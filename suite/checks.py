@@ -2,13 +2,14 @@
 
 Each subsystem owns the checks of its own keys (suite.config.validate: single keys' values;
 suite.models.checks, suite.data.checks, suite.parallel (degrees, pipeline, recompute, elastic
-ranges), suite.runtime (precision), suite.finetune.checks); this module only calls them, once, in
+ranges), suite.runtime (precision), suite.finetune.checks, suite.compress.checks); this module only calls them, once, in
 the parent. Launched workers re-check nothing, except the layout of an elastic attempt that runs
 on fewer processes than the parent checked (`worker_dims`).
 """
 
 from __future__ import annotations
 
+from suite.compress.checks import check_no_compress
 from suite.config.schema import SuiteConfig
 from suite.config.validate import check_values, world_size
 from suite.data.checks import check_data
@@ -33,6 +34,7 @@ def validate(
     finetuning cannot run (suite.finetune.checks.check_finetune ran before the base model was read).
     `writes_run`: the verb writes run.dir (pretrain, finetune), which must be a folder it can create."""
     check_values(cfg)
+    check_no_compress(cfg)
     check_device(cfg.train.device)
     if writes_run and world is None:
         check_run_dir(cfg.run.dir, cfg.train.max_steps, cfg.train.resume)

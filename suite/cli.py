@@ -31,6 +31,7 @@ verbs:
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
   export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
+  quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
   config     show / list / cp recipes: suite config show recipe=gpt13b
 
 Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
@@ -153,6 +154,29 @@ export.max_shard_mb=N splits the weights into safetensors files of at most N MB 
 Examples:
   suite export ckpt=runs/gpt-tiny
   suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
+    "quantize": """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant [run.dir=OUT]
+       [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
+
+Post-training quantization of the Linear layers with torchao, measured before and after on the
+recipe's held-out data. compress= picks a recipes/compress option (compress.method):
+  int8           int8 weights, float activations                                  CPU, CUDA
+  w8a8           int8 weights + int8 activations quantized per token at run time  CPU, CUDA
+  int4           int4 weights, one bf16 scale per compress.group_size weights      CPU, CUDA
+  int4-tinygemm  int4 with torchao's tinygemm kernels                              CUDA only
+  smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences  CPU, CUDA
+Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
+      compress.calib_samples  compress.smoothquant_alpha  compress.eval_batches  compress.decode_tokens
+      compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)
+      run.dir (default <ckpt run>-<method>)  train.device=auto|cpu|cuda
+
+Writes: <run.dir>/checkpoints/step_<N>/ (model.safetensors with torchao's quantized tensors,
+quantized.json), config.yaml (with compress), the tokenizer, report.json (parameters, bytes on disk,
+held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after).
+`suite generate` and `suite eval` take the folder as ckpt=. See docs/compression.md.
+
+Examples:
+  suite quantize ckpt=runs/gpt-tiny compress=int8
+  suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
@@ -274,10 +298,12 @@ def _with_base_model(raw, overrides: list[str]):
     architecture key that the command line sets to another value than the base's is refused."""
     from dataclasses import asdict
 
+    from suite.compress.checks import refuse_quantized
     from suite.sources import ModelSource
     from suite.train.run_folder import ARCHITECTURE
 
     init_from = raw.model.init_from
+    refuse_quantized(init_from, "model.init_from", "training from it")
     source = ModelSource.parse(init_from, "model.init_from")
     base = asdict(source.model_config())
     base["init_from"] = init_from
@@ -399,6 +425,9 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    from suite.compress.checks import refuse_quantized
+
+    refuse_quantized(cfg.ckpt, "ckpt", "exporting")
     validate(cfg, needs_data=False, writes_run=False)
     from suite.export.checks import check_default_out, check_export_out
 
@@ -429,6 +458,19 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
         source,
     )
+
+
+def cmd_quantize(overrides: list[str], flags: set[str]) -> int:
+    from suite.compress.checks import check_compress_option
+
+    check_compress_option(overrides)  # a method that is not built yet: named before composing
+    cfg, _ = _compose_with_ckpt(overrides, "runs/gpt-tiny compress=int8")
+    from suite.compress.quantize import run_quantize
+
+    explicit_dir = any(o.split("=", 1)[0] == "run.dir" for o in overrides)
+    report = run_quantize(cfg, explicit_dir)
+    text = f"{report['table']}\n{report['method']} checkpoint: {report['checkpoint']}\nreport: {report['report']}"
+    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
 
 
 def cmd_config(overrides: list[str], flags: set[str]) -> int:
@@ -489,6 +531,7 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "prepare": cmd_prepare,
     "generate": cmd_generate,
     "export": cmd_export,
+    "quantize": cmd_quantize,
     "config": cmd_config,
 }
 

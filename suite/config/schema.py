@@ -84,7 +84,24 @@ class RecomputeConfig:
 
 @dataclass
 class CompressConfig:
+    """`suite quantize ckpt=<run> compress=<option>`: post-training quantization (torchao).
+
+    method: none | int8 (weight-only) | w8a8 (int8 dynamic activations + int8 weights) | int4
+    (group-wise weight-only) | int4-tinygemm (CUDA only) | smoothquant (w8a8 after SmoothQuant
+    calibration). See docs/compression.md.
+    """
+
     method: str = "none"
+    group_size: int = 32  # int4: weights per quantization group along the input dimension
+    # module-name patterns (fnmatch, on names like layers.0.attention.wq) left in full precision;
+    # the embedding is never a Linear, the output head is usually tied to it
+    skip: list[str] = field(default_factory=lambda: ["tok_embeddings", "pos_embeddings", "output"])
+    calib_samples: int = 32  # smoothquant: sequences of the recipe's data the activation scales see
+    smoothquant_alpha: float = 0.5  # smoothquant: migration strength (0: none, 1: all onto the weights)
+    eval_batches: int = 8  # report: held-out batches for the perplexity before and after
+    decode_tokens: int = 32  # report: greedy tokens generated to time decoding (tokens/s)
+    # report: held-out questions answered greedily (exact match) when the run was finetuned on a built-in task; 0: none
+    task_samples: int = 50
 
 
 @dataclass

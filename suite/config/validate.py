@@ -19,7 +19,6 @@ CHOICES = {
     "sched.name": ("cosine", "linear", "constant"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
-    "compress.method": ("none",),
     "export.format": ("hf",),
     "export.dtype": ("fp32", "bf16", "fp16"),
 }

@@ -40,8 +40,10 @@ def check_distill(cfg: SuiteConfig) -> None:
             )
     if d.chunk_tokens < 1:
         raise ConfigError(f"distill.chunk_tokens={d.chunk_tokens} must be >= 1; e.g. 1024")
+    from suite.compress.checks import refuse_quantized
     from suite.sources import ModelSource
 
+    refuse_quantized(d.teacher, "distill.teacher", "distilling from it")  # `suite quantize` output
     teacher = ModelSource.parse(d.teacher, "distill.teacher")  # one line when missing or corrupt
     vocab = teacher.model_config().vocab_size
     if vocab != cfg.model.vocab_size:

@@ -10,6 +10,7 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig
 from suite.models import KVCache, Transformer
+from suite.models.quantized import is_quantized, load_quantized_model
 from suite.sources import ModelSource
 
 
@@ -18,6 +19,12 @@ def load_for_inference(
 ) -> tuple[Transformer, object, Path]:
     """Model (LoRA adapters merged), tokenizer and the folder read, from any model source."""
     source = ModelSource.parse(ckpt, "ckpt")
+    if not source.is_hf and is_quantized(source.folder):  # written by `suite quantize`
+        return (
+            load_quantized_model(source.folder, source.model_config(), device),
+            source.tokenizer(),
+            source.folder,
+        )
     return source.load_model(device), source.tokenizer(), source.folder
 
 

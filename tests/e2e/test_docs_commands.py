@@ -57,6 +57,7 @@ SHRINK = {
     "eval": ["eval.num_samples=2"],
     "prepare": DATA,
     "generate": ["generate.max_new_tokens=4"],
+    "quantize": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
 }
 SKIPPED = {
     "suite pretrain recipe=./my13b.yaml": "the 13B recipe asks for 4 nodes x 8 GPUs (and a data.path)",
@@ -73,7 +74,17 @@ def _readme_commands() -> list[str]:
 
 def _help_commands() -> list[str]:
     commands = []
-    for verb in ("pretrain", "prepare", "finetune", "distill", "eval", "generate", "export", "config"):
+    for verb in (
+        "pretrain",
+        "prepare",
+        "finetune",
+        "distill",
+        "eval",
+        "generate",
+        "export",
+        "quantize",
+        "config",
+    ):
         text = verb_help(verb)
         assert "\nExamples:\n" in text, f"`suite {verb} --help` has no Examples: section"
         block = text.split("\nExamples:\n", 1)[1]
@@ -118,6 +129,7 @@ def test_every_verb_shows_examples_and_every_recipe():
         "prepare",
         "generate",
         "export",
+        "quantize",
         "config",
     }
     from suite.config.compose import known_options

@@ -1,0 +1,91 @@
+"""The compress section's checks, run once in the parent before anything is read or written."""
+
+from __future__ import annotations
+
+import torch
+
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+
+
+def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
+    """compress.* on its own and against this device (`suite quantize`)."""
+    from suite.compress.methods import METHODS, NOT_BUILT
+
+    c = cfg.compress
+    if c.method in NOT_BUILT:
+        raise ConfigError(f"compress.method={c.method!r}: {NOT_BUILT[c.method]}")
+    if c.method == "none" or c.method not in METHODS:
+        raise ConfigError(
+            f"compress.method={c.method!r} is not a quantization method; use one of: {', '.join(METHODS)} "
+            "(e.g. suite quantize ckpt=runs/gpt-tiny compress=int8)"
+        )
+    if METHODS[c.method].cuda_only and device.type != "cuda":
+        raise ConfigError(
+            f"compress.method={c.method!r} needs CUDA (torchao's kernels for it); this device is "
+            f"{device.type}: use compress=int4 (group-wise int4 that runs on {device.type})"
+        )
+    for key in ("group_size", "calib_samples", "eval_batches", "decode_tokens"):
+        value = getattr(c, key)
+        if value < 1:
+            raise ConfigError(f"compress.{key}={value} must be a positive integer")
+    if c.task_samples < 0:
+        raise ConfigError(f"compress.task_samples={c.task_samples} must be >= 0 (0: no task accuracy)")
+    if not 0.0 <= c.smoothquant_alpha <= 1.0:
+        raise ConfigError(f"compress.smoothquant_alpha={c.smoothquant_alpha} must be in [0, 1], e.g. 0.5")
+    if any(not isinstance(p, str) or not p for p in c.skip):
+        raise ConfigError(
+            f"compress.skip={list(c.skip)} must be module-name patterns, e.g. '[output, layers.0.*]'"
+        )
+
+
+def check_compress_model(cfg: SuiteConfig, model, targets: list[str], name: str) -> None:
+    """What the source's model must allow: int4 groups tile the input width of every Linear quantized."""
+    c = cfg.compress
+    if not c.method.startswith("int4"):
+        return
+    modules = dict(model.named_modules())
+    widths = sorted({modules[t].in_features for t in targets})
+    bad = [w for w in widths if w % c.group_size]
+    if bad:
+        fits = [g for g in (256, 128, 64, 32, 16, 8) if all(w % g == 0 for w in widths)]
+        raise ConfigError(
+            f"compress.group_size={c.group_size} does not divide the input width {bad[0]} of {name}'s "
+            f"linear layers; use compress.group_size={fits[0] if fits else 1}"
+        )
+
+
+def check_no_compress(cfg: SuiteConfig) -> None:
+    """Training and export: a compress method is post-training quantization, run by `suite quantize`."""
+    if cfg.compress.method != "none":
+        raise ConfigError(
+            f"compress.method={cfg.compress.method!r} is post-training quantization, applied by `suite quantize` "
+            f"to a trained model, not here: suite quantize ckpt=<run.dir> compress={cfg.compress.method}"
+        )
+
+
+def refuse_quantized(text: str, key: str, purpose: str) -> None:
+    """A quantized checkpoint cannot be quantized again, finetuned or exported (yet)."""
+    from suite.models.quantized import is_quantized, quantized_info
+    from suite.sources import ModelSource
+
+    source = ModelSource.parse(text, key)
+    if source.is_hf or not is_quantized(source.folder):
+        return
+    method = quantized_info(source.folder).get("method", "?")
+    base = quantized_info(source.folder).get("source", "the model it came from")
+    raise ConfigError(
+        f"{key}='{text}' is already quantized ({method}); {purpose} needs the full-precision model: "
+        f"use {key}={base}"
+    )
+
+
+def check_compress_option(overrides: list[str]) -> None:
+    """`compress=gptq` (a method named in the plan, not built yet): what to use instead, before the
+    recipe group lookup would only list the options."""
+    from suite.compress.methods import NOT_BUILT
+
+    for text in overrides:
+        key, _, value = text.partition("=")
+        if key in ("compress", "compress.method") and value in NOT_BUILT:
+            raise ConfigError(f"{key}={value}: {NOT_BUILT[value]}")

@@ -1,0 +1,129 @@
+"""The quantization methods `compress.method` names, and applying one to a model with torchao.
+
+    int8           Int8WeightOnlyConfig: int8 weights (one scale per output row), float activations
+    w8a8           Int8DynamicActivationInt8WeightConfig: int8 weights, activations quantized per
+                   token on the fly, int8 matmuls
+    int4           group-wise 4-bit weights (compress.group_size per scale): on CPU
+                   IntxWeightOnlyConfig(int4, PerGroup, bf16 scales), on CUDA Int4WeightOnlyConfig
+    int4-tinygemm  Int4WeightOnlyConfig on any device: CUDA only (torchao's tinygemm kernels)
+    smoothquant    w8a8 after SmoothQuant (activation outliers moved onto the weights, with scales
+                   observed on compress.calib_samples sequences of the recipe's data)
+
+Only nn.Linear modules are quantized; names matching a compress.skip pattern stay in full precision.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from suite.config.schema import CompressConfig
+from suite.models.quantized import quiet_torchao
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    cuda_only: bool = False
+    calibrated: bool = False
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("int8", "int8 weight-only (torchao Int8WeightOnlyConfig)"),
+        Method("w8a8", "int8 dynamic activations + int8 weights (Int8DynamicActivationInt8WeightConfig)"),
+        Method(
+            "int4", "group-wise int4 weight-only (IntxWeightOnlyConfig on CPU, Int4WeightOnlyConfig on CUDA)"
+        ),
+        Method(
+            "int4-tinygemm", "int4 weight-only with torchao's tinygemm kernels (Int4WeightOnlyConfig)", True
+        ),
+        Method("smoothquant", "w8a8 after SmoothQuant calibration (torchao prototype)", calibrated=True),
+    )
+}
+# named in the issue, not built yet: what to use instead
+NOT_BUILT = {
+    "gptq": "GPTQ is not built yet (torchao's GPTQ runs on CUDA only); use compress=int4 (round-to-nearest)",
+    "qat-int4": "quantization-aware training is not built yet; use compress=int4 (post-training)",
+    "qat-int8": "quantization-aware training is not built yet; use compress=int8 (post-training)",
+}
+
+
+def torchao_config(cfg: CompressConfig, device: torch.device):
+    """The torchao config that quantizes one Linear for `cfg.method` on `device`."""
+    quiet_torchao()
+    from torchao.quantization import (
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        PerGroup,
+    )
+
+    method = cfg.method
+    if method == "int8":
+        return Int8WeightOnlyConfig()
+    if method in ("w8a8", "smoothquant"):
+        return Int8DynamicActivationInt8WeightConfig()
+    if method == "int4-tinygemm" or (method == "int4" and device.type == "cuda"):
+        return Int4WeightOnlyConfig(group_size=cfg.group_size)
+    if method == "int4":
+        return IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size), scale_dtype=torch.bfloat16
+        )
+    raise ValueError(f"compress.method={method!r} has no torchao config")
+
+
+def skipped(name: str, patterns: Iterable[str]) -> bool:
+    """A module name matched by a compress.skip pattern (fnmatch; a plain name matches itself and
+    every module under it)."""
+    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def linear_plan(model: nn.Module, patterns: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(Linear modules to quantize, Linear modules skipped), by name."""
+    patterns = list(patterns)
+    quantized, skip = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            (skip if skipped(name, patterns) else quantized).append(name)
+    return quantized, skip
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    cfg: CompressConfig,
+    device: torch.device,
+    calibrate: Callable[[nn.Module], None] | None = None,
+) -> tuple[list[str], list[str]]:
+    """Quantize `model`'s Linear layers in place; returns (quantized names, skipped Linear names).
+
+    `calibrate(model)` runs the calibration forwards (smoothquant) between observing and converting.
+    """
+    quiet_torchao()
+    from torchao.quantization import quantize_
+
+    targets, skip = linear_plan(model, cfg.skip)
+    wanted = set(targets)
+
+    def only_targets(module: nn.Module, name: str) -> bool:
+        return name in wanted
+
+    base = torchao_config(cfg, device)
+    if cfg.method == "smoothquant":
+        from torchao.prototype.smoothquant import SmoothQuantConfig
+
+        quantize_(model, SmoothQuantConfig(base, step="prepare", alpha=cfg.smoothquant_alpha), only_targets)
+        if calibrate is not None:
+            calibrate(model)
+        quantize_(model, SmoothQuantConfig(base, step="convert", alpha=cfg.smoothquant_alpha), only_targets)
+    else:
+        quantize_(model, base, only_targets)
+    return targets, skip

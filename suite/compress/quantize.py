@@ -1,0 +1,249 @@
+"""`suite quantize ckpt=<run|checkpoint|hf:dir> compress=<method> run.dir=<out>`: post-training
+quantization with torchao, measured before and after.
+
+    1. read the model (fp32, one device) and the recipe's held-out data (the run's validation
+       shards, or a finetuning run's held-out rows)
+    2. measure it: parameters, weights file bytes, held-out perplexity, greedy decode tokens/s
+    3. quantize its Linear layers (suite.compress.methods; smoothquant calibrates on
+       compress.calib_samples training sequences first)
+    4. write the run folder: checkpoints/step_<N>/ (model.safetensors with torchao's tensors,
+       quantized.json, config.yaml, manifest.json), config.yaml, the tokenizer; reload it and
+       check that the reloaded model's logits equal the in-memory ones
+    5. measure again; report.json and a table
+
+`suite generate` and `suite eval` read the folder as ckpt= (suite.infer.generate.load_for_inference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+
+PROMPT_TOKENS = 16
+
+
+def _progress(step: int, text: str) -> None:
+    print(f"[{step}/5] {text}", file=sys.stderr, flush=True)
+
+
+def quantize_device(cfg: SuiteConfig) -> torch.device:
+    from suite.runtime import check_device
+
+    check_device(cfg.train.device)  # one line for cuda on a machine without one
+    if cfg.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.train.device)
+
+
+def output_folder(cfg: SuiteConfig, source, explicit: bool) -> Path:
+    """run.dir when given, else <source run>-<method>; never a training run's folder."""
+    if explicit:
+        out = Path(cfg.run.dir).expanduser()
+    else:
+        base = source.run_dir if source.run_dir is not None else source.folder
+        out = base.parent / f"{base.name}-{cfg.compress.method}"
+    from suite.models.quantized import is_quantized
+    from suite.train.checkpoint import list_checkpoints
+
+    if source.run_dir is not None and out.resolve() == source.run_dir.resolve():
+        raise ConfigError(
+            f"run.dir='{out}' is the run being quantized; pass a new folder, e.g. run.dir={out}-q"
+        )
+    if any(not is_quantized(c) for c in list_checkpoints(out)):
+        raise ConfigError(
+            f"run.dir='{out}' holds a training run's checkpoints; pass a new folder for the output"
+        )
+    return out
+
+
+def _saved_config(cfg: SuiteConfig, source) -> SuiteConfig:
+    """The config written with the output: the source run's, with this compress section and run.dir."""
+    base = source.saved if source.saved is not None else SuiteConfig(model=source.model_config())
+    return replace(
+        base,
+        compress=cfg.compress,
+        run=replace(base.run, dir=str(cfg.run.dir)),
+        finetune=replace(base.finetune, method="full"),  # LoRA adapters were merged into the weights
+        ckpt=None,
+    )
+
+
+def _data(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path):
+    """(held-out batches, calibration batches, task) from the source run's recipe; (None, None, None)
+    for an HF folder (no recipe to take data from). task: (name, held-out file, chat template) when
+    the run was finetuned on a built-in task, else None."""
+    if saved is None:
+        return None, None, None
+    c = cfg.compress
+    calib_mb = min(8, c.calib_samples)
+    calib_steps = math.ceil(c.calib_samples / calib_mb)
+    mb = saved.parallel.micro_batch_size
+    ft = saved.finetune.data
+    if ft.task or ft.sources:  # a finetuning run: its held-out rows, its training rows
+        from suite.data.sft import SFTBatches
+        from suite.finetune.trainer import build_sft_data
+
+        train, held, task_file = build_sft_data(saved, tokenizer, tmp, True)
+        held_mb = min(mb, len(held))
+        evals = SFTBatches(held, held_mb, held_mb, split="held-out").eval_batches(c.eval_batches)
+        calib_mb = min(calib_mb, len(train))
+        task = (ft.task, task_file, ft.template) if ft.task and task_file and c.task_samples else None
+        return evals, SFTBatches(train, calib_mb, calib_mb).eval_batches(calib_steps), task
+    from suite.data import ensure_prepared
+    from suite.data.loader import TokenBatches
+
+    folder = ensure_prepared(saved.data, progress=False)
+    eos = int(json.loads((folder / "meta.json").read_text())["eos_id"]) if saved.data.doc_mask else None
+    seq = saved.data.seq_len
+    evals = TokenBatches(folder, "val", seq, mb, mb, eos_id=eos).eval_batches(c.eval_batches)
+    calib = TokenBatches(folder, "train", seq, calib_mb, calib_mb, eos_id=eos).eval_batches(calib_steps)
+    return evals, calib, None
+
+
+def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str) -> Path:
+    """checkpoints/step_<N>/ under a temporary name, manifest last, renamed into place, then `latest`."""
+    from suite.models.quantized import save_quantized
+    from suite.train.checkpoint import STEP_PREFIX, checkpoint_root, write_manifest
+
+    root = checkpoint_root(out)
+    final, tmp = root / f"{STEP_PREFIX}{step}", root / f".tmp-{STEP_PREFIX}{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_quantized(model, tmp, info)
+    (tmp / "config.yaml").write_text(config_yaml)
+    write_manifest(tmp, step)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    (root / "latest").write_text(final.name + "\n")
+    return final
+
+
+def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
+    """The verb: returns the report (also written to <run.dir>/report.json)."""
+    with tempfile.TemporaryDirectory(prefix="suite-quantize-") as tmp:
+        return _quantize(cfg, explicit_dir, Path(tmp))
+
+
+def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
+    from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
+    from suite.compress.methods import METHODS, linear_plan, quantize_model
+    from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
+    from suite.models import build_model
+    from suite.models.quantized import WEIGHTS_FILE, is_quantized_tensor, load_quantized_model
+    from suite.sources import ModelSource
+
+    device = quantize_device(cfg)
+    check_compress(cfg, device)
+    refuse_quantized(cfg.ckpt, "ckpt", "quantizing")
+    source = ModelSource.parse(cfg.ckpt, "ckpt")
+    out = output_folder(cfg, source, explicit_dir)
+    cfg = replace(cfg, run=replace(cfg.run, dir=str(out)))
+    c = cfg.compress
+
+    shape_only = build_model(source.model_config())  # on the meta device: names and shapes, no memory
+    targets, skip = linear_plan(shape_only, c.skip)
+    if not targets:
+        raise ConfigError(f"compress.skip={list(c.skip)} leaves no Linear layer to quantize")
+    check_compress_model(cfg, shape_only, targets, shape_only.cfg.name)
+    if METHODS[c.method].calibrated and source.saved is None:
+        raise ConfigError(
+            f"compress.method={c.method} calibrates on the recipe's data; {source.named} is an HF folder "
+            "with no recipe: quantize a suite run, or use compress=w8a8"
+        )
+
+    # a LoRA run's adapters are merged into the weights by load_model: the merged weights are quantized
+    _progress(1, f"reading {source.named} ({source.folder}) and its held-out data")
+    model = source.load_model("cpu").to(device)
+    tokenizer = source.tokenizer()
+    saved = _saved_config(cfg, source)
+    evals, calib, task = _data(source.saved, tokenizer, cfg, tmp)
+    prompt = (
+        evals[0].tokens[0, :PROMPT_TOKENS].tolist()
+        if evals
+        else tokenizer.encode("The", add_special_tokens=False)
+    )
+    task_eval = None
+    if task is not None:
+        task_eval = {"task": task[0], "file": task[1], "template": task[2], "limit": c.task_samples}
+    _progress(2, f"measuring the model before ({len(evals or [])} held-out batches, decode speed)")
+    before = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
+    before["file_bytes"], before["block_bytes"] = stored_bytes(save_plain(model, tmp / "plain.safetensors"))
+
+    _progress(
+        3, f"quantizing {len(targets)} Linear layers with {c.method} on {device.type} ({len(skip)} skipped)"
+    )
+
+    def calibrate(m) -> None:
+        for batch in calib or []:
+            batch = batch.to(device)
+            m(batch.tokens, **batch.model_kwargs())
+
+    quantize_model(model, c, device, calibrate)
+
+    _progress(4, f"writing {out}")
+    step = int(source.folder.name.split("_")[-1]) if not source.is_hf else 0
+    info = {
+        "method": c.method,
+        "source": source.text,
+        "torchao": _torchao_version(),
+        "device": device.type,
+        "quantized": targets,
+        "skipped": skip,
+    }
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(saved))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(config_yaml)
+    tokenizer.save_pretrained(out)
+    folder = _write_checkpoint(out, step, model, info, config_yaml)
+    reloaded = load_quantized_model(folder, saved.model, device)
+    probe = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        reload_diff = float((reloaded(probe) - model(probe)).abs().max())
+    del reloaded
+
+    _progress(5, "measuring the quantized model")
+    after = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
+    after["file_bytes"], after["block_bytes"] = stored_bytes(folder / WEIGHTS_FILE)
+    weight_types = sorted({type(m.weight).__name__ for n, m in model.named_modules() if n in set(targets)})
+    report = {
+        "verb": "quantize",
+        "method": c.method,
+        "source": source.text,
+        "out": str(out),
+        "checkpoint": str(folder),
+        "device": device.type,
+        "torchao": info["torchao"],
+        "quantized_layers": len(targets),
+        "skipped_layers": skip,
+        "weight_types": weight_types,
+        "all_quantized": all(is_quantized_tensor(dict(model.named_modules())[t].weight) for t in targets),
+        "held_out": "none (HF folder: no recipe)"
+        if not evals
+        else f"{sum(b.num_targets for b in evals)} tokens",
+        "reload_max_abs_diff": reload_diff,
+        "before": before,
+        "after": after,
+        "table": table(before, after),
+    }
+    report["report"] = str(write_report(out / "report.json", report))
+    return report
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return torchao.__version__
