@@ -9,7 +9,7 @@ on fewer processes than the parent checked (`worker_dims`).
 
 from __future__ import annotations
 
-from suite.compress.checks import check_no_compress
+from suite.compress.checks import check_no_compress, check_qat_layout
 from suite.config.schema import SuiteConfig
 from suite.config.validate import check_values, world_size
 from suite.data.checks import check_data
@@ -59,6 +59,7 @@ def _layout(cfg: SuiteConfig, world: int, finetune: bool, distill: bool = False)
         from suite.distill.checks import check_distill_layout
 
         check_distill_layout(cfg, dims)
+    check_qat_layout(cfg, dims, "finetune" if finetune else "distill" if distill else "pretrain")
     return dims
 
 

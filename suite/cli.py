@@ -242,7 +242,7 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
 
     data_dir = ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
     check_run_folder(cfg, "pretrain", data_dir)  # refuses, writing nothing, or moves an old run aside
-    return _train("pretrain", cfg, dims, resolved_yaml)
+    return _convert_qat(cfg, _train("pretrain", cfg, dims, resolved_yaml), flags)
 
 
 def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
@@ -337,7 +337,28 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
 
     check_hosting(cfg, dims)
     check_run_folder(cfg, "finetune")
-    return _train("finetune", cfg, dims, OmegaConf.to_yaml(raw))
+    return _convert_qat(cfg, _train("finetune", cfg, dims, OmegaConf.to_yaml(raw)), flags)
+
+
+def _convert_qat(cfg, code: int, flags: set[str]) -> int:
+    """compress=qat-*: once training has ended, its final checkpoint converted to the real quantized
+    model in <run.dir>-<method> with `suite quantize`'s code and report (suite.models.qat)."""
+    from suite.models.qat import QAT_METHODS
+
+    if code != 0 or cfg.compress.method not in QAT_METHODS:
+        return code
+    from dataclasses import replace
+
+    from suite.compress.quantize import run_quantize
+
+    method = QAT_METHODS[cfg.compress.method]
+    out = f"{str(cfg.run.dir).rstrip('/')}-{method}"
+    qcfg = replace(
+        cfg, ckpt=cfg.run.dir, compress=replace(cfg.compress, method=method), run=replace(cfg.run, dir=out)
+    )
+    report = run_quantize(qcfg, True)
+    text = f"{report['table']}\nquantization-aware {method} checkpoint: {report['checkpoint']}\nreport: {report['report']}"
+    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
 
 
 def _say(text: str) -> None:

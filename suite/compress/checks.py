@@ -42,7 +42,7 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
 def check_compress_model(cfg: SuiteConfig, model, targets: list[str], name: str) -> None:
     """What the source's model must allow: int4 groups tile the input width of every Linear quantized."""
     c = cfg.compress
-    if not c.method.startswith("int4"):
+    if not c.method.startswith(("int4", "qat-int4")):
         return
     modules = dict(model.named_modules())
     widths = sorted({modules[t].in_features for t in targets})
@@ -56,7 +56,12 @@ def check_compress_model(cfg: SuiteConfig, model, targets: list[str], name: str)
 
 
 def check_no_compress(cfg: SuiteConfig) -> None:
-    """Training and export: a compress method is post-training quantization, run by `suite quantize`."""
+    """Training and export: a compress method is post-training quantization, run by `suite quantize`;
+    only quantization-aware training (qat-*) is a training option."""
+    from suite.models.qat import QAT_METHODS
+
+    if cfg.compress.method in QAT_METHODS:
+        return
     if cfg.compress.method != "none":
         raise ConfigError(
             f"compress.method={cfg.compress.method!r} is post-training quantization, applied by `suite quantize` "
@@ -89,3 +94,32 @@ def check_compress_option(overrides: list[str]) -> None:
         key, _, value = text.partition("=")
         if key in ("compress", "compress.method") and value in NOT_BUILT:
             raise ConfigError(f"{key}={value}: {NOT_BUILT[value]}")
+
+
+def check_qat_layout(cfg: SuiteConfig, dims, verb: str) -> None:
+    """Quantization-aware training: on pretrain and finetune (full), whole weights per rank (dp, sharding)."""
+    from suite.models.qat import QAT_METHODS
+
+    method = cfg.compress.method
+    if method not in QAT_METHODS:
+        return
+    if verb not in ("pretrain", "finetune"):
+        raise ConfigError(
+            f"compress={method} is a training option of suite pretrain and suite finetune, not {verb}"
+        )
+    for axis in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, axis) > 1:
+            raise ConfigError(
+                f"compress={method} with parallel.{axis}={getattr(dims, axis)}: quantization-aware training runs "
+                "under dp and sharding so far; set parallel.{axis}=1".replace("{axis}", axis)
+            )
+    from suite.compress.methods import linear_plan
+    from suite.models import build_model
+
+    shape_only = build_model(cfg.model, "meta")
+    check_compress_model(cfg, shape_only, linear_plan(shape_only, cfg.compress.skip)[0], cfg.model.name)
+    if verb == "finetune" and cfg.finetune.method == "lora":
+        raise ConfigError(
+            f"compress={method} with finetune.method=lora: the adapters would be trained against fake-quantized "
+            "base weights that LoRA never changes; use finetune.method=full, or quantize after LoRA (suite quantize)"
+        )

@@ -14,7 +14,6 @@ Only nn.Linear modules are quantized; names matching a compress.skip pattern sta
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from suite.config.schema import CompressConfig
+from suite.models.qat import skipped
 from suite.models.quantized import quiet_torchao
 
 
@@ -50,8 +50,10 @@ METHODS = {
 # named in the issue, not built yet: what to use instead
 NOT_BUILT = {
     "gptq": "GPTQ is not built yet (torchao's GPTQ runs on CUDA only); use compress=int4 (round-to-nearest)",
-    "qat-int4": "quantization-aware training is not built yet; use compress=int4 (post-training)",
-    "qat-int8": "quantization-aware training is not built yet; use compress=int8 (post-training)",
+    "qat-int4": "quantization-aware training is a training option: suite finetune compress=qat-int4 (or "
+    "suite pretrain), which converts its final checkpoint to int4 itself; post-training: compress=int4",
+    "qat-int8": "quantization-aware training is a training option: suite finetune compress=qat-int8 (or "
+    "suite pretrain), which converts its final checkpoint to int8 itself; post-training: compress=int8",
 }
 
 
@@ -78,12 +80,6 @@ def torchao_config(cfg: CompressConfig, device: torch.device):
             weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size), scale_dtype=torch.bfloat16
         )
     raise ValueError(f"compress.method={method!r} has no torchao config")
-
-
-def skipped(name: str, patterns: Iterable[str]) -> bool:
-    """A module name matched by a compress.skip pattern (fnmatch; a plain name matches itself and
-    every module under it)."""
-    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
 
 
 def linear_plan(model: nn.Module, patterns: Iterable[str]) -> tuple[list[str], list[str]]:

@@ -88,7 +88,8 @@ class CompressConfig:
 
     method: none | int8 (weight-only) | w8a8 (int8 dynamic activations + int8 weights) | int4
     (group-wise weight-only) | int4-tinygemm (CUDA only) | smoothquant (w8a8 after SmoothQuant
-    calibration). See docs/compression.md.
+    calibration); on `suite pretrain` / `suite finetune`: qat-int4 | qat-int8 (quantization-aware
+    training, converted to int4 / int8 at the end). See docs/compression.md.
     """
 
     method: str = "none"

@@ -133,6 +133,7 @@ class FinetuneTrainer(Trainer):
         self._log(f"SFT held-out data: {self.eval_data.report.summary()}")
 
     def _adapt_model(self, model: nn.Module) -> None:
+        super()._adapt_model(model)  # compress=qat-*: fake-quantized Linear layers
         ft = self.cfg.finetune
         if ft.method == "lora":
             from suite.models.lora import apply_lora

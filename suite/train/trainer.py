@@ -28,6 +28,7 @@ from suite.data import TokenBatches, ensure_prepared
 from suite.data.batch import Batch
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
+from suite.models.qat import prepare_qat
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
 from suite.parallel.expert_parallel import moe_step_metrics
@@ -188,7 +189,8 @@ class Trainer:
         return build_step(self.placement, self.optimizer, loss_fn, self.autocast, self.scaler, **options)
 
     def _adapt_model(self, model: torch.nn.Module) -> None:
-        """Change the meta-device model before parallelize (LoRA adapters); nothing for pretraining."""
+        """Change the meta-device model before parallelize: fake quantization (compress=qat-*; LoRA too)."""
+        prepare_qat(model, self.cfg.compress)
 
     def _load_initial_weights(self) -> None:
         """Replace the seeded initialisation with model.init_from's weights, when it is set."""
