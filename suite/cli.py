@@ -15,179 +15,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from suite.checks import validate
+from suite.cli_help import USAGE, verb_help
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
 from suite.outputs import check_new_file
 from suite.runtime import DTYPES, resolve_auto
-
-USAGE = """usage: suite <verb> [key=value ...] [group=option ...] [--json]
-
-verbs:
-  pretrain   train a language model from scratch (default: gpt-tiny on the embedded corpus)
-  finetune   supervised finetuning (full or LoRA) of a suite or HF checkpoint: suite finetune model.init_from=runs/gpt-tiny
-  distill    train a smaller student against a frozen teacher: suite distill recipe=distill-gpt-tiny
-  eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
-  prepare    build a tokenizer and packed token shards from text
-  generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
-  export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
-  quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
-  config     show / list / cp recipes: suite config show recipe=gpt13b
-
-Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
-`suite config list` shows them, `suite config show` prints a resolved config."""
-
-VERB_HELP = {
-    "pretrain": """usage: suite pretrain [recipe=NAME|PATH.yaml] [group=option ...] [key=value ...]
-
-Causal-LM pretraining. With no arguments: gpt-tiny on the embedded corpus (built on first use),
-on this machine, writing to run.dir (runs/<model.name>). Re-running the same command resumes from
-the newest good checkpoint (train.resume=true). A run folder holds one run: a config that its
-checkpoints do not fit (another model, tokenizer) is refused; train.overwrite=true starts clean
-after moving the old run aside to <run.dir>.old-<N>.
-
-Common keys:
-  recipe={recipes}|./my.yaml
-  run.dir=DIR  train.max_steps=N  train.save_every=N  train.log_every=N  train.eval_every=N
-  train.seed=N  train.precision=fp32|bf16|fp16|auto  train.resume=true|false  train.overwrite=true
-  train.compile=auto|true|false  parallel.micro_batch_size=N  parallel.global_batch_size=N
-  parallel.dp/sharding/tp/pp=N  data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N
-  model.num_heads=N  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
-
-Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
-
-Examples:
-  suite pretrain
-  suite pretrain recipe=llama-tiny train.max_steps=200 run.dir=runs/llama-200
-  suite pretrain recipe=moe-tiny train.precision=fp32""",
-    "distill": """usage: suite distill distill.teacher=<run.dir|checkpoint|hf:folder> [recipe=NAME|PATH.yaml] [key=value ...]
-
-Knowledge distillation: the recipe's model (the student; from scratch, or model.init_from=<run>)
-trains on the recipe's pretraining data (or chat rows: distill.data=sft) against the frozen teacher's next-token distribution,
-mixed with the hard-label loss. Default recipe: distill-gpt-tiny (a half-size gpt-tiny student of
-runs/gpt-tiny). The teacher is placed like the student (dp, sharding) and must share its tokenizer.
-Layouts: dp and sharding (tp, pp and cp are not supported yet for distillation).
-
-Common keys:
-  distill.teacher=runs/gpt-tiny|hf:DIR  distill.loss=forward_kl|reverse_kl|jsd  distill.temperature=X
-  distill.ce_weight=X (hard-label share, 0..1)  distill.chunk_tokens=N  distill.data=pretrain|sft
-  (sft: finetune.data.task=... or finetune.data.sources=..., as for suite finetune)  model.num_layers=N
-  model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding=N  launch.nproc_per_node=N
-
-Writes: <run.dir>/config.yaml, metrics.jsonl (loss: the mixed loss; val_loss: the student's
-cross-entropy), checkpoints/step_<N>/, tokenizer.json, summary.json
-
-Examples:
-  suite distill
-  suite distill distill.loss=jsd distill.temperature=2 run.dir=runs/distill-jsd""",
-    "finetune": """usage: suite finetune [recipe=sft-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> [key=value ...]
-
-Supervised finetuning with the pretraining trainer (same parallel layouts, recompute, logging,
-checkpoints, resume). Default recipe: sft-tiny (gpt-tiny from runs/gpt-tiny on the built-in
-reverse-6 task). The base checkpoint gives the architecture and the tokenizer.
-
-Common keys:
-  finetune.method=full|lora  finetune.lora.rank=N  finetune.lora.alpha=X  finetune.lora.dropout=X
-  'finetune.lora.target_modules=[wq,wk,wv,wo,w1,w2,w3]'  finetune.epochs=X (sets train.max_steps)
-  finetune.data.task=reverse-6|sort-6|addition-3  finetune.data.num_train=N  finetune.data.num_eval=N
-  finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' (the recipe sets a task)
-  'finetune.data.eval_sources=[{path: ...}]'
-  finetune.data.template=auto|chatml|plain|FILE.jinja  finetune.data.packing=true|false
-  finetune.data.truncation=truncate|skip  finetune.data.on_error=skip|fail  finetune.eval_samples=N
-  run.dir=DIR  train.max_steps=N  train.eval_every=N  optim.lr=X  data.seq_len=N  launch.nproc_per_node=N
-
-Writes: <run.dir>/config.yaml, metrics.jsonl (val_loss, val_accuracy), checkpoints/step_<N>/ (+ lora/),
-tokenizer files with the chat template, task/ (a built-in task's train/eval rows), lora/ (LoRA runs)
-
-Examples:
-  suite finetune model.init_from=runs/gpt-tiny
-  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny
-  suite finetune model.init_from=runs/gpt-tiny finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' run.dir=runs/sft-chat""",
-    "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
-
-Greedy exact-match accuracy on a built-in task's held-out questions (the ones finetuning held out:
-same finetune.data.task_seed, the first eval.num_samples of them). `task=` is short for eval.task;
-without it, the task the checkpoint was finetuned on.
-
-Examples:
-  suite eval ckpt=runs/sft-tiny
-  suite eval ckpt=runs/sft-tiny task=reverse-6 eval.num_samples=50 --json""",
-    "prepare": """usage: suite prepare [data=OPTION] [data.path=OUT] ['data.sources=[{path: GLOB_OR_DATASET, weight: W}]']
-
-Trains a byte-level BPE tokenizer (data.vocab_size) and writes packed, memory-mapped token shards
-(train/val split by data.val_fraction) into data.path. Sources are local .txt/.jsonl/.parquet globs
-or `datasets` names, blended by weight. With no sources: the embedded corpus (no network).
-
-Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir
-A prepared folder trains with data.path=<it>, model.vocab_size at least its vocabulary and
-data.seq_len at most the model's max_seq_len (gpt-tiny: 256).
-
-Examples:
-  suite prepare
-  suite prepare 'data.sources=[{path: "corpus/*.jsonl"}]' data.path=data/prepared data.vocab_size=8192
-  suite pretrain data.path=data/prepared run.dir=runs/prepared-8k""",
-    "generate": """usage: suite generate ckpt=<run.dir|checkpoint dir> prompt="..." [generate.KEY=VALUE ...] [--json]
-
-Samples text with a KV cache. `prompt=` (or generate.prompt=) is taken exactly as typed: no override
-grammar, no ${...} interpolation; prompt_file=PATH reads it from a file, prompt_file=- from stdin.
-A prompt longer than the model's context is refused; generation stops at the context length (said).
-Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
-      generate.seed
-
-Examples:
-  suite generate ckpt=runs/gpt-tiny prompt="The module"
-  suite generate ckpt=runs/gpt-tiny prompt="It's a test (1, 2)" generate.temperature=0 --json
-  suite generate ckpt=runs/gpt-tiny prompt_file=data/prompt.txt generate.max_new_tokens=20""",
-    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
-       [export.max_shard_mb=2048]
-
-Writes a Hugging Face folder (safetensors, config.json, generation_config.json, tokenizer files)
-that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no custom code:
-gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias).
-`format=` and `out=` are short for export.format and export.out (default <run.dir>/export-hf).
-A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
-weights. A run finetuned with a chat template exports it (chat_template.jinja).
-The checkpoint (any parallel layout wrote it) is read one tensor at a time, never the whole model;
-export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).
-`out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
-
-Examples:
-  suite export ckpt=runs/gpt-tiny
-  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
-    "quantize": """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant [run.dir=OUT]
-       [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
-
-Post-training quantization of the Linear layers with torchao, measured before and after on the
-recipe's held-out data. compress= picks a recipes/compress option (compress.method):
-  int8           int8 weights, float activations                                  CPU, CUDA
-  w8a8           int8 weights + int8 activations quantized per token at run time  CPU, CUDA
-  int4           int4 weights, one bf16 scale per compress.group_size weights      CPU, CUDA
-  int4-tinygemm  int4 with torchao's tinygemm kernels                              CUDA only
-  smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences  CPU, CUDA
-Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
-      compress.calib_samples  compress.smoothquant_alpha  compress.eval_batches  compress.decode_tokens
-      compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)
-      run.dir (default <ckpt run>-<method>)  train.device=auto|cpu|cuda
-
-Writes: <run.dir>/checkpoints/step_<N>/ (model.safetensors with torchao's quantized tensors,
-quantized.json), config.yaml (with compress), the tokenizer, report.json (parameters, bytes on disk,
-held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after).
-`suite generate` and `suite eval` take the folder as ckpt=. See docs/compression.md.
-
-Examples:
-  suite quantize ckpt=runs/gpt-tiny compress=int8
-  suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64""",
-    "config": """usage: suite config show [overrides...] [--json]   print the resolved config
-       suite config list                         list recipes and every config-group option
-       suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
-                                                 suite pretrain recipe=DEST.yaml
-
-Examples:
-  suite config list
-  suite config show recipe=llama-tiny
-  suite config cp recipe=gpt-tiny ./mytiny.yaml
-  suite pretrain recipe=./mytiny.yaml train.max_steps=20""",
-}
 
 BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
 
@@ -198,11 +31,6 @@ SHORTCUTS = {
     "merge_lora": "export.merge_lora",
     "task": "eval.task",
 }
-
-
-def verb_help(verb: str) -> str:
-    """A verb's --help (the recipe list is the one `suite config list` shows, never a stale copy)."""
-    return VERB_HELP[verb].replace("{recipes}", "|".join(known_options("recipe")))
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
@@ -279,9 +107,9 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
     from suite.distill.checks import check_distill
 
-    check_distill(cfg)
     if cfg.model.init_from:  # a student that starts from a checkpoint (e.g. a pruned teacher)
         raw, cfg = _with_base_model(raw, overrides)
+    check_distill(cfg)
     dims = validate(cfg, needs_data=cfg.distill.data == "pretrain", distill=True)
     from suite.data import ensure_prepared
     from suite.parallel.hosting import check_hosting
@@ -494,6 +322,16 @@ def cmd_quantize(overrides: list[str], flags: set[str]) -> int:
     return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
 
 
+def cmd_prune(overrides: list[str], flags: set[str]) -> int:
+    cfg, _ = _compose_with_ckpt(overrides, "runs/gpt-tiny prune.ffn=0.25")
+    from suite.compress.prune import run_prune
+
+    explicit_dir = any(o.split("=", 1)[0] == "run.dir" for o in overrides)
+    report = run_prune(cfg, explicit_dir)
+    text = f"{report['table']}\npruned checkpoint: {report['checkpoint']}\nreport: {report['report']}"
+    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
+
+
 def cmd_config(overrides: list[str], flags: set[str]) -> int:
     if not overrides:
         raise ConfigError("config needs a subcommand: show, list or cp (see `suite config --help`)")
@@ -548,6 +386,7 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
     "finetune": cmd_finetune,
     "distill": cmd_distill,
+    "prune": cmd_prune,
     "eval": cmd_eval,
     "prepare": cmd_prepare,
     "generate": cmd_generate,

@@ -35,7 +35,7 @@ from suite.config.schema import SuiteConfig
 PROMPT_TOKENS = 16
 
 
-def _progress(step: int, text: str) -> None:
+def progress(step: int, text: str) -> None:
     print(f"[{step}/5] {text}", file=sys.stderr, flush=True)
 
 
@@ -81,7 +81,7 @@ def _saved_config(cfg: SuiteConfig, source) -> SuiteConfig:
     )
 
 
-def _data(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path):
+def held_out_and_calibration(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path):
     """(held-out batches, calibration batches, task) from the source run's recipe; (None, None, None)
     for an HF folder (no recipe to take data from). task: (name, held-out file, chat template) when
     the run was finetuned on a built-in task, else None."""
@@ -166,11 +166,11 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         )
 
     # a LoRA run's adapters are merged into the weights by load_model: the merged weights are quantized
-    _progress(1, f"reading {source.named} ({source.folder}) and its held-out data")
+    progress(1, f"reading {source.named} ({source.folder}) and its held-out data")
     model = source.load_model("cpu").to(device)
     tokenizer = source.tokenizer()
     saved = _saved_config(cfg, source)
-    evals, calib, task = _data(source.saved, tokenizer, cfg, tmp)
+    evals, calib, task = held_out_and_calibration(source.saved, tokenizer, cfg, tmp)
     prompt = (
         evals[0].tokens[0, :PROMPT_TOKENS].tolist()
         if evals
@@ -179,11 +179,11 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     task_eval = None
     if task is not None:
         task_eval = {"task": task[0], "file": task[1], "template": task[2], "limit": c.task_samples}
-    _progress(2, f"measuring the model before ({len(evals or [])} held-out batches, decode speed)")
+    progress(2, f"measuring the model before ({len(evals or [])} held-out batches, decode speed)")
     before = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
     before["file_bytes"], before["block_bytes"] = stored_bytes(save_plain(model, tmp / "plain.safetensors"))
 
-    _progress(
+    progress(
         3, f"quantizing {len(targets)} Linear layers with {c.method} on {device.type} ({len(skip)} skipped)"
     )
 
@@ -194,7 +194,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
 
     quantize_model(model, c, device, calibrate)
 
-    _progress(4, f"writing {out}")
+    progress(4, f"writing {out}")
     step = int(source.folder.name.split("_")[-1]) if not source.is_hf else 0
     info = {
         "method": c.method,
@@ -215,7 +215,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         reload_diff = float((reloaded(probe) - model(probe)).abs().max())
     del reloaded
 
-    _progress(5, "measuring the quantized model")
+    progress(5, "measuring the quantized model")
     after = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
     after["file_bytes"], after["block_bytes"] = stored_bytes(folder / WEIGHTS_FILE)
     weight_types = sorted({type(m.weight).__name__ for n, m in model.named_modules() if n in set(targets)})

@@ -302,6 +302,18 @@ class EvalConfig:
 
 
 @dataclass
+class PruneConfig:
+    """`suite prune ckpt=<run> prune.ffn=<fraction> prune.layers=<count>`: structured pruning by
+    activation importance on calibration data (docs/compression.md); calibration, held-out and report
+    sizes are compress.calib_samples / eval_batches / task_samples / decode_tokens."""
+
+    ffn: float = 0.0  # fraction of every MLP's channels to remove
+    layers: int = 0  # blocks to remove (the least important: 1 - cos(input, output))
+    heads: float = 0.0  # not built yet: attention heads to remove
+    hidden: float = 0.0  # not built yet: hidden channels to remove
+
+
+@dataclass
 class DistillConfig:
     """`suite distill teacher=<run|checkpoint|hf:dir>`: train the recipe's model (the student) on the
     recipe's data against a frozen teacher's distribution (docs/compression.md)."""
@@ -338,6 +350,7 @@ class SuiteConfig:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
     ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
     recipe_name: str = "default"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from suite.cli import VERB_HELP, verb_help
+from suite.cli_help import VERB_HELP, verb_help
 from tests.conftest import write_tiny_corpus
 from tests.forked_cli import ForkedCLI
 from tests.helpers import REPO, suite_env
@@ -58,6 +58,7 @@ SHRINK = {
     "prepare": DATA,
     "generate": ["generate.max_new_tokens=4"],
     "quantize": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
+    "prune": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
 }
 SKIPPED = {
     "suite pretrain recipe=./my13b.yaml": "the 13B recipe asks for 4 nodes x 8 GPUs (and a data.path)",
@@ -83,6 +84,7 @@ def _help_commands() -> list[str]:
         "generate",
         "export",
         "quantize",
+        "prune",
         "config",
     ):
         text = verb_help(verb)
@@ -130,6 +132,7 @@ def test_every_verb_shows_examples_and_every_recipe():
         "generate",
         "export",
         "quantize",
+        "prune",
         "config",
     }
     from suite.config.compose import known_options
