@@ -69,12 +69,12 @@ def quantized(base_run) -> dict[str, Path]:
 
 
 def _held_out_tokens(base_run: Path) -> torch.Tensor:
-    from suite.compress.quantize import _data
+    from suite.compress.quantize import held_out_and_calibration
     from suite.sources import ModelSource
     from tests.helpers import run_config
 
     cfg = run_config(base_run)
-    evals, _, _ = _data(cfg, ModelSource.parse(base_run).tokenizer(), cfg, base_run)
+    evals, _, _ = held_out_and_calibration(cfg, ModelSource.parse(base_run).tokenizer(), cfg, base_run)
     return evals[0].tokens
 
 
