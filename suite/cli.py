@@ -184,9 +184,7 @@ def _convert_qat(cfg, code: int, flags: set[str]) -> int:
     qcfg = replace(
         cfg, ckpt=cfg.run.dir, compress=replace(cfg.compress, method=method), run=replace(cfg.run, dir=out)
     )
-    report = run_quantize(qcfg, True)
-    text = f"{report['table']}\nquantization-aware {method} checkpoint: {report['checkpoint']}\nreport: {report['report']}"
-    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
+    return _report_compression(run_quantize(qcfg, True), f"quantization-aware {method}", flags)
 
 
 def _say(text: str) -> None:
@@ -309,6 +307,16 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     )
 
 
+def _report_compression(report: dict, what: str, flags: set[str]) -> int:
+    """A compression verb's result: its before/after table, where it wrote, the report file."""
+    text = f"{report['table']}\n{what} checkpoint: {report['checkpoint']}\nreport: {report['report']}"
+    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
+
+
+def _explicit_dir(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0] == "run.dir" for o in overrides)
+
+
 def cmd_quantize(overrides: list[str], flags: set[str]) -> int:
     from suite.compress.checks import check_compress_option
 
@@ -316,20 +324,15 @@ def cmd_quantize(overrides: list[str], flags: set[str]) -> int:
     cfg, _ = _compose_with_ckpt(overrides, "runs/gpt-tiny compress=int8")
     from suite.compress.quantize import run_quantize
 
-    explicit_dir = any(o.split("=", 1)[0] == "run.dir" for o in overrides)
-    report = run_quantize(cfg, explicit_dir)
-    text = f"{report['table']}\n{report['method']} checkpoint: {report['checkpoint']}\nreport: {report['report']}"
-    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
+    report = run_quantize(cfg, _explicit_dir(overrides))
+    return _report_compression(report, report["method"], flags)
 
 
 def cmd_prune(overrides: list[str], flags: set[str]) -> int:
     cfg, _ = _compose_with_ckpt(overrides, "runs/gpt-tiny prune.ffn=0.25")
     from suite.compress.prune import run_prune
 
-    explicit_dir = any(o.split("=", 1)[0] == "run.dir" for o in overrides)
-    report = run_prune(cfg, explicit_dir)
-    text = f"{report['table']}\npruned checkpoint: {report['checkpoint']}\nreport: {report['report']}"
-    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
+    return _report_compression(run_prune(cfg, _explicit_dir(overrides)), "pruned", flags)
 
 
 def cmd_config(overrides: list[str], flags: set[str]) -> int:

@@ -370,3 +370,12 @@ def export_and_compare(run: Path, out: Path, **overrides: str) -> float:
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return float((hf(ids).logits - ours(ids)).abs().max())
+
+
+def merged(*groups: list[str]) -> list[str]:
+    """Overrides with each key once, the last value winning (a shared list plus a test's changes)."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            out[item.split("=", 1)[0]] = item
+    return list(out.values())

@@ -13,18 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.conftest import COMMON
-from tests.helpers import TINY_MODEL, assert_equivalent, assert_layout, run_suite, train_losses
+from tests.helpers import TINY_MODEL, assert_equivalent, assert_layout, merged, run_suite, train_losses
 
 STEPS = 4
-
-
-def merged(*groups: list[str]) -> list[str]:
-    """The overrides with each key once, the last value winning."""
-    out: dict[str, str] = {}
-    for group in groups:
-        for item in group:
-            out[item.split("=", 1)[0]] = item
-    return list(out.values())
 
 
 STUDENT = merged(TINY_MODEL, ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=4"])

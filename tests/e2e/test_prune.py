@@ -15,17 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY_MODEL, export_and_compare, run_suite
+from tests.helpers import TINY_MODEL, export_and_compare, merged, run_suite
 
 LLAMA = ["recipe=llama-tiny", "model.num_kv_heads=2", "model.ffn_hidden_size=128"]
-
-
-def merged(*groups: list[str]) -> list[str]:
-    out: dict[str, str] = {}
-    for group in groups:
-        for item in group:
-            out[item.split("=", 1)[0]] = item
-    return list(out.values())
 
 
 @pytest.fixture(scope="module", params=["gpt", "llama"])
