@@ -33,6 +33,8 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
         raise ConfigError(f"compress.task_samples={c.task_samples} must be >= 0 (0: no task accuracy)")
     if not 0.0 <= c.smoothquant_alpha <= 1.0:
         raise ConfigError(f"compress.smoothquant_alpha={c.smoothquant_alpha} must be in [0, 1], e.g. 0.5")
+    if not 0.0 < c.gptq_damp < 1.0:
+        raise ConfigError(f"compress.gptq_damp={c.gptq_damp} must be in (0, 1), e.g. 0.01")
     if any(not isinstance(p, str) or not p for p in c.skip):
         raise ConfigError(
             f"compress.skip={list(c.skip)} must be module-name patterns, e.g. '[output, layers.0.*]'"
@@ -42,7 +44,7 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
 def check_compress_model(cfg: SuiteConfig, model, targets: list[str], name: str) -> None:
     """What the source's model must allow: int4 groups tile the input width of every Linear quantized."""
     c = cfg.compress
-    if not c.method.startswith(("int4", "qat-int4")):
+    if not c.method.startswith(("int4", "qat-int4")) and c.method != "gptq":
         return
     modules = dict(model.named_modules())
     widths = sorted({modules[t].in_features for t in targets})
@@ -86,8 +88,8 @@ def refuse_quantized(text: str, key: str, purpose: str) -> None:
 
 
 def check_compress_option(overrides: list[str]) -> None:
-    """`compress=gptq` (a method named in the plan, not built yet): what to use instead, before the
-    recipe group lookup would only list the options."""
+    """A method named in the plan that is not a `suite quantize` option (qat-*: a training option):
+    what to use instead, before the recipe group lookup would only list the options."""
     from suite.compress.methods import NOT_BUILT
 
     for text in overrides:

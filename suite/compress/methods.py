@@ -8,6 +8,9 @@
     int4-tinygemm  Int4WeightOnlyConfig on any device: CUDA only (torchao's tinygemm kernels)
     smoothquant    w8a8 after SmoothQuant (activation outliers moved onto the weights, with scales
                    observed on compress.calib_samples sequences of the recipe's data)
+    gptq           int4's grid (group-wise, CPU layout) with GPTQ's error compensation on calibration
+                   data (suite.compress.gptq, plain torch: CPU and CUDA)
+    gptq-int8      int8 weight-only's grid (per output row) with GPTQ's error compensation
 
 Only nn.Linear modules are quantized; names matching a compress.skip pattern stay in full precision.
 """
@@ -45,11 +48,12 @@ METHODS = {
             "int4-tinygemm", "int4 weight-only with torchao's tinygemm kernels (Int4WeightOnlyConfig)", True
         ),
         Method("smoothquant", "w8a8 after SmoothQuant calibration (torchao prototype)", calibrated=True),
+        Method("gptq", "group-wise int4 weights placed by GPTQ (plain torch, any device)", calibrated=True),
+        Method("gptq-int8", "int8 weights placed by GPTQ (plain torch, any device)", calibrated=True),
     )
 }
 # named in the issue, not built yet: what to use instead
 NOT_BUILT = {
-    "gptq": "GPTQ is not built yet (torchao's GPTQ runs on CUDA only); use compress=int4 (round-to-nearest)",
     "qat-int4": "quantization-aware training is a training option: suite finetune compress=qat-int4 (or "
     "suite pretrain), which converts its final checkpoint to int4 itself; post-training: compress=int4",
     "qat-int8": "quantization-aware training is a training option: suite finetune compress=qat-int8 (or "
@@ -69,6 +73,8 @@ def torchao_config(cfg: CompressConfig, device: torch.device):
     )
 
     method = cfg.method
+    if method in ("gptq", "gptq-int8"):
+        return rtn_config(method, cfg.group_size)
     if method == "int8":
         return Int8WeightOnlyConfig()
     if method in ("w8a8", "smoothquant"):
@@ -80,6 +86,21 @@ def torchao_config(cfg: CompressConfig, device: torch.device):
             weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size), scale_dtype=torch.bfloat16
         )
     raise ValueError(f"compress.method={method!r} has no torchao config")
+
+
+def rtn_config(method: str, group_size: int):
+    """The round-to-nearest torchao config whose grid and tensor type a GPTQ method shares (on any
+    device: the integers and scales are GPTQ's own, computed in suite.compress.gptq)."""
+    quiet_torchao()
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
+
+    if method == "gptq":
+        return IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=PerGroup(group_size), scale_dtype=torch.bfloat16
+        )
+    if method == "gptq-int8":
+        return Int8WeightOnlyConfig()
+    raise ValueError(f"compress.method={method!r} is not a GPTQ method")
 
 
 def linear_plan(model: nn.Module, patterns: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -112,6 +133,13 @@ def quantize_model(
     def only_targets(module: nn.Module, name: str) -> bool:
         return name in wanted
 
+    if cfg.method.startswith("gptq"):
+        from suite.compress.gptq import gptq_quantize
+
+        gptq_quantize(
+            model, targets, cfg.method, cfg.group_size, cfg.gptq_damp, calibrate or (lambda m: None)
+        )
+        return targets, skip
     base = torchao_config(cfg, device)
     if cfg.method == "smoothquant":
         from torchao.prototype.smoothquant import SmoothQuantConfig

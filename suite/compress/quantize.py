@@ -33,6 +33,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 
 PROMPT_TOKENS = 16
+UNCALIBRATED = {"smoothquant": "w8a8", "gptq": "int4", "gptq-int8": "int8"}  # same grid, no data
 
 
 def progress(step: int, text: str) -> None:
@@ -162,7 +163,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     if METHODS[c.method].calibrated and source.saved is None:
         raise ConfigError(
             f"compress.method={c.method} calibrates on the recipe's data; {source.named} is an HF folder "
-            "with no recipe: quantize a suite run, or use compress=w8a8"
+            f"with no recipe: quantize a suite run, or use compress={UNCALIBRATED[c.method]}"
         )
 
     # a LoRA run's adapters are merged into the weights by load_model: the merged weights are quantized

@@ -88,7 +88,8 @@ class CompressConfig:
 
     method: none | int8 (weight-only) | w8a8 (int8 dynamic activations + int8 weights) | int4
     (group-wise weight-only) | int4-tinygemm (CUDA only) | smoothquant (w8a8 after SmoothQuant
-    calibration); on `suite pretrain` / `suite finetune`: qat-int4 | qat-int8 (quantization-aware
+    calibration) | gptq / gptq-int8 (the int4 / int8 grids with GPTQ's error compensation); on
+    `suite pretrain` / `suite finetune`: qat-int4 | qat-int8 (quantization-aware
     training, converted to int4 / int8 at the end). See docs/compression.md.
     """
 
@@ -97,8 +98,9 @@ class CompressConfig:
     # module-name patterns (fnmatch, on names like layers.0.attention.wq) left in full precision;
     # the embedding is never a Linear, the output head is usually tied to it
     skip: list[str] = field(default_factory=lambda: ["tok_embeddings", "pos_embeddings", "output"])
-    calib_samples: int = 32  # smoothquant: sequences of the recipe's data the activation scales see
+    calib_samples: int = 32  # smoothquant, gptq: sequences of the recipe's data calibration sees
     smoothquant_alpha: float = 0.5  # smoothquant: migration strength (0: none, 1: all onto the weights)
+    gptq_damp: float = 0.01  # gptq: fraction of the mean Hessian diagonal added to it (numerical damping)
     eval_batches: int = 8  # report: held-out batches for the perplexity before and after
     decode_tokens: int = 32  # report: greedy tokens generated to time decoding (tokens/s)
     # report: held-out questions answered greedily (exact match) when the run was finetuned on a built-in task; 0: none

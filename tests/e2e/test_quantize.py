@@ -1,7 +1,7 @@
 """`suite quantize` (torchao post-training quantization, CPU methods), as a user runs it.
 
 A tiny GPT is pretrained for a few steps by the CLI; int8 is quantized by the CLI in a subprocess,
-w8a8, int4 and smoothquant in-process through the same entry point (suite.cli.main) to save the
+w8a8, int4, smoothquant and gptq in-process through the same entry point (suite.cli.main) to save the
 interpreter start. Each output folder is read back the way `suite generate` reads it, and compared
 with the full-precision model. Tolerances are relative L2 errors of the logits on held-out windows,
 measured on this model (int8 0.07%, w8a8 0.14%, smoothquant 0.14%, int4 1.05%) with headroom.
@@ -24,6 +24,7 @@ METHODS = {
     "w8a8": (0.01, "Int8Tensor"),
     "smoothquant": (0.01, "Int8Tensor"),
     "int4": (0.05, "IntxUnpackedToInt8Tensor"),
+    "gptq": (0.05, "IntxUnpackedToInt8Tensor"),
 }
 FAST_REPORT = ["compress.eval_batches=2", "compress.decode_tokens=8", "compress.calib_samples=8"]
 
@@ -124,6 +125,21 @@ def test_bytes_shrink_and_report_fields(quantized):
     assert abs(reports["int8"]["after"]["perplexity"] / reports["int8"]["before"]["perplexity"] - 1) < 0.01
 
 
+def test_gptq_tracks_the_model_closer_than_round_to_nearest(base_run, quantized):
+    """Same int4 grid and tensor type; GPTQ's error compensation gives logits nearer the source's."""
+    from suite.infer.generate import load_for_inference
+    from suite.sources import ModelSource
+
+    tokens = _held_out_tokens(base_run)
+    with torch.no_grad():
+        ref = ModelSource.parse(base_run).load_model()(tokens)
+        errors = {
+            m: float((load_for_inference(str(quantized[m]))[0](tokens) - ref).norm())
+            for m in ("int4", "gptq")
+        }
+    assert errors["gptq"] < errors["int4"], errors
+
+
 def test_output_folder_loads_in_generate_and_eval(quantized):
     out = quantized["int4"]
     proc = run_suite(
@@ -153,8 +169,10 @@ def test_refusals_are_one_line(base_run, quantized, capsys, tmp_path):
         capsys, "quantize", f"ckpt={quantized['int8']}", "compress=int4", f"run.dir={tmp_path / 'a'}"
     )
     assert "already quantized (int8)" in err and f"ckpt={base_run}" in err
-    err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=gptq", f"run.dir={tmp_path / 'b'}")
-    assert "compress=int4" in err
+    err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=qat-int4", f"run.dir={tmp_path / 'b'}")
+    assert "suite finetune compress=qat-int4" in err and "compress=int4" in err
+    err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress=gptq", "compress.gptq_damp=0")
+    assert "compress.gptq_damp=0" in err and "0.01" in err
     err = _refused(capsys, "quantize", f"ckpt={base_run}", "compress.method=int9")
     assert "int8, w8a8, int4" in err
     if not torch.cuda.is_available():
@@ -235,3 +253,5 @@ def test_hf_folder_quantizes_without_held_out_data(base_run, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
     err = _refused(capsys, "quantize", f"ckpt=hf:{hf}", "compress=smoothquant", f"run.dir={out}-sq")
     assert "compress=w8a8" in err
+    err = _refused(capsys, "quantize", f"ckpt=hf:{hf}", "compress=gptq", f"run.dir={out}-gptq")
+    assert "compress=int4" in err

@@ -1,0 +1,228 @@
+"""GPTQ (Frantar et al., 2022) on plain torch: round-to-nearest's grid, with each weight column's
+rounding error compensated on the columns not yet quantized, through the inverse Hessian of the layer's
+inputs on calibration data. Runs on CPU and CUDA (torchao's own GPTQ is CUDA only).
+
+    H = X^T X over the calibration tokens (+ compress.gptq_damp * mean diag H on the diagonal)
+    for each column j, left to right:  q_j = round-to-grid(w_j);  e = (w_j - q_j) / [H^-1]_jj
+                                        w_k -= e * [H^-1]_jk  for k > j   (upper Cholesky factor of H^-1)
+
+The grid is torchao's, so the result is the tensor type round-to-nearest produces and everything
+downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is symmetric group-wise,
+scale = max|w| / 7.5 per compress.group_size inputs, values in [-8, 7], bf16 scales
+(IntxUnpackedToInt8Tensor); int8 (`compress=gptq-int8`) is symmetric per output row,
+scale = max|w| / 127.5, values in [-128, 127] (Int8Tensor). A group's scale is taken from its columns
+as they stand when the group starts (after the compensation of the groups before it).
+
+Blocks are quantized in order: the inputs a block's Linear layers see come from the blocks before it
+already quantized (as in the paper), collected by running the calibration data through the model up to
+that block and no further.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+COLUMN_BLOCK = 128  # columns updated together (the paper's lazy batch updates)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """torchao's symmetric grid: levels [qmin, qmax], `group` inputs per scale (0: the whole row)."""
+
+    qmin: int
+    qmax: int
+    group: int
+    scale_dtype: torch.dtype
+
+    def scale(self, w: torch.Tensor) -> torch.Tensor:
+        """[rows, 1] scale of the columns `w` (one group)."""
+        amax = w.abs().amax(dim=1, keepdim=True)
+        scale = (amax / ((self.qmax - self.qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+        return scale.to(self.scale_dtype)
+
+    def quantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """torchao's rounding: times the reciprocal, taken in the scale's own dtype."""
+        return torch.clamp(torch.round(w * (1.0 / scale)), self.qmin, self.qmax)
+
+
+def grid_for(method: str, group_size: int) -> Grid:
+    if method == "gptq":
+        return Grid(-8, 7, group_size, torch.bfloat16)
+    if method == "gptq-int8":
+        return Grid(-128, 127, 0, torch.float32)
+    raise ValueError(f"compress.method={method!r} is not a GPTQ method")
+
+
+@torch.no_grad()
+def gptq_weight(
+    weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, damp: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integer values [out, in] as int8, scales [out, groups]) of `weight` [out, in] given H [in, in]."""
+    w = weight.detach().float().clone()
+    rows, cols = w.shape
+    h = hessian.double().clone()
+    dead = torch.diag(h) == 0  # inputs never active: their weights cannot matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.diag(h).mean() * torch.eye(cols, dtype=h.dtype, device=h.device)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+
+    group = grid.group or cols
+    q = torch.zeros_like(w)
+    scales = torch.zeros(rows, cols // group, dtype=grid.scale_dtype, device=w.device)
+    for start in range(0, cols, COLUMN_BLOCK):
+        end = min(start + COLUMN_BLOCK, cols)
+        w1, err = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
+        h1 = hinv[start:end, start:end]
+        for i in range(end - start):
+            col = start + i
+            if col % group == 0:  # the group's scale, from its columns as compensated so far
+                g = col // group
+                ahead = torch.cat([w1[:, i:], w[:, end:]], dim=1)[:, :group]
+                scales[:, g : g + 1] = grid.scale(ahead)
+            scale = scales[:, col // group : col // group + 1]
+            qcol = grid.quantize(w1[:, i : i + 1], scale)
+            q[:, col] = qcol[:, 0]
+            e = (w1[:, i] - (qcol * scale.float())[:, 0]) / h1[i, i]
+            w1[:, i:] -= e[:, None] * h1[i, i:][None, :]
+            err[:, i] = e
+        w[:, end:] -= err @ hinv[start:end, end:]
+    return q.to(torch.int8), scales
+
+
+class _Stop(Exception):
+    """Raised by the hook after the block being calibrated: the rest of the forward is not needed."""
+
+
+@torch.no_grad()
+def input_hessians(
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    run: Callable[[nn.Module], None],
+    stop_after: nn.Module | None,
+) -> dict[str, torch.Tensor]:
+    """X^T X of each Linear's input over the calibration forwards (`run`), stopping after `stop_after`."""
+    hessians: dict[str, torch.Tensor] = {}
+
+    def on_input(name: str):
+        def hook(module, args):
+            x = args[0].detach().flatten(0, -2).float()
+            h = x.t() @ x
+            hessians[name] = h if name not in hessians else hessians[name] + h
+
+        return hook
+
+    def stop(module, args, output):
+        raise _Stop
+
+    handles = [m.register_forward_pre_hook(on_input(n)) for n, m in linears.items()]
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(stop))
+    try:
+        run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return hessians
+
+
+def _stages(model: nn.Module, targets: list[str]) -> list[tuple[nn.Module | None, list[str]]]:
+    """Targets grouped by the transformer block holding them, in order; the rest (e.g. an untied head) last."""
+    blocks = getattr(model, "layers", None)
+    stages, placed = [], set()
+    if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        items = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+        for key, block in items:
+            prefix = f"layers.{key}."
+            names = [t for t in targets if t.startswith(prefix)]
+            if names:
+                stages.append((block, names))
+                placed.update(names)
+    rest = [t for t in targets if t not in placed]
+    if rest:
+        stages.append((None, rest))
+    return stages
+
+
+@torch.no_grad()
+def gptq_quantize(
+    model: nn.Module,
+    targets: list[str],
+    method: str,
+    group_size: int,
+    damp: float,
+    calibrate: Callable[[nn.Module], None],
+    on_stage: Callable[[int, int], None] | None = None,
+) -> None:
+    """Quantize the Linear layers `targets` of `model` in place with GPTQ, to the tensor types torchao's
+    round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU)."""
+    from suite.compress.methods import rtn_config
+    from suite.models.quantized import quiet_torchao
+
+    quiet_torchao()
+    from torchao.quantization import quantize_
+
+    grid = grid_for(method, group_size)
+    modules = dict(model.named_modules())
+    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    stages = _stages(model, targets)
+
+    def run_each(m: nn.Module) -> None:  # one stop per forward: each calibration batch stops on its own
+        calibrate(_StopEach(m))
+
+    for index, (block, names) in enumerate(stages):
+        if on_stage is not None:
+            on_stage(index, len(stages))
+        linears = {n: modules[n] for n in names}
+        hessians = input_hessians(model, linears, run_each, block)
+        for name, linear in linears.items():
+            h = hessians.get(name)
+            if h is None:
+                h = torch.zeros(linear.in_features, linear.in_features, device=linear.weight.device)
+            q, scales = gptq_weight(linear.weight, h, grid, damp)
+            results[name] = (q, scales)
+            group = grid.group or linear.in_features
+            dequant = q.float() * scales.float().repeat_interleave(group, dim=1)
+            linear.weight.copy_(dequant.to(linear.weight.dtype))  # the next blocks see quantized outputs
+
+    wanted = set(targets)
+    quantize_(model, rtn_config(method, group_size), lambda m, n: n in wanted)  # the tensor type and layout
+    for name, (q, scales) in results.items():
+        linear = modules[name]
+        linear.weight = nn.Parameter(_with_values(linear.weight, q, scales), requires_grad=False)
+
+
+class _StopEach(nn.Module):
+    """Calls the model, treating the stop after the calibrated block as the end of that forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.inner(*args, **kwargs)
+        except _Stop:
+            return None
+
+
+def _with_values(like, q: torch.Tensor, scales: torch.Tensor):
+    """A tensor of `like`'s torchao type and attributes holding GPTQ's integers and scales."""
+    fields = {n: getattr(like, n) for n in like.tensor_data_names + like.tensor_attribute_names}
+    for n in getattr(like, "optional_tensor_data_names", []) + getattr(
+        like, "optional_tensor_attribute_names", []
+    ):
+        fields[n] = getattr(like, n, None)
+    if tuple(fields["qdata"].shape) != tuple(q.shape) or fields["scale"].numel() != scales.numel():
+        raise AssertionError(
+            f"torchao's layout changed: qdata {tuple(fields['qdata'].shape)}, scale {tuple(fields['scale'].shape)}"
+        )
+    fields["qdata"] = q.to(fields["qdata"].dtype).to(fields["qdata"].device)
+    fields["scale"] = (
+        scales.reshape(fields["scale"].shape).to(fields["scale"].dtype).to(fields["scale"].device)
+    )
+    return type(like)(**fields)

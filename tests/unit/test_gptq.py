@@ -1,0 +1,88 @@
+"""GPTQ on plain torch (suite.compress.gptq): torchao's grid, and less output error than rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+def _rtn(weight: torch.Tensor, method: str):
+    from torchao.quantization import quantize_
+
+    from suite.compress.methods import rtn_config
+
+    layer = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False))
+    layer[0].weight.data.copy_(weight)
+    quantize_(layer, rtn_config(method, 32))
+    return layer[0].weight
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptq-int8"])
+def test_uncorrelated_inputs_give_torchaos_round_to_nearest(method):
+    """With H = I nothing is compensated: GPTQ's integers and scales are torchao's RTN, bit for bit."""
+    from suite.compress.gptq import gptq_weight, grid_for
+
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    q, scales = gptq_weight(weight, torch.eye(64), grid_for(method, 32), damp=0.01)
+    rtn = _rtn(weight, method)
+    assert torch.equal(q, rtn.qdata)
+    assert torch.equal(scales.to(rtn.scale.dtype).reshape(rtn.scale.shape), rtn.scale)
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptq-int8"])
+def test_correlated_inputs_give_less_output_error_than_rounding(method):
+    from suite.compress.gptq import gptq_weight, grid_for
+
+    gen = torch.Generator().manual_seed(1)
+    mix = torch.randn(64, 64, generator=gen)
+    x = torch.randn(2048, 8, generator=gen) @ torch.randn(8, 64, generator=gen) + 0.1 * torch.randn(
+        2048, 64, generator=gen
+    )  # inputs near a low-dimensional subspace, as activations are
+    x = x @ mix / 8
+    weight = torch.randn(32, 64, generator=gen)
+    grid = grid_for(method, 32)
+    q, scales = gptq_weight(weight, x.t() @ x, grid, damp=0.01)
+    gptq = q.float() * scales.float().repeat_interleave(grid.group or 64, dim=1)
+    rtn = _rtn(weight, method).dequantize()
+    err_gptq = (x @ (weight - gptq).t()).pow(2).sum()
+    err_rtn = (x @ (weight - rtn).t()).pow(2).sum()
+    assert err_gptq < 0.7 * err_rtn, (float(err_gptq), float(err_rtn))
+
+
+def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better():
+    from torchao.quantization import quantize_
+
+    from suite.compress.gptq import gptq_quantize
+    from suite.compress.methods import linear_plan, rtn_config
+    from suite.config.schema import ModelConfig
+    from suite.models import build_model, materialize
+
+    cfg = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=97, max_seq_len=32)
+    reference = materialize(build_model(cfg), "cpu", seed=0).eval()
+    gen = torch.Generator().manual_seed(2)
+    calib = [torch.randint(0, 97, (4, 32), generator=gen) for _ in range(4)]
+    held = torch.randint(0, 97, (8, 32), generator=gen)
+
+    def calibrate(m):
+        for tokens in calib:
+            m(tokens)
+
+    targets, _ = linear_plan(reference, ["tok_embeddings", "pos_embeddings", "output"])
+    models = {}
+    for name in ("gptq", "rtn"):
+        model = materialize(build_model(cfg), "cpu", seed=0).eval()
+        with torch.no_grad():
+            if name == "gptq":
+                gptq_quantize(model, targets, "gptq", 32, 0.01, calibrate)
+            else:
+                quantize_(model, rtn_config("gptq", 32), lambda m, n: n in set(targets))
+        models[name] = model
+    modules = {n: dict(m.named_modules()) for n, m in models.items()}
+    for t in targets:
+        assert type(modules["gptq"][t].weight) is type(modules["rtn"][t].weight)  # noqa: E721
+        assert type(modules["gptq"][t].weight).__name__ == "IntxUnpackedToInt8Tensor"
+    with torch.no_grad():
+        want = reference(held)
+        err = {n: (m(held) - want).pow(2).mean().item() for n, m in models.items()}
+    assert err["gptq"] < err["rtn"], err
