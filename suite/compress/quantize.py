@@ -5,7 +5,8 @@ quantization with torchao, measured before and after.
        shards, or a finetuning run's held-out rows)
     2. measure it: parameters, weights file bytes, held-out perplexity, greedy decode tokens/s
     3. quantize its Linear layers (suite.compress.methods; smoothquant calibrates on
-       compress.calib_samples training sequences first)
+       compress.calib_samples training sequences first); round the blocks' remaining float
+       tensors (norms, biases) to bf16 values, stored as bf16
     4. write the run folder: checkpoints/step_<N>/ (model.safetensors with torchao's tensors,
        quantized.json, config.yaml, manifest.json), config.yaml, the tokenizer; reload it and
        check that the reloaded model's logits equal the in-memory ones
@@ -144,7 +145,12 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     from suite.compress.methods import METHODS, linear_plan, quantize_model
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
     from suite.models import build_model
-    from suite.models.quantized import WEIGHTS_FILE, is_quantized_tensor, load_quantized_model
+    from suite.models.quantized import (
+        WEIGHTS_FILE,
+        is_quantized_tensor,
+        load_quantized_model,
+        narrow_block_floats,
+    )
     from suite.sources import ModelSource
 
     device = quantize_device(cfg)
@@ -194,6 +200,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
             m(batch.tokens, **batch.model_kwargs())
 
     quantize_model(model, c, device, calibrate)
+    narrow_block_floats(model)  # norms and biases at bf16 values, stored as bf16 (suite.models.quantized)
 
     progress(4, f"writing {out}")
     step = int(source.folder.name.split("_")[-1]) if not source.is_hf else 0

@@ -14,6 +14,10 @@ then assign the saved tensors in place of its parameters. A tied output head is 
 int4 weights (torchao's IntxUnpackedToInt8Tensor, one int8 per 4-bit value in memory) are stored
 two values to a byte, and an all-zero zero point (symmetric quantization) is not stored; both are
 restored on load, so the round trip is exact and the file holds ~4.5 bits per block weight.
+
+The blocks' float tensors left unquantized (norm weights, biases) are rounded to bf16 values by
+`suite quantize` before it measures the model (narrow_block_floats) and stored as bf16, as a bf16
+checkpoint stores them; listed in the file's metadata, they are widened back to fp32 on load.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ WEIGHTS_FILE = "model.safetensors"
 INFO_FILE = "quantized.json"
 _PACKED = "_int4packed"  # suffix of a packed qdata entry
 _ZERO = "_zero_point"
+_NARROWED = "suite_bf16_as_fp32"  # metadata: JSON list of fp32 tensors stored as (exact) bf16
 
 
 def quiet_torchao() -> None:
@@ -61,6 +66,18 @@ def _is_int4(tensor: Any) -> bool:
     return type(tensor).__name__ == "IntxUnpackedToInt8Tensor" and tensor.target_dtype == torch.int4
 
 
+@torch.no_grad()
+def narrow_block_floats(model: nn.Module) -> list[str]:
+    """Round the blocks' unquantized fp32 parameters to bf16 values in place (they stay fp32 tensors);
+    returns their names. Stored as bf16, they then round-trip exactly."""
+    names = []
+    for name, param in model.named_parameters():
+        if name.startswith("layers.") and param.dtype == torch.float32 and not is_quantized_tensor(param):
+            param.copy_(param.to(torch.bfloat16))
+            names.append(name)
+    return names
+
+
 def save_quantized(model: nn.Module, folder: str | Path, info: dict[str, Any]) -> Path:
     """Write model.safetensors and quantized.json into `folder`; returns the weights file."""
     quiet_torchao()
@@ -79,6 +96,14 @@ def save_quantized(model: nn.Module, folder: str | Path, info: dict[str, Any]) -
         data[qkey + _PACKED] = _pack_int4(data.pop(qkey))
         if zkey in data and not data[zkey].any():
             del data[zkey]
+    narrowed = []
+    for name, tensor in data.items():
+        exact = tensor.dtype == torch.float32 and torch.equal(tensor, tensor.to(torch.bfloat16).float())
+        if name.startswith("layers.") and exact:
+            narrowed.append(name)
+    for name in narrowed:
+        data[name] = data[name].to(torch.bfloat16)
+    metadata = {**(metadata or {}), _NARROWED: json.dumps(narrowed)}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / WEIGHTS_FILE
@@ -98,6 +123,9 @@ def read_quantized_state(folder: str | Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
     data = load_file(str(path))
+    metadata = dict(metadata or {})
+    for name in json.loads(metadata.pop(_NARROWED, "[]")):
+        data[name] = data[name].float()
     for key in [k for k in data if k.endswith(_PACKED)]:
         qdata = _unpack_int4(data.pop(key))
         qkey = key.removesuffix(_PACKED)

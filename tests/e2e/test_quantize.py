@@ -121,7 +121,10 @@ def test_bytes_shrink_and_report_fields(quantized):
     int8_block = reports["int8"]["after"]["block_bytes"]
     int4_block = reports["int4"]["after"]["block_bytes"]
     assert fp32_block / int8_block >= 3.5, (fp32_block, int8_block)
-    assert fp32_block / int4_block >= 6.0 and int4_block < int8_block, (fp32_block, int4_block)
+    # int4 blocks vs bf16 (half the fp32 source's bytes): the weights' 3.56x, less the norm and bias
+    # vectors stored at 2 bytes; at this width (64) they weigh most: 3.41x (gpt-tiny, width 256: 3.52x)
+    assert fp32_block / 2 / int4_block >= 3.4 and int4_block < int8_block, (fp32_block, int4_block)
+    assert reports["gptq"]["after"]["block_bytes"] == int4_block  # the same grid and storage
     assert abs(reports["int8"]["after"]["perplexity"] / reports["int8"]["before"]["perplexity"] - 1) < 0.01
 
 
