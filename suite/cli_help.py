@@ -155,7 +155,7 @@ after). Every verb reads it (generate, eval, export, finetune, distill). See doc
 Examples:
   suite prune ckpt=runs/gpt-tiny prune.ffn=0.25
   suite prune ckpt=runs/gpt-tiny prune.ffn=0.5 prune.layers=1 run.dir=runs/gpt-tiny-half""",
-    "quantize": """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant [run.dir=OUT]
+    "quantize": """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant|gptq [run.dir=OUT]
        [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
 
 Post-training quantization of the Linear layers with torchao, measured before and after on the
@@ -165,8 +165,11 @@ recipe's held-out data. compress= picks a recipes/compress option (compress.meth
   int4           int4 weights, one bf16 scale per compress.group_size weights      CPU, CUDA
   int4-tinygemm  int4 with torchao's tinygemm kernels                              CUDA only
   smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences  CPU, CUDA
+  gptq           int4's grid, GPTQ error compensation on compress.calib_samples sequences  CPU, CUDA
+  gptq-int8      int8's grid, GPTQ error compensation                               CPU, CUDA
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
-      compress.calib_samples  compress.smoothquant_alpha  compress.eval_batches  compress.decode_tokens
+      compress.calib_samples  compress.smoothquant_alpha  compress.gptq_damp
+      compress.eval_batches  compress.decode_tokens
       compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)
       run.dir (default <ckpt run>-<method>)  train.device=auto|cpu|cuda
 
@@ -177,7 +180,8 @@ held-out perplexity, task exact match for a finetuned run, decode tokens/s, befo
 
 Examples:
   suite quantize ckpt=runs/gpt-tiny compress=int8
-  suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64""",
+  suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64
+  suite quantize ckpt=runs/gpt-tiny compress=gptq run.dir=runs/gpt-tiny-gptq""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
