@@ -3,6 +3,7 @@
     python bench/compress.py                                  # gpt and llama, all methods
     python bench/compress.py --families gpt --methods int8 int4 gptq --no-qat
     python bench/compress.py --runs /tmp/runs --out /tmp/compress-bench
+    python bench/compress.py --base --methods int4 gptq   # the pretrained models instead
 
 Per family (gpt: recipe gpt-tiny, llama: recipe llama-tiny), as a user would, each made only when its
 folder is missing:
@@ -12,7 +13,10 @@ then, for every method:
     suite quantize ckpt=<sft> compress=<method> run.dir=<out>/<family>-<method> compress.task_samples=200
 and, unless --no-qat, quantization-aware training of the same finetune, converted to int4 at the end:
     suite finetune recipe=sft-tiny model=<family>-tiny ... compress=qat-int4 run.dir=<out>/<family>-qat
-Every report (report.json) measures the same held-out rows: perplexity per assistant token on the
+With --base the pretrained models are quantized instead, measured on their pretraining held-out
+windows (a finetuned model nearly certain of every answer changes its perplexity too little to rank
+methods by), and QAT is --qat-steps of continued pretraining (`suite pretrain model.init_from=<base>`)
+with compress=qat-int4, against the same continued pretraining without it, quantized to int4. Every report (report.json) measures the same held-out rows: perplexity per assistant token on the
 task's held-out questions, greedy exact match on all 200 of them, bytes on disk, decode tokens/s.
 Prints one markdown table per family, the figures issue 17's acceptance names, and writes them to
 <out>/results.json.
@@ -81,16 +85,20 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--no-qat", action="store_true")
+    parser.add_argument(
+        "--base", action="store_true", help="quantize the pretrained model, not the finetuned"
+    )
+    parser.add_argument("--qat-steps", type=int, default=150, help="--base: steps of continued pretraining")
     parser.add_argument("--runs", default="runs", help="where the base and finetuned models are (or go)")
     parser.add_argument("--out", default="runs/compress-bench")
     args = parser.parse_args()
     runs, out = Path(args.runs), Path(args.out)
     results = {}
     for family in args.families:
-        sft = finetuned(family, runs)
+        sft = finetuned(family, runs) if not args.base else runs / f"{family}-tiny"
         rows, reports = [], {}
         for method in args.methods:
-            folder = out / f"{family}-{method}"
+            folder = out / f"{family}-{'base-' if args.base else ''}{method}"
             wall = suite("quantize", f"ckpt={sft}", f"compress={method}", f"run.dir={folder}", *REPORT)
             reports[method] = json.loads((folder / "report.json").read_text())
             reports[method]["wall_s"] = wall
@@ -99,11 +107,25 @@ def main() -> int:
         bf16_file = first["before"]["file_bytes"] / 2
         for method in args.methods:
             rows.append(row(method, reports[method], bf16_block))
-        if not args.no_qat:
+        if not args.no_qat and not args.base:
             qat = out / f"{family}-qat"
             suite(*_sft(family, runs / f"{family}-tiny"), "compress=qat-int4", f"run.dir={qat}", *REPORT[:2])
             report = json.loads((Path(f"{qat}-int4") / "report.json").read_text())
             report["before"] = first["before"]  # against the model finetuned without QAT
+            rows.append(row("qat-int4", report, bf16_block))
+        elif not args.no_qat:  # continued pretraining, with and without fake quantization
+            ctrl, qat = out / f"{family}-base-continued", out / f"{family}-base-qat"
+            more = [
+                "pretrain", f"recipe={family}-tiny", f"model.init_from={sft}",
+                f"train.max_steps={args.qat_steps}", "log.progress=false",
+            ]  # fmt: skip
+            suite(*more, f"run.dir={ctrl}")
+            suite("quantize", f"ckpt={ctrl}", "compress=int4", f"run.dir={ctrl}-int4", *REPORT)
+            suite(*more, "compress=qat-int4", f"run.dir={qat}", *REPORT[:2])
+            ptq = json.loads((Path(f"{ctrl}-int4") / "report.json").read_text())
+            report = json.loads((Path(f"{qat}-int4") / "report.json").read_text())
+            report["before"] = ptq["before"]  # against the same continued pretraining without QAT
+            rows.append(row("int4 (continued)", ptq, bf16_block))
             rows.append(row("qat-int4", report, bf16_block))
         results[family] = {
             "sft": str(sft),
@@ -111,7 +133,8 @@ def main() -> int:
             "bf16_file_bytes": bf16_file,
             "rows": rows,
         }
-        print(f"\n### {family}-tiny finetuned on reverse-6 ({sft})\n")
+        what = "pretrained (held-out windows)" if args.base else "finetuned on reverse-6"
+        print(f"\n### {family}-tiny {what} ({sft})\n")
         print(
             f"bf16 reference: blocks {bf16_block / 1e6:.3f} MB, whole file {bf16_file / 1e6:.3f} MB (fp32 / 2)\n"
         )
@@ -135,16 +158,17 @@ def main() -> int:
             print(
                 f"\ngptq int4 perplexity {by['gptq']['ppl_after']:.5f} vs round-to-nearest int4 {by['int4']['ppl_after']:.5f}"
             )
-        if "int4" in by and "qat-int4" in by:
-            base = by["int4"]["ppl_before"]
-            ptq, qat_ppl = by["int4"]["ppl_after"] - base, by["qat-int4"]["ppl_after"] - base
+        ptq_row = by.get("int4 (continued)", by.get("int4"))
+        if ptq_row and "qat-int4" in by:
+            base = ptq_row["ppl_before"]
+            ptq, qat_ppl = ptq_row["ppl_after"] - base, by["qat-int4"]["ppl_after"] - base
             share = (ptq - qat_ppl) / ptq if ptq else float("nan")
             print(
                 f"QAT int4 recovers {100 * share:.1f}% of PTQ int4's perplexity increase ({ptq:+.5f} -> {qat_ppl:+.5f})"
             )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\nwrote {out / 'results.json'}")
+    (out / f"results{'-base' if args.base else ''}.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\nwrote {out}/results{'-base' if args.base else ''}.json")
     return 0
 
 
