@@ -126,3 +126,24 @@ def test_distill_on_chat_rows_matches_single_process_at_dp2(tmp_path, tiny_data)
 
     single = run("single")
     assert_equivalent(single, run("dp2", "parallel.dp=2", "launch.nproc_per_node=2"))
+
+
+def test_a_teacher_with_another_tokenizer_is_one_line(tmp_path, teacher, tiny_data):
+    """Same vocabulary size, other ids: data prepared from other text gets a tokenizer of its own."""
+    from suite.config.schema import DataConfig, DataSourceConfig
+    from suite.data import prepare
+
+    text = tmp_path / "other.jsonl"
+    text.write_text(
+        "".join(f'{{"text": "Record {i}: zebra quartz {i * 37 % 101} vortex jungle."}}\n' for i in range(600))
+    )
+    other = prepare(
+        DataConfig(sources=[DataSourceConfig(path=str(text))], vocab_size=512, val_fraction=0.2),
+        tmp_path / "other",
+        progress=False,
+    )
+    run = tmp_path / "bad"
+    proc = distill(run, teacher, other, "data.seq_len=32", "model.max_seq_len=32", check=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert len(err.splitlines()) == 1 and "another tokenizer" in err and "data.tokenizer=" in err, err
