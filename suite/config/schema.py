@@ -306,14 +306,14 @@ class EvalConfig:
 
 @dataclass
 class PruneConfig:
-    """`suite prune ckpt=<run> prune.ffn=<fraction> prune.layers=<count> prune.heads=<fraction>
-    prune.hidden=<fraction>`: structured pruning by
-    activation importance on calibration data (docs/compression.md); calibration, held-out and report
-    sizes are compress.calib_samples / eval_batches / task_samples / decode_tokens."""
+    """`suite prune ckpt=<run> prune.ffn=<fraction> prune.heads=<fraction> prune.hidden=<fraction>
+    prune.layers=<count>`: structured pruning by activation importance on calibration data
+    (docs/compression.md); calibration, held-out and report sizes are compress.calib_samples /
+    eval_batches / task_samples / decode_tokens."""
 
     ffn: float = 0.0  # fraction of every MLP's channels to remove
     layers: int = 0  # blocks to remove (the least important: 1 - cos(input, output))
-    heads: float = 0.0  # fraction of every layer's attention (query) heads to remove
+    heads: float = 0.0  # fraction of every layer's attention (query) heads to remove (GQA: per KV group)
     hidden: float = 0.0  # fraction of the hidden (embedding) channels to remove
 
 
