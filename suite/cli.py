@@ -276,9 +276,10 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
 
     refuse_quantized(cfg.ckpt, "ckpt", "exporting")
     validate(cfg, needs_data=False, writes_run=False)
-    from suite.export.checks import check_default_out, check_export_out
+    from suite.export.checks import check_default_out, check_export_out, check_hf_exportable
 
     check_export_out(cfg.export.out)
+    check_hf_exportable(source.model_config())
     from suite.export.hf import export_checkpoint_hf
 
     if source.lora is not None and not cfg.export.merge_lora:

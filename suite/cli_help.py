@@ -139,22 +139,27 @@ export.max_shard_mb=N splits the weights into safetensors files of at most N MB 
 Examples:
   suite export ckpt=runs/gpt-tiny
   suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
-    "prune": """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
+    "prune": """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] [prune.heads=FRACTION]
+       [prune.hidden=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
 
 Structured pruning into a smaller dense model of the same family (Minitron-style importance from
 activations on compress.calib_samples sequences of the run's data): prune.ffn removes that fraction of
-every MLP's channels (least mean |activation| at the down projection's input), prune.layers removes
-the blocks that change their input least (1 - cosine similarity of a block's input and output).
-prune.heads and prune.hidden are not built yet. Heal the result with
+every MLP's channels (least mean |activation| at the down projection's input), prune.heads that
+fraction of every layer's attention heads (scored at the output projection's input; with grouped KV
+heads each group keeps the same number of its query heads), prune.hidden that fraction of the
+embedding channels everywhere (scored at the norms' outputs), prune.layers the blocks that change their
+input least (1 - cosine similarity of a block's input and output). Heal the result with
 `suite distill distill.teacher=<ckpt> model.init_from=<run.dir>` or `suite finetune`.
 
 Writes: <run.dir>/ (default <ckpt run>-pruned): config.yaml, checkpoints/step_0/, the tokenizer,
 report.json (parameters, bytes, held-out perplexity, task exact match for a finetuned run, before and
-after). Every verb reads it (generate, eval, export, finetune, distill). See docs/compression.md.
+after). Every verb reads it (generate, eval, export, finetune, distill); a GPT with pruned heads does
+not export (GPT-2's HF config has no head size of its own). See docs/compression.md.
 
 Examples:
   suite prune ckpt=runs/gpt-tiny prune.ffn=0.25
-  suite prune ckpt=runs/gpt-tiny prune.ffn=0.5 prune.layers=1 run.dir=runs/gpt-tiny-half""",
+  suite prune ckpt=runs/gpt-tiny prune.ffn=0.5 prune.layers=1 run.dir=runs/gpt-tiny-half
+  suite prune ckpt=runs/gpt-tiny prune.heads=0.5 prune.hidden=0.25 run.dir=runs/gpt-tiny-narrow""",
     "quantize": """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant|gptq [run.dir=OUT]
        [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
 

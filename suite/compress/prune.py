@@ -1,21 +1,25 @@
 """`suite prune`: structured pruning of a dense model into a smaller dense model of the same family.
 
 Importance comes from activations on calibration data (compress.calib_samples sequences of the
-source run's data), as in Minitron (Muralidharan et al., 2024):
-
-    MLP channels   at the input of each block's down projection (w2): the magnitude |x| averaged over
-                   the sequence, then the L2 norm over the calibration samples
-    layers         1 - cosine similarity between a block's input and output, averaged over tokens: a
-                   block that barely changes its input matters least
+source run's data), as in Minitron (Muralidharan et al., 2024): suite.compress.importance scores MLP
+channels, attention heads, hidden (embedding) channels and whole layers.
 
 `prune.ffn` (a fraction) keeps the most important channels of every MLP, the same count in each layer
-(the config holds one ffn_hidden_size); `prune.layers` (a count) drops the least important blocks. The
-pruned weights are sliced out of the source's own (gate/up rows and biases, down-projection columns),
-the remaining blocks renumbered in order; the result is a plain suite run folder (config.yaml, a DCP
-checkpoint, the tokenizer) that every verb reads, that exports to Hugging Face, and that
-`suite distill distill.teacher=<source> model.init_from=<pruned>` or `suite finetune` heal. Attention
-heads and hidden channels (prune.heads, prune.hidden) need a head size independent of the width in the
-model config, which the suite does not have yet: refused.
+(the config holds one ffn_hidden_size). `prune.heads` (a fraction) keeps the most important query heads
+of every layer, the same count in each (one num_heads); with grouped KV heads every KV group keeps the
+same number of its own query heads and all KV heads stay (so the kept count is a multiple of
+num_kv_heads), without them a head's query, key and value go together. The heads keep their size
+(model.head_dim is written when hidden_size / num_heads no longer gives it). `prune.hidden` (a
+fraction) keeps the most important embedding channels everywhere: token (and GPT position) embeddings,
+every norm, the q/k/v, MLP-in and output-head input columns, the attention-out and MLP-out rows.
+`prune.layers` (a count) drops the least important blocks. The kept weights are sliced out of the
+source's own, the remaining blocks renumbered in order; the result is a plain suite run folder
+(config.yaml, a DCP checkpoint, the tokenizer) that every verb reads, and that
+`suite distill distill.teacher=<source> model.init_from=<pruned>` or `suite finetune` heal. Pruning
+ffn channels, heads and layers is exact (the source with those zeroed or skipped); pruning hidden
+channels is not (the norms then normalise over the kept channels only). A GPT model with pruned heads
+(head_dim != hidden_size / num_heads) does not export to Hugging Face: GPT-2's config cannot hold it
+(suite.export.checks.check_hf_exportable).
 """
 
 from __future__ import annotations
@@ -27,110 +31,195 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
+from suite.compress.importance import Importance, importance
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 
-
-@torch.no_grad()
-def importance(model: nn.Module, batches: list) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """([per layer: MLP channel importance [ffn]], layer importance [num_layers]) on `batches`."""
-    blocks = list(model.layers.values())
-    channel_sq = [None] * len(blocks)
-    change = torch.zeros(len(blocks), dtype=torch.float64)
-    tokens = 0
-    hooks = []
-
-    def on_down_input(i):
-        def hook(module, args):
-            x = args[0].float()  # [b, s, ffn]
-            per_sample = x.abs().mean(dim=1)  # mean over the sequence
-            sq = (per_sample**2).sum(dim=0)  # L2 over the batch, squared (summed over batches)
-            channel_sq[i] = sq if channel_sq[i] is None else channel_sq[i] + sq
-
-        return hook
-
-    def on_block(i):
-        def hook(module, args, output):
-            x, y = args[0].float().flatten(0, 1), output.float().flatten(0, 1)
-            change[i] += (1 - torch.nn.functional.cosine_similarity(x, y, dim=-1)).double().sum()
-
-        return hook
-
-    for i, block in enumerate(blocks):
-        ff = block.feed_forward
-        if not hasattr(ff, "w2"):
-            raise ConfigError("prune: the source has Mixture-of-Experts layers; pruning needs a dense model")
-        hooks.append(ff.w2.register_forward_pre_hook(on_down_input(i)))
-        hooks.append(block.register_forward_hook(on_block(i)))
-    try:
-        for batch in batches:
-            model(batch.tokens, **batch.model_kwargs())
-            tokens += batch.tokens.numel()
-    finally:
-        for h in hooks:
-            h.remove()
-    return [c.sqrt() for c in channel_sq], (change / max(tokens, 1)).float()
+__all__ = ["check_prune", "importance", "plan", "pruned_state", "run_prune"]
 
 
-def check_prune(cfg: SuiteConfig, model_cfg) -> int:
-    """One line for a plan that leaves nothing or removes nothing; returns the MLP width kept."""
+def _fraction(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _fraction_key(key: str, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(f"prune.{key}={value} must be a fraction in [0, 1) of what to remove, e.g. 0.25")
+
+
+def _heads_kept(cfg: SuiteConfig, model_cfg) -> int:
+    """Query heads kept per layer; one line naming the nearest prune.heads that work otherwise."""
+    from suite.models.transformer import kv_heads
+
+    f, heads, groups = cfg.prune.heads, model_cfg.num_heads, kv_heads(model_cfg)
+    keep = int(round(heads * (1 - f)))
+    if not f:
+        return heads
+    grouped = groups < heads
+    step = groups if grouped else 1  # every KV group keeps the same number of its query heads
+    works = list(range(step, heads, step))
+    if keep in works:
+        return keep
+    if keep <= 0:
+        why = "none would be left"
+    elif keep >= heads:
+        why = "that removes none"
+    else:
+        why = f"each of the {groups} KV groups must keep the same number of its query heads"
+    if not works:
+        raise ConfigError(
+            f"prune.heads={f} keeps {keep} of {heads} heads per layer: {why}, and "
+            f"{'each KV group has one query head' if grouped else 'the model has one head per layer'}, "
+            "so no fraction works; leave prune.heads=0"
+        )
+    below = [k for k in works if k < keep] or [works[0]]
+    above = [k for k in works if k > keep] or [works[-1]]
+    near = sorted({min(below, key=lambda k: keep - k), min(above, key=lambda k: k - keep)}, reverse=True)
+    options = " or ".join(f"prune.heads={_fraction(1 - k / heads)} (keeps {k})" for k in near)
+    raise ConfigError(
+        f"prune.heads={f} keeps {keep} of {heads} heads per layer, but {why}"
+        f"{f' (a multiple of {groups})' if grouped and 0 < keep < heads else ''}; use {options}"
+    )
+
+
+def check_prune(cfg: SuiteConfig, model_cfg) -> dict[str, int]:
+    """One line for a plan that leaves nothing or removes nothing; returns the sizes kept:
+    {width (MLP), heads (per layer), hidden}."""
     from suite.models.transformer import ffn_size
 
     p = cfg.prune
-    if p.heads or p.hidden:
+    for key in ("ffn", "heads", "hidden"):
+        _fraction_key(key, getattr(p, key))
+    if not (p.ffn or p.layers or p.heads or p.hidden):
         raise ConfigError(
-            f"prune.heads={p.heads} / prune.hidden={p.hidden}: pruning attention heads or hidden channels needs a "
-            "head size independent of the width, which the model config does not have yet; use prune.ffn and "
-            "prune.layers"
+            "prune: nothing to prune; set prune.ffn=<fraction>, prune.heads=<fraction>, "
+            "prune.hidden=<fraction> and/or prune.layers=<count>"
         )
-    if not p.ffn and not p.layers:
-        raise ConfigError("prune: nothing to prune; set prune.ffn=<fraction> and/or prune.layers=<count>")
+    if model_cfg.num_experts:
+        raise ConfigError(f"model.num_experts={model_cfg.num_experts}: prune a dense model")
     width = ffn_size(model_cfg)
     keep_width = int(round(width * (1 - p.ffn)))
     if p.ffn and not 0 < keep_width < width:
         raise ConfigError(
             f"prune.ffn={p.ffn} keeps {keep_width} of {width} MLP channels; use a fraction in (0, 1)"
         )
+    hidden = model_cfg.hidden_size
+    keep_hidden = int(round(hidden * (1 - p.hidden)))
+    if p.hidden and not 0 < keep_hidden < hidden:
+        raise ConfigError(
+            f"prune.hidden={p.hidden} keeps {keep_hidden} of {hidden} hidden channels; use a fraction "
+            f"that keeps between 1 and {hidden - 1} (e.g. prune.hidden=0.25)"
+        )
     if not 0 <= p.layers < model_cfg.num_layers:
         raise ConfigError(
             f"prune.layers={p.layers}: the model has {model_cfg.num_layers} layers; remove between 0 and "
             f"{model_cfg.num_layers - 1}"
         )
-    if model_cfg.num_experts:
-        raise ConfigError(f"model.num_experts={model_cfg.num_experts}: prune a dense model")
-    return keep_width
+    return {"width": keep_width, "heads": _heads_kept(cfg, model_cfg), "hidden": keep_hidden}
 
 
-def plan(cfg: SuiteConfig, model_cfg, channels: list[torch.Tensor], layers: torch.Tensor) -> dict[str, Any]:
-    """Which MLP channels (per kept layer, sorted) and which layers to keep."""
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k highest scores, in their original order."""
+    return torch.sort(torch.topk(scores, k).indices).values
+
+
+def kept_heads(scores: torch.Tensor, keep: int, groups: int) -> torch.Tensor:
+    """Query heads kept in one layer (sorted): the `keep` most important overall, or with grouped KV
+    heads (groups < heads) the keep / groups most important of each group's own query heads."""
+    heads = scores.numel()
+    if groups >= heads:
+        return _top(scores, keep)
+    per = heads // groups
+    return torch.cat([_top(scores[g * per : (g + 1) * per], keep // groups) + g * per for g in range(groups)])
+
+
+def plan(cfg: SuiteConfig, model_cfg, scores: Importance) -> dict[str, Any]:
+    """What to keep: layers (sorted), and per kept layer its MLP channels and query heads (None: all),
+    and the hidden channels (None: all)."""
+    from suite.models.transformer import kv_heads
+
     p = cfg.prune
-    keep_width = check_prune(cfg, model_cfg)
-    order = torch.argsort(layers, descending=True)  # most change first
+    sizes = check_prune(cfg, model_cfg)
+    order = torch.argsort(scores.layers, descending=True)  # most change first
     kept_layers = sorted(order[: model_cfg.num_layers - p.layers].tolist())
-    kept_channels = {i: torch.sort(torch.topk(channels[i], keep_width).indices).values for i in kept_layers}
-    return {"width": keep_width, "layers": kept_layers, "channels": kept_channels}
+    channels = {i: _top(scores.channels[i], sizes["width"]) for i in kept_layers}
+    heads = None
+    if p.heads:
+        heads = {i: kept_heads(scores.heads[i], sizes["heads"], kv_heads(model_cfg)) for i in kept_layers}
+    hidden = _top(scores.hidden, sizes["hidden"]) if p.hidden else None
+    return {**sizes, "layers": kept_layers, "channels": channels, "kept_heads": heads, "hidden_kept": hidden}
+
+
+def pruned_config(model_cfg, chosen: dict[str, Any]):
+    """The pruned model's config: the kept sizes; the heads keep their size (head_dim written when
+    hidden_size / num_heads no longer gives it)."""
+    from suite.models.transformer import head_size, kv_heads
+
+    new = dataclasses.replace(
+        model_cfg, num_layers=len(chosen["layers"]), ffn_hidden_size=chosen["width"], init_from=None
+    )
+    if chosen["kept_heads"] is None and chosen["hidden_kept"] is None:
+        return new
+    size, heads, hidden = head_size(model_cfg), chosen["heads"], chosen["hidden"]
+    grouped = kv_heads(model_cfg) < model_cfg.num_heads
+    num_kv = model_cfg.num_kv_heads if grouped or model_cfg.num_kv_heads is None else heads
+    return dataclasses.replace(
+        new,
+        num_heads=heads,
+        num_kv_heads=num_kv,
+        hidden_size=hidden,
+        head_dim=None if hidden == heads * size else size,
+    )
+
+
+def _rows(heads: torch.Tensor, size: int) -> torch.Tensor:
+    """Head indices -> the rows (or columns) of their channels in a [heads * size] projection."""
+    return (heads[:, None] * size + torch.arange(size)).flatten()
 
 
 def pruned_state(
     model_cfg, state: dict[str, torch.Tensor], chosen: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """The unfused state dict of the pruned model: kept layers renumbered, MLP channels sliced."""
+    """The unfused state dict of the pruned model (`model_cfg`: the source's): kept layers renumbered,
+    MLP channels, query heads (with their keys and values when KV heads are not grouped) and hidden
+    channels sliced out of every tensor that holds them."""
+    from suite.models.transformer import head_size, kv_heads
+
+    hidden = chosen["hidden_kept"]
+    size, grouped = head_size(model_cfg), kv_heads(model_cfg) < model_cfg.num_heads
+
+    def take(value: torch.Tensor, dim: int, index: torch.Tensor | None) -> torch.Tensor:
+        return value if index is None else value.index_select(dim, index)
+
     out = {}
     renumber = {old: new for new, old in enumerate(chosen["layers"])}
     for name, value in state.items():
-        if not name.startswith("layers."):
-            out[name] = value
+        if not name.startswith("layers."):  # embeddings, the final norm, the output head: hidden channels
+            out[name] = take(value, value.dim() - 1, hidden).contiguous()
             continue
         _, index, rest = name.split(".", 2)
         if int(index) not in renumber:
             continue
         keep = chosen["channels"][int(index)]
-        if rest.startswith(("feed_forward.w1.", "feed_forward.w3.")):
-            value = value[keep]
-        elif rest == "feed_forward.w2.weight":
-            value = value[:, keep]
+        heads = None if chosen["kept_heads"] is None else _rows(chosen["kept_heads"][int(index)], size)
+        out_index = in_index = None  # [out, in] of a weight; a bias is [out]
+        module = rest.rsplit(".", 1)[0]
+        if module.endswith("_norm"):
+            out_index = hidden
+        elif module == "attention.wq":
+            out_index, in_index = heads, hidden
+        elif module in ("attention.wk", "attention.wv"):
+            out_index, in_index = (None if grouped else heads), hidden
+        elif module == "attention.wo":
+            out_index, in_index = hidden, heads
+        elif module in ("feed_forward.w1", "feed_forward.w3"):
+            out_index, in_index = keep, hidden
+        elif module == "feed_forward.w2":
+            out_index, in_index = hidden, keep
+        value = take(value, 0, out_index)
+        if value.dim() == 2:
+            value = take(value, 1, in_index)
         out[f"layers.{renumber[int(index)]}.{rest}"] = value.contiguous()
     return out
 
@@ -146,7 +235,7 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     from suite.compress.quantize import held_out_and_calibration, progress
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
     from suite.models import build_model, materialize
-    from suite.models.transformer import fuse_state_dict, unfuse_state_dict
+    from suite.models.transformer import fuse_state_dict, head_size, unfuse_state_dict
     from suite.sources import ModelSource
     from suite.train.checkpoint import save_checkpoint
 
@@ -182,12 +271,10 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     before["file_bytes"], before["block_bytes"] = stored_bytes(save_plain(model, tmp / "before.safetensors"))
 
     progress(3, f"importance on {sum(b.tokens.shape[0] for b in calib)} calibration sequences")
-    channels, layers = importance(model, calib)
-    chosen = plan(cfg, model_cfg, channels, layers)
-    new_cfg = dataclasses.replace(
-        model_cfg, num_layers=len(chosen["layers"]), ffn_hidden_size=chosen["width"], init_from=None
-    )
-    state = pruned_state(new_cfg, unfuse_state_dict(model_cfg, model.state_dict()), chosen)
+    scores = importance(model, calib)
+    chosen = plan(cfg, model_cfg, scores)
+    new_cfg = pruned_config(model_cfg, chosen)
+    state = pruned_state(model_cfg, unfuse_state_dict(model_cfg, model.state_dict()), chosen)
     pruned = materialize(build_model(new_cfg), "cpu", seed=0)
     if new_cfg.fused_projections:
         state = fuse_state_dict(new_cfg, state)
@@ -218,8 +305,16 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
         "out": str(out),
         "checkpoint": str(folder),
         "ffn_hidden_size": [model.layers["0"].feed_forward.w2.in_features, chosen["width"]],
+        "num_heads": [model_cfg.num_heads, new_cfg.num_heads],
+        "hidden_size": [model_cfg.hidden_size, new_cfg.hidden_size],
+        "head_dim": head_size(new_cfg),
         "layers_kept": chosen["layers"],
-        "layer_importance": [round(float(x), 6) for x in layers],
+        "layer_importance": [round(float(x), 6) for x in scores.layers],
+        # per kept layer (new order): the source's query heads it kept; None: all
+        "heads_kept": None
+        if chosen["kept_heads"] is None
+        else [chosen["kept_heads"][i].tolist() for i in chosen["layers"]],
+        "head_importance": [[round(float(x), 6) for x in layer] for layer in scores.heads],
         "before": before,
         "after": after,
         "table": table(before, after),

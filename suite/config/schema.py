@@ -22,6 +22,9 @@ class ModelConfig:
     hidden_size: int = 256
     num_heads: int = 4
     num_kv_heads: Optional[int] = None  # None: same as num_heads (no grouped-query attention)
+    # width of one attention head; None: hidden_size // num_heads (a pruned model's heads keep their
+    # size while hidden_size or num_heads shrink: suite prune)
+    head_dim: Optional[int] = None
     ffn_hidden_size: Optional[int] = None  # None: 4*hidden (gpt) or Llama's 8/3*hidden rounded to 256
     vocab_size: int = 8192
     max_seq_len: int = 1024  # learned-position table size (gpt); RoPE cache length (llama)
@@ -305,14 +308,15 @@ class EvalConfig:
 
 @dataclass
 class PruneConfig:
-    """`suite prune ckpt=<run> prune.ffn=<fraction> prune.layers=<count>`: structured pruning by
-    activation importance on calibration data (docs/compression.md); calibration, held-out and report
-    sizes are compress.calib_samples / eval_batches / task_samples / decode_tokens."""
+    """`suite prune ckpt=<run> prune.ffn=<fraction> prune.heads=<fraction> prune.hidden=<fraction>
+    prune.layers=<count>`: structured pruning by activation importance on calibration data
+    (docs/compression.md); calibration, held-out and report sizes are compress.calib_samples /
+    eval_batches / task_samples / decode_tokens."""
 
     ffn: float = 0.0  # fraction of every MLP's channels to remove
     layers: int = 0  # blocks to remove (the least important: 1 - cos(input, output))
-    heads: float = 0.0  # not built yet: attention heads to remove
-    hidden: float = 0.0  # not built yet: hidden channels to remove
+    heads: float = 0.0  # fraction of every layer's attention (query) heads to remove (GQA: per KV group)
+    hidden: float = 0.0  # fraction of the hidden (embedding) channels to remove
 
 
 @dataclass

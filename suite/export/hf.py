@@ -40,6 +40,9 @@ def write_hf_folder(
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from suite.export.checks import check_hf_exportable
+
+    check_hf_exportable(cfg)
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     config = hf_config(cfg, eos, pad)

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.models.transformer import head_size
 
 
 def check_model(m: ModelConfig) -> None:
     """One-line ConfigErrors for architectures the blocks cannot build."""
-    if m.hidden_size % m.num_heads:
+    if m.head_dim is not None and m.head_dim < 1:
+        raise ConfigError(
+            f"model.head_dim={m.head_dim} must be a positive integer, or null (hidden_size / num_heads)"
+        )
+    if m.head_dim is None and m.hidden_size % m.num_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
-            "pick heads that divide the hidden size"
+            "pick heads that divide the hidden size (or set model.head_dim)"
         )
     kv = m.num_kv_heads or m.num_heads
     if m.num_heads % kv:
         raise ConfigError(
             f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}; use a divisor of {m.num_heads}"
         )
-    if m.family == "llama" and (m.hidden_size // m.num_heads) % 2:
-        raise ConfigError(
-            f"model.hidden_size/model.num_heads={m.hidden_size // m.num_heads} must be even for RoPE"
-        )
+    if m.family == "llama" and head_size(m) % 2:
+        what = "model.head_dim" if m.head_dim else "model.hidden_size/model.num_heads"
+        raise ConfigError(f"{what}={head_size(m)} must be even for RoPE")
     if m.num_experts > 0:
         from suite.models.moe import check_moe_config
 

@@ -2,7 +2,10 @@
 
 gpt family   <-> GPT2LMHeadModel (Conv1D weights are [in, out]: transposed; q/k/v fused as c_attn)
 llama family <-> LlamaForCausalLM (Qwen2ForCausalLM when the run uses qkv bias); Mistral and
-                 Qwen2 checkpoints import into the llama family too.
+                 Qwen2 checkpoints import into the llama family too. model.head_dim is the HF
+                 config's head_dim (written always, read when it differs from hidden / heads).
+                 GPT-2's config has no head size of its own: a GPT model whose head_dim is not
+                 hidden / heads (a pruned one) is refused (suite.export.checks.check_hf_exportable).
 llama MoE    <-> MixtralForCausalLM: router = mlp.gate; our stacked experts w1/w3 [E, ffn, h] are
                  transformers 5's fused mlp.experts.gate_up_proj (cat on dim 1), w2 its down_proj;
                  folders saved per expert (block_sparse_moe.experts.N.w1/w2/w3) import too.
@@ -24,7 +27,7 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.moe import expert_ffn_size, moe_layer_ids
-from suite.models.transformer import ffn_size, fuse_state_dict, kv_heads, unfuse_state_dict
+from suite.models.transformer import ffn_size, fuse_state_dict, head_size, kv_heads, unfuse_state_dict
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral")
 SUPPORTED = ("gpt2", *LLAMA_LIKE)
@@ -62,6 +65,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, pad_id: int | None = 
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=kv_heads(cfg),
+        head_dim=head_size(cfg),
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope,
@@ -195,9 +199,9 @@ def model_config_from_hf(folder: Path, where: str | None = None) -> ModelConfig:
             norm_eps=hf.layer_norm_epsilon,
             tie_embeddings=bool(hf.tie_word_embeddings),
         )
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ConfigError(f"{where}: head_dim {head_dim} x heads != hidden size; not supported")
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim == hf.hidden_size // hf.num_attention_heads and not hf.hidden_size % hf.num_attention_heads:
+        head_dim = None  # the default: hidden_size / heads
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     scaling = rope if rope.get("rope_type", "default") != "default" else None
@@ -220,6 +224,7 @@ def model_config_from_hf(folder: Path, where: str | None = None) -> ModelConfig:
         hidden_size=hf.hidden_size,
         num_heads=hf.num_attention_heads,
         num_kv_heads=hf.num_key_value_heads,
+        head_dim=head_dim,
         ffn_hidden_size=hf.intermediate_size,
         vocab_size=hf.vocab_size,
         max_seq_len=hf.max_position_embeddings,
@@ -235,7 +240,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
     """The inverse of to_hf_state_dict (HF names -> suite names)."""
     sd: dict[str, torch.Tensor] = {}
     if cfg.family == "gpt":
-        h, kv = cfg.hidden_size, kv_heads(cfg) * (cfg.hidden_size // cfg.num_heads)
+        h, kv = cfg.num_heads * head_size(cfg), kv_heads(cfg) * head_size(cfg)
         get = {k.removeprefix("transformer."): v for k, v in hf_sd.items()}
         sd["tok_embeddings.weight"] = get["wte.weight"]
         sd["pos_embeddings.weight"] = get["wpe.weight"]

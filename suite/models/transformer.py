@@ -49,6 +49,11 @@ def kv_heads(cfg: ModelConfig) -> int:
     return cfg.num_kv_heads or cfg.num_heads
 
 
+def head_size(cfg: ModelConfig) -> int:
+    """The width of one attention head: model.head_dim, or hidden_size // num_heads when unset."""
+    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -64,7 +69,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with Llama-3 style scaling when `rope_scaling.rope_type == llama3`."""
-    head_dim = cfg.hidden_size // cfg.num_heads
+    head_dim = head_size(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     scaling = dict(cfg.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -220,7 +225,7 @@ def fuse_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = head_size(cfg)
         gpt = cfg.family == "gpt"
         qkv_bias = gpt or cfg.qkv_bias
         n_kv = kv_heads(cfg)
@@ -319,7 +324,7 @@ class Transformer(nn.Module):
         if cfg.family not in ("gpt", "llama"):
             raise ValueError(f"model.family={cfg.family!r}; use gpt or llama")
         self.cfg = cfg
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = head_size(cfg)
         self.num_kv_heads = kv_heads(cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.family == "gpt" else None
@@ -449,7 +454,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     from suite.models.moe import expert_ffn_size
 
-    h, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
+    h, head_dim = cfg.hidden_size, head_size(cfg)
     q_width, kv_width = cfg.num_heads * head_dim, kv_heads(cfg) * head_dim
     mlp_matrices = 3 if cfg.family == "llama" else 2  # SwiGLU: gate, up, down; GELU: fc, proj
     projections = 2 * h * (2 * q_width + 2 * kv_width)  # q and o at q width, k and v at kv width

@@ -5,6 +5,10 @@ their MLP channels and one of their four layers. The pruned model equals, at the
 source model with the same channels zeroed and the same block skipped (the slicing is exact); the
 importance ranks a block that was made the identity last; it exports to Hugging Face with
 transformers' logits within 1e-4 of the suite's; `suite generate` reads it; bad input is one line.
+Heads: the pruned model equals the source with the dropped heads' attention outputs zeroed, the kept
+heads are the most important of each KV group; heads + hidden + MLP channels pruned on the Llama
+export with transformers' logits within 1e-4; a GPT with pruned heads runs (generate, eval) but
+`suite export` refuses it in one line (GPT-2's config cannot hold the head size).
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ def test_pruned_model_is_the_source_with_channels_and_a_block_removed(source, tm
     width, kept_width = report["ffn_hidden_size"]
     assert kept_width == int(round(width * 0.75)) and len(report["layers_kept"]) == 3
     assert small.cfg.num_layers == 3 and small.cfg.ffn_hidden_size == kept_width
+    # no heads or hidden channels pruned: the attention and the widths are the source's, as before
+    assert (small.cfg.num_heads, small.cfg.num_kv_heads, small.cfg.hidden_size, small.cfg.head_dim) == (
+        full.cfg.num_heads, full.cfg.num_kv_heads, full.cfg.hidden_size, full.cfg.head_dim
+    )  # fmt: skip
+    assert report["heads_kept"] is None
     # the same computation in the full model: the dropped block skipped, the dropped channels zeroed
     dropped = next(i for i in range(4) if i not in report["layers_kept"])
     with torch.no_grad():
@@ -74,9 +83,12 @@ def test_pruned_model_is_the_source_with_channels_and_a_block_removed(source, tm
 
 
 def test_a_pruned_model_heals_by_distillation_from_its_source(source, tmp_path, tiny_data):
+    """Every axis pruned at once (GPT: 3 of 4 heads and 48 of 64 channels, so hidden / heads still
+    gives the head size; Llama: 1 query head per KV group and 48 channels, head_dim written)."""
     from tests.helpers import run_config, train_losses
 
-    prune(source, tmp_path / "pruned", "prune.ffn=0.25", "prune.layers=1")
+    heads = "prune.heads=0.5" if source.name == "llama" else "prune.heads=0.25"
+    prune(source, tmp_path / "pruned", "prune.ffn=0.25", "prune.layers=1", heads, "prune.hidden=0.25")
     healed = tmp_path / "healed"
     run_suite(
         "distill", f"distill.teacher={source}", f"model.init_from={tmp_path / 'pruned'}", f"data.path={tiny_data}",
@@ -84,7 +96,9 @@ def test_a_pruned_model_heals_by_distillation_from_its_source(source, tmp_path, 
         "train.eval_every=3", "train.log_every=1", "parallel.global_batch_size=8", "parallel.micro_batch_size=4", "log.wandb=false",
         "log.progress=false", check=True,
     )  # fmt: skip
-    assert run_config(healed).model.num_layers == 3 and len(train_losses(healed)) == 3
+    model = run_config(healed).model
+    assert model.num_layers == 3 and len(train_losses(healed)) == 3
+    assert model.hidden_size == 48 and model.head_dim == (16 if source.name == "llama" else None)
 
 
 def test_a_block_made_the_identity_is_pruned_first(source, tmp_path):
@@ -102,21 +116,127 @@ def test_a_block_made_the_identity_is_pruned_first(source, tmp_path):
             proj.weight.zero_()
             proj.bias.zero_()
     rows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
-    channels, layers = importance(model, [Batch.from_windows(rows)])
-    assert int(torch.argmin(layers)) == 2 and float(layers[2]) < 1e-6
-    assert len(channels) == 4 and channels[0].shape == (cfg.hidden_size * 4,)
+    scores = importance(model, [Batch.from_windows(rows)])
+    assert int(torch.argmin(scores.layers)) == 2 and float(scores.layers[2]) < 1e-6
+    assert len(scores.channels) == 4 and scores.channels[0].shape == (cfg.hidden_size * 4,)
+
+
+def test_a_silenced_head_and_a_silenced_channel_are_the_least_important():
+    """Head and hidden importance are measured: a head whose values are zero gives nothing to the
+    output projection (importance 0, pruned first), a channel every norm zeroes likewise."""
+    from suite.compress.prune import importance
+    from suite.config.schema import ModelConfig
+    from suite.data.batch import Batch
+    from suite.models import build_model, materialize
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=64, max_seq_len=16)
+    model = materialize(build_model(cfg), "cpu", seed=1).eval()
+    with torch.no_grad():
+        wv = model.layers["1"].attention.wv
+        wv.weight[16:24] = 0.0  # head 2 of layer 1 (head_dim 8)
+        wv.bias[16:24] = 0.0
+        for name, module in model.named_modules():
+            if name.endswith("norm"):
+                module.weight[5] = 0.0
+                module.bias[5] = 0.0
+    rows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    scores = importance(model, [Batch.from_windows(rows)])
+    assert [s.shape for s in scores.heads] == [(4,), (4,)] and scores.hidden.shape == (32,)
+    assert int(torch.argmin(scores.heads[1])) == 2 and float(scores.heads[1][2]) == 0.0
+    assert float(scores.heads[0].min()) > 0
+    assert int(torch.argmin(scores.hidden)) == 5 and float(scores.hidden[5]) == 0.0
+
+
+def test_pruned_heads_are_the_most_important_of_each_group_and_exact(source, tmp_path):
+    """prune.heads=0.5: GPT (4 heads) keeps 2 per layer, the Llama (4 query heads in 2 KV groups)
+    keeps 1 query head of each group and both KV heads. The pruned model computes what the source
+    computes with the dropped heads' outputs zeroed (columns of wo), and the heads kept are the
+    highest-scoring ones the report lists (per group)."""
+    from suite.infer.generate import load_for_inference
+
+    report = prune(source, tmp_path / "pruned", "prune.heads=0.5")
+    full, _, _ = load_for_inference(source)
+    small, _, _ = load_for_inference(tmp_path / "pruned")
+    grouped = source.name == "llama"
+    assert report["num_heads"] == [4, 2] and small.cfg.num_heads == 2
+    assert small.cfg.hidden_size == 64 and small.cfg.head_dim == 16  # 64 / 2 heads would be 32
+    assert small.cfg.num_kv_heads == (2 if grouped else None)
+    size = 16
+    with torch.no_grad():
+        for layer, kept in enumerate(report["heads_kept"]):
+            scores = torch.tensor(report["head_importance"][layer])
+            groups = [[0, 1], [2, 3]] if grouped else [[0, 1, 2, 3]]
+            per = 2 // len(groups)
+            for group in groups:  # the kept heads of each group are its top-scoring ones
+                mine = [h for h in kept if h in group]
+                assert len(mine) == per, (kept, groups)
+                best = torch.topk(scores[group], per).indices.tolist()
+                assert sorted(group[i] for i in best) == mine, (layer, scores, kept)
+            att_small, att_full = small.layers[str(layer)].attention, full.layers[str(layer)].attention
+            rows = torch.cat([torch.arange(h * size, (h + 1) * size) for h in kept])
+            assert torch.equal(att_small.wq.weight, att_full.wq.weight[rows])
+            if grouped:  # every KV head stays
+                assert torch.equal(att_small.wk.weight, att_full.wk.weight)
+            dropped = torch.ones(4 * size, dtype=torch.bool)
+            dropped[rows] = False
+            att_full.wo.weight[:, dropped] = 0.0
+        ids = torch.randint(0, small.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        assert (small(ids) - full(ids)).abs().max() <= 1e-5
+
+
+def test_heads_hidden_and_mlp_pruned_llama_exports_to_transformers(source, tmp_path):
+    if source.name != "llama":
+        pytest.skip("GPT-2's HF config cannot hold a pruned head size (the GPT case is tested below)")
+    report = prune(source, tmp_path / "pruned", "prune.heads=0.5", "prune.hidden=0.25", "prune.ffn=0.25")
+    assert report["num_heads"] == [4, 2] and report["hidden_size"] == [64, 48] and report["head_dim"] == 16
+    assert report["after"]["params"] < report["before"]["params"]
+    assert export_and_compare(tmp_path / "pruned", tmp_path / "hf") <= 1e-4
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["head_dim"]) == (48, 2, 16)
+    run_suite(
+        "generate", f"ckpt={tmp_path / 'pruned'}", "prompt=The", "generate.max_new_tokens=4", check=True
+    )
+
+
+def test_a_gpt_with_pruned_heads_runs_in_the_suite_but_does_not_export(source, tmp_path):
+    if source.name != "gpt":
+        pytest.skip("the GPT-2 export limitation")
+    pruned = tmp_path / "pruned"
+    report = prune(source, pruned, "prune.heads=0.25")
+    assert report["num_heads"] == [4, 3] and report["head_dim"] == 16
+    run_suite("generate", f"ckpt={pruned}", "prompt=The", "generate.max_new_tokens=4", check=True)
+    run_suite("eval", f"ckpt={pruned}", "task=reverse-4", "eval.num_samples=2", check=True)
+    proc = run_suite("export", f"ckpt={pruned}", f"out={tmp_path / 'hf'}")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    for word in ("model.head_dim=16", "GPT-2", "prune.ffn", "llama-family"):
+        assert word in err, (word, err)
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize(
-    "extra,words",
+    "extra,words,family",
     [
-        ([], ["nothing to prune"]),
-        (["prune.ffn=1.0"], ["prune.ffn=1.0"]),
-        (["prune.layers=4"], ["prune.layers=4"]),
-        (["prune.heads=0.25"], ["prune.heads=0.25", "not"]),
+        ([], ["nothing to prune"], None),
+        (["prune.ffn=1.0"], ["prune.ffn=1.0"], None),
+        (["prune.layers=4"], ["prune.layers=4"], None),
+        (["prune.heads=1.0"], ["prune.heads=1.0", "[0, 1)"], None),
+        (["prune.hidden=1"], ["prune.hidden=1", "[0, 1)"], None),
+        (["prune.hidden=0.999"], ["prune.hidden=0.999", "keeps 0 of 64"], None),
+        (["prune.heads=0.9"], ["prune.heads=0.9", "keeps 0 of 4", "none would be left"], "gpt"),
+        (
+            ["prune.heads=0.9"],
+            ["prune.heads=0.9", "none would be left", "prune.heads=0.5 (keeps 2)"],
+            "llama",
+        ),
+        # 3 of 4 query heads cannot be shared evenly by 2 KV groups: the nearest fraction that can
+        (["prune.heads=0.25"], ["prune.heads=0.25", "2 KV groups", "prune.heads=0.5 (keeps 2)"], "llama"),
     ],
 )
-def test_bad_prune_input_is_one_line(source, tmp_path, extra, words):
+def test_bad_prune_input_is_one_line(source, tmp_path, extra, words, family):
+    if family not in (None, source.name):
+        pytest.skip(f"a {family} case")
     out = tmp_path / "bad"
     proc = run_suite("prune", f"ckpt={source}", f"run.dir={out}", *extra)
     err = proc.stderr.strip()

@@ -79,6 +79,8 @@ BAD_INPUTS = [
     (["trian.max_steps=3"], "unknown key 'trian.max_steps'"),
     (["train.max_steps=abc"], "train.max_steps"),
     (["model.num_heads=3"], "not divisible by model.num_heads=3"),
+    (["model.head_dim=0"], "model.head_dim=0 must be a positive integer"),
+    (["recipe=llama-tiny", "model.head_dim=9"], "model.head_dim=9 must be even for RoPE"),
     (["parallel.tp=3", "launch.nproc_per_node=3"], "does not divide model.num_heads=4"),
     (["parallel.tp=2"], "world size"),
     (
@@ -147,6 +149,23 @@ def test_bad_input_is_one_clear_line(overrides, expected):
     message = str(info.value)
     assert expected in message, message
     assert "\n" not in message
+
+
+def test_a_head_size_of_its_own_builds_heads_that_do_not_divide_the_width():
+    """model.head_dim: 3 heads of 24 on a width of 64 (a pruned model's shape) validate and build."""
+    from suite.models import build_model
+
+    cfg = to_object(
+        compose_config(
+            ["recipe=llama-tiny", "model.num_heads=3", "model.num_kv_heads=1", "model.head_dim=24"]
+        )
+    )
+    validate(cfg)
+    attention = build_model(cfg.model).layers["0"].attention
+    assert attention.wq.weight.shape == (72, cfg.model.hidden_size) and attention.wo.weight.shape == (
+        cfg.model.hidden_size,
+        72,
+    )
 
 
 def test_an_elastic_range_lists_the_world_sizes_the_degrees_fit():

@@ -55,6 +55,8 @@ HF_MODELS = {
     "qwen2-qkv-bias": lambda: Qwen2ForCausalLM(
         Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **SMALL)
     ),
+    # heads of their own size (head_dim 12, not hidden / heads = 8): model.head_dim
+    "qwen2-head-dim": lambda: Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, head_dim=12, **SMALL)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(num_key_value_heads=1, sliding_window=None, **SMALL)),
     "mixtral": lambda: MixtralForCausalLM(
         MixtralConfig(
@@ -94,7 +96,8 @@ def test_import_matches_transformers_logits(tmp_path, name):
 
 
 @pytest.mark.parametrize(
-    "family", ["gpt", "llama", "llama-qkv-bias", "llama-moe", "gpt-fused", "llama-qkv-bias-fused"]
+    "family",
+    ["gpt", "llama", "llama-qkv-bias", "llama-moe", "llama-head-dim", "gpt-fused", "llama-qkv-bias-fused"],
 )
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
     fused = family.endswith("-fused")
@@ -113,6 +116,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
         num_experts=4 if family.endswith("moe") else 0,
         moe_ffn_hidden_size=48,
         fused_projections=fused,
+        head_dim=12 if family.endswith("head-dim") else None,
     )
     model = materialize(build_model(cfg), "cpu", seed=3)
     _randomise(model)
@@ -125,8 +129,21 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
         "llama": "LlamaForCausalLM",
         "llama-qkv-bias": "Qwen2ForCausalLM",
         "llama-moe": "MixtralForCausalLM",
+        "llama-head-dim": "LlamaForCausalLM",
     }
     assert type(hf).__name__ == expected_class[family]
+    if family != "gpt":  # GPT-2's config derives it (n_embd / n_head)
+        assert hf.config.head_dim == model.head_dim
+
+
+def test_gpt_with_its_own_head_size_is_refused_by_export(tmp_path):
+    """GPT-2's config derives the head size from n_embd / n_head: a GPT whose heads are another
+    size (a pruned one) is refused before anything is written."""
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, head_dim=12, vocab_size=96, max_seq_len=64)
+    model = materialize(build_model(cfg), "cpu", seed=0)
+    with pytest.raises(ConfigError, match=r"model.head_dim=12 .*llama-family"):
+        export_hf(model, cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("name", ["gpt2", "qwen2-qkv-bias", "mistral", "mixtral"])
