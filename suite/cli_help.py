@@ -146,7 +146,7 @@ Structured pruning into a smaller dense model of the same family (Minitron-style
 activations on compress.calib_samples sequences of the run's data): prune.ffn removes that fraction of
 every MLP's channels (least mean |activation| at the down projection's input), prune.heads that
 fraction of every layer's attention heads (scored at the output projection's input; with grouped KV
-heads each group keeps the same number of its query heads), prune.hidden that fraction of the
+heads each group keeps the same number of its query heads, or whole groups go), prune.hidden that fraction of the
 embedding channels everywhere (scored at the norms' outputs), prune.layers the blocks that change their
 input least (1 - cosine similarity of a block's input and output). Heal the result with
 `suite distill distill.teacher=<ckpt> model.init_from=<run.dir>` or `suite finetune`.

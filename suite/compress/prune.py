@@ -7,8 +7,9 @@ channels, attention heads, hidden (embedding) channels and whole layers.
 `prune.ffn` (a fraction) keeps the most important channels of every MLP, the same count in each layer
 (the config holds one ffn_hidden_size). `prune.heads` (a fraction) keeps the most important query heads
 of every layer, the same count in each (one num_heads); with grouped KV heads every KV group keeps the
-same number of its own query heads and all KV heads stay (so the kept count is a multiple of
-num_kv_heads), without them a head's query, key and value go together. The heads keep their size
+same number of its own query heads and all KV heads stay (the kept count a multiple of num_kv_heads),
+or, for a fraction that is whole groups, the least important groups go with their KV head (query
+head scores combined by L2); without grouped KV heads a head's query, key and value go together. The heads keep their size
 (model.head_dim is written when hidden_size / num_heads no longer gives it). `prune.hidden` (a
 fraction) keeps the most important embedding channels everywhere: token (and GPT position) embeddings,
 every norm, the q/k/v, MLP-in and output-head input columns, the attention-out and MLP-out rows.
@@ -48,39 +49,42 @@ def _fraction_key(key: str, value: float) -> None:
         raise ConfigError(f"prune.{key}={value} must be a fraction in [0, 1) of what to remove, e.g. 0.25")
 
 
-def _heads_kept(cfg: SuiteConfig, model_cfg) -> int:
-    """Query heads kept per layer; one line naming the nearest prune.heads that work otherwise."""
+def _heads_kept(cfg: SuiteConfig, model_cfg) -> tuple[int, int]:
+    """(query heads, KV heads) kept per layer; one line naming the nearest prune.heads that work
+    otherwise. With grouped KV heads either every group keeps the same number of its query heads (all
+    KV heads stay), or whole groups go (a KV head with all its query heads)."""
     from suite.models.transformer import kv_heads
 
     f, heads, groups = cfg.prune.heads, model_cfg.num_heads, kv_heads(model_cfg)
     keep = int(round(heads * (1 - f)))
     if not f:
-        return heads
+        return heads, groups
     grouped = groups < heads
-    step = groups if grouped else 1  # every KV group keeps the same number of its query heads
-    works = list(range(step, heads, step))
+    per = heads // groups
+    within = {k: groups for k in range(groups, heads, groups)} if grouped else {k: k for k in range(1, heads)}
+    whole = {k: k // per for k in range(per, heads, per)} if grouped else {}
+    works = {**whole, **within}  # where both work, every KV head stays
     if keep in works:
-        return keep
+        return keep, works[keep]
     if keep <= 0:
         why = "none would be left"
     elif keep >= heads:
         why = "that removes none"
     else:
-        why = f"each of the {groups} KV groups must keep the same number of its query heads"
+        why = (
+            f"each of the {groups} KV groups must keep the same number of its query heads, or whole "
+            f"groups of {per} go"
+        )
     if not works:
         raise ConfigError(
-            f"prune.heads={f} keeps {keep} of {heads} heads per layer: {why}, and "
-            f"{'each KV group has one query head' if grouped else 'the model has one head per layer'}, "
-            "so no fraction works; leave prune.heads=0"
+            f"prune.heads={f} keeps {keep} of {heads} heads per layer: {why}, and the model has one head "
+            "per layer, so no fraction works; leave prune.heads=0"
         )
-    below = [k for k in works if k < keep] or [works[0]]
-    above = [k for k in works if k > keep] or [works[-1]]
-    near = sorted({min(below, key=lambda k: keep - k), min(above, key=lambda k: k - keep)}, reverse=True)
+    below = [k for k in works if k < keep] or [min(works)]
+    above = [k for k in works if k > keep] or [max(works)]
+    near = sorted({max(below), min(above)}, reverse=True)
     options = " or ".join(f"prune.heads={_fraction(1 - k / heads)} (keeps {k})" for k in near)
-    raise ConfigError(
-        f"prune.heads={f} keeps {keep} of {heads} heads per layer, but {why}"
-        f"{f' (a multiple of {groups})' if grouped and 0 < keep < heads else ''}; use {options}"
-    )
+    raise ConfigError(f"prune.heads={f} keeps {keep} of {heads} heads per layer, but {why}; use {options}")
 
 
 def check_prune(cfg: SuiteConfig, model_cfg) -> dict[str, int]:
@@ -116,7 +120,8 @@ def check_prune(cfg: SuiteConfig, model_cfg) -> dict[str, int]:
             f"prune.layers={p.layers}: the model has {model_cfg.num_layers} layers; remove between 0 and "
             f"{model_cfg.num_layers - 1}"
         )
-    return {"width": keep_width, "heads": _heads_kept(cfg, model_cfg), "hidden": keep_hidden}
+    heads, kv = _heads_kept(cfg, model_cfg)
+    return {"width": keep_width, "heads": heads, "kv_heads": kv, "hidden": keep_hidden}
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -124,13 +129,17 @@ def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(scores, k).indices).values
 
 
-def kept_heads(scores: torch.Tensor, keep: int, groups: int) -> torch.Tensor:
-    """Query heads kept in one layer (sorted): the `keep` most important overall, or with grouped KV
-    heads (groups < heads) the keep / groups most important of each group's own query heads."""
+def kept_heads(scores: torch.Tensor, keep: int, groups: int, kv_keep: int | None = None) -> torch.Tensor:
+    """Query heads kept in one layer (sorted): the `keep` most important overall; with grouped KV heads
+    (groups < heads) the keep / groups most important of each group's own query heads, or, when
+    kv_keep < groups, every query head of the kv_keep groups whose heads matter most together."""
     heads = scores.numel()
     if groups >= heads:
         return _top(scores, keep)
     per = heads // groups
+    if kv_keep is not None and kv_keep < groups:
+        group_scores = scores.view(groups, per).pow(2).sum(dim=1)  # head scores are L2 norms
+        return _rows(_top(group_scores, kv_keep), per)
     return torch.cat([_top(scores[g * per : (g + 1) * per], keep // groups) + g * per for g in range(groups)])
 
 
@@ -146,7 +155,10 @@ def plan(cfg: SuiteConfig, model_cfg, scores: Importance) -> dict[str, Any]:
     channels = {i: _top(scores.channels[i], sizes["width"]) for i in kept_layers}
     heads = None
     if p.heads:
-        heads = {i: kept_heads(scores.heads[i], sizes["heads"], kv_heads(model_cfg)) for i in kept_layers}
+        groups = kv_heads(model_cfg)
+        heads = {
+            i: kept_heads(scores.heads[i], sizes["heads"], groups, sizes["kv_heads"]) for i in kept_layers
+        }
     hidden = _top(scores.hidden, sizes["hidden"]) if p.hidden else None
     return {**sizes, "layers": kept_layers, "channels": channels, "kept_heads": heads, "hidden_kept": hidden}
 
@@ -163,7 +175,7 @@ def pruned_config(model_cfg, chosen: dict[str, Any]):
         return new
     size, heads, hidden = head_size(model_cfg), chosen["heads"], chosen["hidden"]
     grouped = kv_heads(model_cfg) < model_cfg.num_heads
-    num_kv = model_cfg.num_kv_heads if grouped or model_cfg.num_kv_heads is None else heads
+    num_kv = chosen["kv_heads"] if grouped else (None if model_cfg.num_kv_heads is None else heads)
     return dataclasses.replace(
         new,
         num_heads=heads,
@@ -192,6 +204,14 @@ def pruned_state(
     def take(value: torch.Tensor, dim: int, index: torch.Tensor | None) -> torch.Tensor:
         return value if index is None else value.index_select(dim, index)
 
+    def kv_rows(layer: str) -> torch.Tensor | None:
+        """Grouped KV heads: the rows of the kept groups' keys or values (None: every group stays)."""
+        if chosen["kept_heads"] is None or chosen["kv_heads"] == kv_heads(model_cfg):
+            return None
+        per = model_cfg.num_heads // kv_heads(model_cfg)
+        groups = chosen["kept_heads"][int(layer)][::per] // per
+        return _rows(groups, size)
+
     out = {}
     renumber = {old: new for new, old in enumerate(chosen["layers"])}
     for name, value in state.items():
@@ -210,7 +230,7 @@ def pruned_state(
         elif module == "attention.wq":
             out_index, in_index = heads, hidden
         elif module in ("attention.wk", "attention.wv"):
-            out_index, in_index = (None if grouped else heads), hidden
+            out_index, in_index = (kv_rows(index) if grouped else heads), hidden
         elif module == "attention.wo":
             out_index, in_index = hidden, heads
         elif module in ("feed_forward.w1", "feed_forward.w3"):

@@ -215,6 +215,51 @@ def test_a_gpt_with_pruned_heads_runs_in_the_suite_but_does_not_export(source, t
     assert not (tmp_path / "hf").exists()
 
 
+def test_whole_kv_groups_go_when_the_fraction_is_whole_groups():
+    """8 query heads in 4 KV groups, prune.heads=0.25: 6 heads cannot be shared evenly by 4 groups,
+    so the least important group goes with its KV head (num_kv_heads 4 -> 3). The pruned model
+    computes what the source computes with that group's query heads zeroed at the output projection."""
+    from suite.compress.importance import Importance
+    from suite.compress.prune import plan, pruned_config, pruned_state
+    from suite.config.schema import ModelConfig, PruneConfig, SuiteConfig
+    from suite.models import build_model, materialize
+
+    cfg = ModelConfig(
+        family="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=8,
+        num_kv_heads=4,
+        vocab_size=64,
+        max_seq_len=16,
+    )
+    full = materialize(build_model(cfg), "cpu", seed=3).eval()
+    heads = [
+        torch.tensor([5.0, 4.0, 1.0, 0.5, 3.0, 3.0, 2.0, 2.0]),
+        torch.tensor([1.0, 1.0, 9.0, 9.0, 0.1, 0.2, 4.0, 4.0]),
+    ]
+    scores = Importance(
+        channels=[torch.ones(full.layers["0"].feed_forward.w2.in_features)] * 2,
+        heads=heads,
+        hidden=torch.ones(64),
+        layers=torch.ones(2),
+    )
+    chosen = plan(SuiteConfig(model=cfg, prune=PruneConfig(heads=0.25)), cfg, scores)
+    assert (chosen["heads"], chosen["kv_heads"]) == (6, 3)
+    # group scores (L2 of its two heads): layer 0 drops group 1 (heads 2, 3), layer 1 group 2 (heads 4, 5)
+    assert [chosen["kept_heads"][i].tolist() for i in (0, 1)] == [[0, 1, 4, 5, 6, 7], [0, 1, 2, 3, 6, 7]]
+    small_cfg = pruned_config(cfg, chosen)
+    assert (small_cfg.num_heads, small_cfg.num_kv_heads, small_cfg.head_dim) == (6, 3, 8)
+    small = materialize(build_model(small_cfg), "cpu", seed=0).eval()
+    small.load_state_dict(pruned_state(cfg, full.state_dict(), chosen))
+    with torch.no_grad():
+        for layer, dropped in (("0", [2, 3]), ("1", [4, 5])):
+            for h in dropped:
+                full.layers[layer].attention.wo.weight[:, h * 8 : (h + 1) * 8] = 0.0
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        assert (small(ids) - full(ids)).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize(
     "extra,words,family",
     [
