@@ -75,14 +75,18 @@ def main() -> int:
     for family in args.families:
         sft = runs / f"sft-{family}-tiny"
         pruned, healed, hf = out / f"{family}-pruned", out / f"{family}-healed", out / f"{family}-hf"
-        suite(
-            "prune", f"ckpt={sft}", f"prune.ffn={args.ffn}", f"prune.heads={args.heads}", f"run.dir={pruned}",
-            "compress.task_samples=0",
-        )  # fmt: skip
-        _, heal_wall = suite(
-            "distill", "recipe=distill-sft-tiny", f"distill.teacher={sft}", f"model.init_from={pruned}",
-            f"train.max_steps={args.heal_steps}", f"run.dir={healed}", "train.overwrite=true", "log.progress=false",
-        )  # fmt: skip
+        if not (pruned / "checkpoints").exists():
+            suite(
+                "prune", f"ckpt={sft}", f"prune.ffn={args.ffn}", f"prune.heads={args.heads}", f"run.dir={pruned}",
+                "compress.task_samples=0",
+            )  # fmt: skip
+        heal_wall = None
+        if not (healed / "checkpoints").exists():
+            _, heal_wall = suite(
+                "distill", "recipe=distill-sft-tiny", f"distill.teacher={sft}", f"model.init_from={pruned}",
+                f"train.max_steps={args.heal_steps}", f"run.dir={healed}", "train.overwrite=true",
+                "log.progress=false",
+            )  # fmt: skip
         row = {
             "params": {"teacher": params(sft), "pruned": params(pruned)},
             "exact_match": {
