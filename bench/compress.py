@@ -19,7 +19,7 @@ methods by), and QAT is --qat-steps of continued pretraining (`suite pretrain mo
 with compress=qat-int4, against the same continued pretraining without it, quantized to int4. Every report (report.json) measures the same held-out rows: perplexity per assistant token on the
 task's held-out questions, greedy exact match on all 200 of them, bytes on disk, decode tokens/s.
 Prints one markdown table per family, the figures issue 17's acceptance names, and writes them to
-<out>/results.json.
+<out>/results.json. Output folders that already hold a report are kept (delete one to redo it).
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def main() -> int:
         rows, reports = [], {}
         for method in args.methods:
             folder = out / f"{family}-{'base-' if args.base else ''}{method}"
-            wall = suite("quantize", f"ckpt={sft}", f"compress={method}", f"run.dir={folder}", *REPORT)
+            if not (folder / "report.json").exists():  # a finished quantization is kept
+                suite("quantize", f"ckpt={sft}", f"compress={method}", f"run.dir={folder}", *REPORT)
             reports[method] = json.loads((folder / "report.json").read_text())
-            reports[method]["wall_s"] = wall
         first = reports[args.methods[0]]
         bf16_block = first["before"]["block_bytes"] / 2  # the fp32 source's blocks, at 2 bytes a value
         bf16_file = first["before"]["file_bytes"] / 2
@@ -119,9 +119,11 @@ def main() -> int:
                 "pretrain", f"recipe={family}-tiny", f"model.init_from={sft}",
                 f"train.max_steps={args.qat_steps}", "log.progress=false",
             ]  # fmt: skip
-            suite(*more, f"run.dir={ctrl}")
-            suite("quantize", f"ckpt={ctrl}", "compress=int4", f"run.dir={ctrl}-int4", *REPORT)
-            suite(*more, "compress=qat-int4", f"run.dir={qat}", *REPORT[:2])
+            if not (Path(f"{ctrl}-int4") / "report.json").exists():
+                suite(*more, f"run.dir={ctrl}")
+                suite("quantize", f"ckpt={ctrl}", "compress=int4", f"run.dir={ctrl}-int4", *REPORT)
+            if not (Path(f"{qat}-int4") / "report.json").exists():
+                suite(*more, "compress=qat-int4", f"run.dir={qat}", *REPORT[:2])
             ptq = json.loads((Path(f"{ctrl}-int4") / "report.json").read_text())
             report = json.loads((Path(f"{qat}-int4") / "report.json").read_text())
             report["before"] = ptq["before"]  # against the same continued pretraining without QAT
