@@ -143,7 +143,8 @@ def test_bad_distill_input_is_one_line(tmp_path, teacher, tiny_data, extra, word
 
 def test_distill_on_chat_rows_matches_single_process_at_dp2(tmp_path, tiny_data):
     """distill.data=sft: a student from scratch on a task's chat rows (the teacher's tokenizer and chat
-    template), the loss only on assistant tokens; dp=2 equals one process."""
+    template), the loss only on assistant tokens, with the recipe's hidden-state matching (student
+    width 32, teacher 64: learned projections); dp=2 equals one process."""
     from tests.e2e.test_finetune import TINY_FT, tiny_base
 
     base = tiny_base(tmp_path / "teacher-hf", tiny_data)
