@@ -82,7 +82,7 @@ def main() -> int:
             "distill", "recipe=distill-sft-tiny", f"distill.teacher={teacher}", f"run.dir={run}",
             "train.overwrite=true", "log.progress=false", *steps, *extra,
         )  # fmt: skip
-        note = " (ce_weight=1, hidden_weight=0: no teacher)" if extra is alone else " ".join(extra)
+        note = "ce_weight=1, hidden_weight=0: no teacher" if extra is alone else " ".join(extra)
         rows.append((f"student {name}" + (f" ({note})" if note else ""), run, wall))
     print("| model | parameters | held-out loss | exact match | wall |")
     print("|---|---:|---:|---:|---:|")
@@ -90,7 +90,7 @@ def main() -> int:
         acc = accuracy(run)
         loss = last_val_loss(run)
         print(
-            f"| {name} | {params(run):,} | {loss:.4f} | {acc['accuracy']:.1%} ({acc['correct']}/{acc['total']}) | "
+            f"| {name} | {params(run):,} | {loss:.3g} | {acc['accuracy']:.1%} ({acc['correct']}/{acc['total']}) | "
             + (f"{wall / 60:.1f} min |" if wall else "- |")
         )
     print(f"load average {os.getloadavg()[0]:.1f}")
