@@ -1,19 +1,22 @@
 """Distillation acceptance, end to end with the real CLI: a half-size student with and without its teacher.
 
     python bench/distill.py                              # teacher runs/sft-tiny (made first when missing)
-    python bench/distill.py --teacher runs/sft-tiny --out /tmp/distill --steps 800
+    python bench/distill.py --teacher runs/sft-tiny --out /tmp/distill --steps 800 --seed 1
+    python bench/distill.py --set distill.hidden_weight=0 --set distill.ce_weight=0.5   # other settings
 
 Runs, as a user would (the teacher first when --teacher does not exist: `suite pretrain` then
 `suite finetune recipe=sft-tiny`):
     suite eval ckpt=<teacher>                                               the teacher's accuracy
     suite distill recipe=distill-sft-tiny run.dir=<out>/distilled            student with the teacher
-    suite distill recipe=distill-sft-tiny run.dir=<out>/alone distill.ce_weight=1.0
+    suite distill recipe=distill-sft-tiny run.dir=<out>/alone distill.ce_weight=1.0 distill.hidden_weight=0
                                                                            the same student, hard labels only
     suite eval ckpt=<out>/distilled, suite eval ckpt=<out>/alone
 and prints a markdown table: parameters, held-out loss per assistant token (the final val_loss), exact
 match on the task's 200 held-out questions, wall time. The student (recipe distill-sft-tiny) has half
 the teacher's layers and width and starts from scratch; both students see the same rows in the same
-order for the same number of steps.
+order for the same number of steps (`--seed`: train.seed of both); `--set key=value` (repeatable) changes
+the distilled student's settings only (the recipe's are the distillation defaults), e.g. to compare
+with logit distillation alone: --set distill.hidden_weight=0.
 """
 
 from __future__ import annotations
@@ -60,27 +63,34 @@ def main() -> int:
     parser.add_argument("--teacher", default="runs/sft-tiny")
     parser.add_argument("--out", default="runs/distill-bench")
     parser.add_argument("--steps", type=int, default=None, help="student steps (default: the recipe's)")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed of both students")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the distilled run"
+    )
     args = parser.parse_args()
     teacher, out = Path(args.teacher), Path(args.out)
     if not teacher.exists():
         suite("pretrain")
         suite("finetune", "recipe=sft-tiny", f"run.dir={teacher}")
     steps = [f"train.max_steps={args.steps}"] if args.steps else []
+    steps += [f"train.seed={args.seed}"] if args.seed is not None else []
     rows = [("teacher (sft-tiny)", teacher, None)]
-    for name, extra in (("distilled", []), ("alone", ["distill.ce_weight=1.0"])):
+    alone = ["distill.ce_weight=1.0", "distill.hidden_weight=0"]
+    for name, extra in (("distilled", args.set), ("alone", alone)):
         run = out / name
         _, wall = suite(
             "distill", "recipe=distill-sft-tiny", f"distill.teacher={teacher}", f"run.dir={run}",
             "train.overwrite=true", "log.progress=false", *steps, *extra,
         )  # fmt: skip
-        rows.append((f"student {name}" + (" (ce_weight=1: no teacher)" if extra else ""), run, wall))
+        note = "ce_weight=1, hidden_weight=0: no teacher" if extra is alone else " ".join(extra)
+        rows.append((f"student {name}" + (f" ({note})" if note else ""), run, wall))
     print("| model | parameters | held-out loss | exact match | wall |")
     print("|---|---:|---:|---:|---:|")
     for name, run, wall in rows:
         acc = accuracy(run)
         loss = last_val_loss(run)
         print(
-            f"| {name} | {params(run):,} | {loss:.4f} | {acc['accuracy']:.1%} ({acc['correct']}/{acc['total']}) | "
+            f"| {name} | {params(run):,} | {loss:.3g} | {acc['accuracy']:.1%} ({acc['correct']}/{acc['total']}) | "
             + (f"{wall / 60:.1f} min |" if wall else "- |")
         )
     print(f"load average {os.getloadavg()[0]:.1f}")

@@ -34,6 +34,9 @@ from suite.models.hf import from_hf_state_dict, model_config_from_hf
 from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
 
 HF_PREFIX = "hf:"
+# parameters a training verb adds beside the model's own (suite distill's hidden-state projections):
+# saved in its checkpoints for resume, never part of the model a run's weights are read as
+TRAINING_ONLY = ("distill_proj.",)
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -284,7 +287,9 @@ def checkpoint_weights(folder: Path, lora_scaling: float | None = None) -> dict[
     raw = {
         key.removeprefix("model."): stored(key, info)
         for key, info in metadata.items()
-        if key.startswith("model.") and isinstance(info, TensorStorageMetadata)
+        if key.startswith("model.")
+        and isinstance(info, TensorStorageMetadata)
+        and not key.removeprefix("model.").startswith(TRAINING_ONLY)
     }
     if lora_scaling is None:
         return raw

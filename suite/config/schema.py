@@ -330,6 +330,10 @@ class DistillConfig:
     temperature: float = 1.0  # both distributions softened by it; the divergence is scaled by T^2
     ce_weight: float = 0.5  # weight of the hard-label cross-entropy; the divergence gets 1 - ce_weight
     chunk_tokens: int = 1024  # tokens whose logits exist at once (both models' full vocabulary)
+    # hidden-state matching (0: off): every student block's output against an evenly spaced teacher
+    # block's, at the target tokens, through a learned projection when the widths differ
+    hidden_weight: float = 0.0
+    hidden_loss: str = "cosine"  # cosine: 1 - cos(student, teacher) | mse: mean squared error per element
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.distill.hidden import HIDDEN_LOSSES
 from suite.distill.loss import DIVERGENCES
 
 
@@ -38,6 +39,14 @@ def check_distill(cfg: SuiteConfig) -> None:
                 "distill.data=sft needs chat rows: finetune.data.task=reverse-6 or "
                 "'finetune.data.sources=[{path: data/chat.jsonl}]'"
             )
+    if not d.hidden_weight >= 0 or d.hidden_weight == float("inf"):
+        raise ConfigError(
+            f"distill.hidden_weight={d.hidden_weight} must be >= 0 (0: no hidden-state matching); e.g. 1.0"
+        )
+    if d.hidden_loss not in HIDDEN_LOSSES:
+        raise ConfigError(
+            f"distill.hidden_loss={d.hidden_loss!r} is not a hidden-state loss; use one of {', '.join(HIDDEN_LOSSES)}"
+        )
     if d.chunk_tokens < 1:
         raise ConfigError(f"distill.chunk_tokens={d.chunk_tokens} must be >= 1; e.g. 1024")
     from suite.compress.checks import refuse_quantized

@@ -5,7 +5,8 @@ kind: sharded under FSDP, so no rank holds a whole teacher it would not hold a w
 loaded from its source (suite.sources.ModelSource: a suite run/checkpoint or hf:<folder>, resharded
 to this layout), set to eval mode with every parameter frozen. It hands the step its final hidden
 states (the forward's `head` hook returns them instead of logits) and its output head weight, gathered
-once into a plain tensor: the distillation loss projects both models chunk by chunk itself.
+once into a plain tensor: the distillation loss projects both models chunk by chunk itself. With
+hidden-state matching it also hands over the outputs of the blocks the student's are matched to.
 """
 
 from __future__ import annotations
@@ -31,9 +32,14 @@ class Teacher:
         self.source = source
 
     @torch.no_grad()
-    def hidden(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """The teacher's final (normed) hidden states [b, s, h_t] for the student's micro-batch."""
-        return self.model(tokens, head=lambda hidden, weight: hidden, **kwargs)
+    def hidden(self, tokens: torch.Tensor, kwargs: dict, blocks=()) -> tuple[torch.Tensor, dict]:
+        """The teacher's final (normed) hidden states [b, s, h_t] for the student's micro-batch, and
+        the outputs of its blocks `blocks` by index (hidden-state matching; none by default)."""
+        from suite.distill.hidden import BlockOutputs
+
+        with BlockOutputs(self.model, blocks) as kept:
+            final = self.model(tokens, head=lambda hidden, weight: hidden, **kwargs)
+        return final, kept.outputs
 
 
 def load_teacher(

@@ -11,6 +11,7 @@ Trainer's.
 from __future__ import annotations
 
 from suite.config.errors import ConfigError
+from suite.distill.hidden import attach_projections
 from suite.distill.step import DistillStep
 from suite.distill.teacher import Teacher, load_teacher
 from suite.finetune.trainer import FinetuneTrainer
@@ -23,6 +24,13 @@ class _WithTeacher:
     """The step with the teacher in it; `_student_vocab` is the student data's tokenizer vocabulary."""
 
     verb = "distill"
+
+    def _adapt_model(self, model) -> None:
+        """Hidden-state matching between models of different widths: the learned projections."""
+        super()._adapt_model(model)
+        if self.cfg.distill.hidden_weight:
+            teacher = ModelSource.parse(self.cfg.distill.teacher, "distill.teacher").model_config()
+            attach_projections(model, self.cfg.model.hidden_size, teacher.hidden_size)
 
     def _make_step(self, **options):
         teacher = load_teacher(self.cfg, self.dims, self.device, self.precision)

@@ -8,12 +8,21 @@ assert_layout). Bad input is one line before anything starts.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.conftest import COMMON
-from tests.helpers import TINY_MODEL, assert_equivalent, assert_layout, merged, run_suite, train_losses
+from tests.helpers import (
+    TINY_MODEL,
+    assert_equivalent,
+    assert_layout,
+    export_and_compare,
+    merged,
+    run_suite,
+    train_losses,
+)
 
 STEPS = 4
 
@@ -32,10 +41,10 @@ def teacher(tmp_path_factory, tiny_data) -> Path:
 
 
 def distill(run: Path, teacher: Path, tiny_data: Path, *extra: str, check: bool = True):
+    steps = [f"train.max_steps={STEPS}", f"train.save_every={STEPS}", f"train.eval_every={STEPS}"]
     return run_suite(
-        "distill", f"distill.teacher={teacher}", *merged(STUDENT, extra), f"data.path={tiny_data}",
-        f"run.dir={run}", f"train.max_steps={STEPS}", f"train.save_every={STEPS}", f"train.eval_every={STEPS}",
-        *COMMON, check=check,
+        "distill", f"distill.teacher={teacher}", f"data.path={tiny_data}", f"run.dir={run}",
+        *merged(STUDENT, steps, COMMON, list(extra)), check=check,
     )  # fmt: skip
 
 
@@ -73,6 +82,37 @@ def test_the_teacher_changes_the_loss(tmp_path, teacher, tiny_data, single):
     assert abs(mixed[1] - want[1]) > 1e-3 * want[1], (mixed, want)
 
 
+HIDDEN = ["distill.hidden_weight=1.0", "train.save_every=2"]  # student width 32, teacher 64: projected
+
+
+def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, teacher, tiny_data):
+    """distill.hidden_weight: the learned projections train (their step-1 gradients compared too) and
+    shard with FSDP's root as in one process; a run resumed from step 2 continues exactly; the
+    checkpoints hold the projections, the weights a run is read as (eval, export) do not."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from suite.sources import ModelSource
+
+    one = tmp_path / "single"
+    distill(one, teacher, tiny_data, *HIDDEN)
+    sharded = tmp_path / "sharded"
+    layout = ["parallel.sharding=2", "parallel.sharding_stage=3"]
+    distill(sharded, teacher, tiny_data, *HIDDEN, *layout, "launch.nproc_per_node=2")
+    assert_layout(sharded, 2, [*TINY_MODEL, *layout])
+    assert_equivalent(one, sharded)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    distill(resumed, teacher, tiny_data, *HIDDEN)
+    want = {s: v for s, v in train_losses(one).items() if s > 2}
+    assert train_losses(resumed) == want, (train_losses(resumed), want)
+    saved = FileSystemReader(str(one / "checkpoints" / f"step_{STEPS}")).read_metadata().state_dict_metadata
+    assert "model.distill_proj.0.weight" in saved  # one student block, one projection
+    with ModelSource.parse(str(one), "ckpt").weights() as weights:
+        assert weights and not any(name.startswith("distill_proj") for name in weights)
+    assert abs(export_and_compare(one, tmp_path / "hf")) < 1e-4
+
+
 @pytest.mark.parametrize(
     "extra,words",
     [
@@ -80,6 +120,8 @@ def test_the_teacher_changes_the_loss(tmp_path, teacher, tiny_data, single):
         (["distill.teacher=/nope"], ["distill.teacher='/nope'"]),
         (["distill.loss=kl"], ["distill.loss='kl'", "forward_kl"]),
         (["distill.ce_weight=2"], ["distill.ce_weight=2"]),
+        (["distill.hidden_loss=l1"], ["distill.hidden_loss='l1'", "cosine"]),
+        (["distill.hidden_weight=-1"], ["distill.hidden_weight=-1"]),
         (["model.vocab_size=1024"], ["vocab_size=512", "vocab_size=1024"]),
         (["parallel.tp=2", "launch.nproc_per_node=2"], ["parallel.tp=2", "dp and sharding"]),
     ],
@@ -101,7 +143,8 @@ def test_bad_distill_input_is_one_line(tmp_path, teacher, tiny_data, extra, word
 
 def test_distill_on_chat_rows_matches_single_process_at_dp2(tmp_path, tiny_data):
     """distill.data=sft: a student from scratch on a task's chat rows (the teacher's tokenizer and chat
-    template), the loss only on assistant tokens; dp=2 equals one process."""
+    template), the loss only on assistant tokens, with the recipe's hidden-state matching (student
+    width 32, teacher 64: learned projections); dp=2 equals one process."""
     from tests.e2e.test_finetune import TINY_FT, tiny_base
 
     base = tiny_base(tmp_path / "teacher-hf", tiny_data)
