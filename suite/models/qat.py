@@ -37,19 +37,21 @@ def prepare_qat(model: nn.Module, compress: CompressConfig) -> list[str]:
     if compress.method not in QAT_METHODS:
         return []
     quiet_torchao()
-    from torchao.quantization import IntxWeightOnlyConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
-    from torchao.quantization.qat import QATConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.granularity import PerAxis
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
 
     if QAT_METHODS[compress.method] == "int4":
-        # fp32 scales while training (torchao's fake quantizer takes no scale dtype); the conversion
-        # stores them in bf16 as suite quantize's int4 does
-        base = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(compress.group_size))
+        # the grid suite quantize's int4 stores: symmetric, one bf16 scale per group (with torchao's
+        # default derived from IntxWeightOnlyConfig the fake-quantized weights differed from it)
+        weights = IntxFakeQuantizeConfig(
+            torch.int4, group_size=compress.group_size, is_symmetric=True, scale_precision=torch.bfloat16
+        )
     else:
-        base = IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+        weights = IntxFakeQuantizeConfig(torch.int8, granularity=PerAxis(0), is_symmetric=True)
     names = [
         n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not skipped(n, compress.skip)
     ]
     wanted = set(names)
-    quantize_(model, QATConfig(base, step="prepare"), lambda module, name: name in wanted)
+    quantize_(model, QATConfig(weight_config=weights, step="prepare"), lambda module, name: name in wanted)
     return names
