@@ -42,7 +42,10 @@ def test_qat_trains_through_fake_quantization_and_converts(tmp_path, tiny_data, 
         tmp_path / "plain", tiny_data, 1, "train.save_every=4", "train.eval_every=4", steps=STEPS
     )
     qat, ref = train_losses(qat_single), train_losses(plain)
-    assert abs(qat[1] - ref[1]) > 1e-5 * ref[1], (qat, ref)  # int4 rounding changes the first forward
+    # int4 rounding changes the first forward (the same code in one process is otherwise bitwise equal)
+    # and the training after it (measured: 7.6e-7 relative at step 1, 4.0e-4 at step 2)
+    assert qat[1] != ref[1], (qat, ref)
+    assert max(abs(qat[s] - ref[s]) / ref[s] for s in ref) > 1e-4, (qat, ref)
     converted = qat_single.parent / f"{qat_single.name}-int4"
     report = json.loads((converted / "report.json").read_text())
     assert report["method"] == "int4"
