@@ -255,7 +255,7 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     from suite.compress.quantize import held_out_and_calibration, progress
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
     from suite.models import build_model, materialize
-    from suite.models.transformer import fuse_state_dict, head_size, unfuse_state_dict
+    from suite.models.transformer import fuse_state_dict, head_size, kv_heads, unfuse_state_dict
     from suite.sources import ModelSource
     from suite.train.checkpoint import save_checkpoint
 
@@ -337,7 +337,18 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
         "head_importance": [[round(float(x), 6) for x in layer] for layer in scores.heads],
         "before": before,
         "after": after,
-        "table": table(before, after),
+        "num_kv_heads": [kv_heads(model_cfg), kv_heads(new_cfg)],
+        "table": table(
+            before,
+            after,
+            {
+                "layers": (model_cfg.num_layers, new_cfg.num_layers),
+                "attention heads": (model_cfg.num_heads, new_cfg.num_heads),
+                "KV heads": (kv_heads(model_cfg), kv_heads(new_cfg)),
+                "hidden size": (model_cfg.hidden_size, new_cfg.hidden_size),
+                "MLP width": (model.layers["0"].feed_forward.w2.in_features, chosen["width"]),
+            },
+        ),
     }
     report["report"] = str(write_report(out / "report.json", report))
     return report

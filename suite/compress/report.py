@@ -119,8 +119,11 @@ def _fmt(value: Any) -> str:
     return f"{value:,}"
 
 
-def table(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """The console table: one row per measure, before / after / ratio."""
+def table(
+    before: dict[str, Any], after: dict[str, Any], shapes: dict[str, tuple[int, int]] | None = None
+) -> str:
+    """The console table: one row per measure, before / after / ratio (first the `shapes` rows, e.g.
+    the layer and head counts a pruning changed)."""
     rows = [
         ("parameters", "params"),
         ("weights file (bytes)", "file_bytes"),
@@ -130,6 +133,8 @@ def table(before: dict[str, Any], after: dict[str, Any]) -> str:
         ("decode tokens/s", "decode_tokens_per_s"),
     ]
     lines = [f"{'':24s}{'before':>16s}{'after':>16s}{'after/before':>14s}"]
+    for label, (a, b) in (shapes or {}).items():
+        lines.append(f"{label:24s}{a:>16d}{b:>16d}{b / a:>14.3f}")
     for label, key in rows:
         if key not in before:
             continue
