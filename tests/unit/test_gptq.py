@@ -50,7 +50,8 @@ def test_correlated_inputs_give_less_output_error_than_rounding(method):
     assert err_gptq < 0.7 * err_rtn, (float(err_gptq), float(err_rtn))
 
 
-def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better():
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better(family):
     from torchao.quantization import quantize_
 
     from suite.compress.gptq import gptq_quantize
@@ -58,7 +59,17 @@ def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better():
     from suite.config.schema import ModelConfig
     from suite.models import build_model, materialize
 
-    cfg = ModelConfig(name="t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=97, max_seq_len=32)
+    grouped = {"num_kv_heads": 2} if family == "llama" else {}
+    cfg = ModelConfig(
+        name="t",
+        family=family,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        vocab_size=97,
+        max_seq_len=32,
+        **grouped,
+    )
     reference = materialize(build_model(cfg), "cpu", seed=0).eval()
     gen = torch.Generator().manual_seed(2)
     calib = [torch.randint(0, 97, (4, 32), generator=gen) for _ in range(4)]
