@@ -4,6 +4,7 @@
     python bench/compress.py --families gpt --methods int8 int4 gptq --no-qat
     python bench/compress.py --runs /tmp/runs --out /tmp/compress-bench
     python bench/compress.py --base --methods int4 gptq   # the pretrained models instead
+    python bench/compress.py --families llama --set compress.group_size=16   # llama-tiny's MLP is 688 wide
 
 Per family (gpt: recipe gpt-tiny, llama: recipe llama-tiny), as a user would, each made only when its
 folder is missing:
@@ -89,6 +90,9 @@ def main() -> int:
         "--base", action="store_true", help="quantize the pretrained model, not the finetuned"
     )
     parser.add_argument("--qat-steps", type=int, default=150, help="--base: steps of continued pretraining")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every quantize"
+    )
     parser.add_argument("--runs", default="runs", help="where the base and finetuned models are (or go)")
     parser.add_argument("--out", default="runs/compress-bench")
     args = parser.parse_args()
@@ -100,7 +104,9 @@ def main() -> int:
         for method in args.methods:
             folder = out / f"{family}-{'base-' if args.base else ''}{method}"
             if not (folder / "report.json").exists():  # a finished quantization is kept
-                suite("quantize", f"ckpt={sft}", f"compress={method}", f"run.dir={folder}", *REPORT)
+                suite(
+                    "quantize", f"ckpt={sft}", f"compress={method}", f"run.dir={folder}", *REPORT, *args.set
+                )
             reports[method] = json.loads((folder / "report.json").read_text())
         first = reports[args.methods[0]]
         bf16_block = first["before"]["block_bytes"] / 2  # the fp32 source's blocks, at 2 bytes a value
