@@ -100,12 +100,10 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def input_hessians(
-    model: nn.Module,
-    linears: dict[str, nn.Linear],
-    run: Callable[[nn.Module], None],
-    stop_after: nn.Module | None,
+    linears: dict[str, nn.Linear], run: Callable[[], None], stop_after: nn.Module | None
 ) -> dict[str, torch.Tensor]:
-    """X^T X of each Linear's input over the calibration forwards (`run`), stopping after `stop_after`."""
+    """X^T X of each Linear's input over the calibration forwards (`run`); each forward raises _Stop
+    after `stop_after` (None: runs to the end)."""
     hessians: dict[str, torch.Tensor] = {}
 
     def on_input(name: str):
@@ -123,7 +121,7 @@ def input_hessians(
     if stop_after is not None:
         handles.append(stop_after.register_forward_hook(stop))
     try:
-        run(model)
+        run()
     finally:
         for h in handles:
             h.remove()
@@ -156,7 +154,6 @@ def gptq_quantize(
     group_size: int,
     damp: float,
     calibrate: Callable[[nn.Module], None],
-    on_stage: Callable[[int, int], None] | None = None,
 ) -> None:
     """Quantize the Linear layers `targets` of `model` in place with GPTQ, to the tensor types torchao's
     round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU)."""
@@ -171,14 +168,15 @@ def gptq_quantize(
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     stages = _stages(model, targets)
 
-    def run_each(m: nn.Module) -> None:  # one stop per forward: each calibration batch stops on its own
-        calibrate(_StopEach(m))
+    def forward_until_stop(*args, **kwargs):  # each calibration batch's forward ends at the stop
+        try:
+            return model(*args, **kwargs)
+        except _Stop:
+            return None
 
-    for index, (block, names) in enumerate(stages):
-        if on_stage is not None:
-            on_stage(index, len(stages))
+    for block, names in stages:
         linears = {n: modules[n] for n in names}
-        hessians = input_hessians(model, linears, run_each, block)
+        hessians = input_hessians(linears, lambda: calibrate(forward_until_stop), block)
         for name, linear in linears.items():
             h = hessians.get(name)
             if h is None:
@@ -194,20 +192,6 @@ def gptq_quantize(
     for name, (q, scales) in results.items():
         linear = modules[name]
         linear.weight = nn.Parameter(_with_values(linear.weight, q, scales), requires_grad=False)
-
-
-class _StopEach(nn.Module):
-    """Calls the model, treating the stop after the calibrated block as the end of that forward."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.inner = model
-
-    def forward(self, *args, **kwargs):
-        try:
-            return self.inner(*args, **kwargs)
-        except _Stop:
-            return None
 
 
 def _with_values(like, q: torch.Tensor, scales: torch.Tensor):
