@@ -184,9 +184,8 @@ def test_pruned_heads_are_the_most_important_of_each_group_and_exact(source, tmp
         assert (small(ids) - full(ids)).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("source", ["llama"], indirect=True)  # GPT: tested below (GPT-2 cannot hold it)
 def test_heads_hidden_and_mlp_pruned_llama_exports_to_transformers(source, tmp_path):
-    if source.name != "llama":
-        pytest.skip("GPT-2's HF config cannot hold a pruned head size (the GPT case is tested below)")
     report = prune(source, tmp_path / "pruned", "prune.heads=0.5", "prune.hidden=0.25", "prune.ffn=0.25")
     assert report["num_heads"] == [4, 2] and report["hidden_size"] == [64, 48] and report["head_dim"] == 16
     assert report["after"]["params"] < report["before"]["params"]
@@ -198,9 +197,8 @@ def test_heads_hidden_and_mlp_pruned_llama_exports_to_transformers(source, tmp_p
     )
 
 
+@pytest.mark.parametrize("source", ["gpt"], indirect=True)  # the GPT-2 export limitation
 def test_a_gpt_with_pruned_heads_runs_in_the_suite_but_does_not_export(source, tmp_path):
-    if source.name != "gpt":
-        pytest.skip("the GPT-2 export limitation")
     pruned = tmp_path / "pruned"
     report = prune(source, pruned, "prune.heads=0.25")
     assert report["num_heads"] == [4, 3] and report["head_dim"] == 16
@@ -260,28 +258,30 @@ def test_whole_kv_groups_go_when_the_fraction_is_whole_groups():
         assert (small(ids) - full(ids)).abs().max() <= 1e-5
 
 
+BAD_INPUT = [  # (family, or None for both; extra overrides; words the error line must hold)
+    (None, [], ["nothing to prune"]),
+    (None, ["prune.ffn=1.0"], ["prune.ffn=1.0"]),
+    (None, ["prune.layers=4"], ["prune.layers=4"]),
+    (None, ["prune.heads=1.0"], ["prune.heads=1.0", "[0, 1)"]),
+    (None, ["prune.hidden=1"], ["prune.hidden=1", "[0, 1)"]),
+    (None, ["prune.hidden=0.999"], ["prune.hidden=0.999", "keeps 0 of 64"]),
+    ("gpt", ["prune.heads=0.9"], ["prune.heads=0.9", "keeps 0 of 4", "none would be left"]),
+    ("llama", ["prune.heads=0.9"], ["prune.heads=0.9", "none would be left", "prune.heads=0.5 (keeps 2)"]),
+    # 3 of 4 query heads cannot be shared evenly by 2 KV groups: the nearest fraction that can
+    ("llama", ["prune.heads=0.25"], ["prune.heads=0.25", "2 KV groups", "prune.heads=0.5 (keeps 2)"]),
+]
+
+
 @pytest.mark.parametrize(
-    "extra,words,family",
+    "source,extra,words",
     [
-        ([], ["nothing to prune"], None),
-        (["prune.ffn=1.0"], ["prune.ffn=1.0"], None),
-        (["prune.layers=4"], ["prune.layers=4"], None),
-        (["prune.heads=1.0"], ["prune.heads=1.0", "[0, 1)"], None),
-        (["prune.hidden=1"], ["prune.hidden=1", "[0, 1)"], None),
-        (["prune.hidden=0.999"], ["prune.hidden=0.999", "keeps 0 of 64"], None),
-        (["prune.heads=0.9"], ["prune.heads=0.9", "keeps 0 of 4", "none would be left"], "gpt"),
-        (
-            ["prune.heads=0.9"],
-            ["prune.heads=0.9", "none would be left", "prune.heads=0.5 (keeps 2)"],
-            "llama",
-        ),
-        # 3 of 4 query heads cannot be shared evenly by 2 KV groups: the nearest fraction that can
-        (["prune.heads=0.25"], ["prune.heads=0.25", "2 KV groups", "prune.heads=0.5 (keeps 2)"], "llama"),
+        (f, extra, words)
+        for family, extra, words in BAD_INPUT
+        for f in ([family] if family else ["gpt", "llama"])
     ],
+    indirect=["source"],
 )
-def test_bad_prune_input_is_one_line(source, tmp_path, extra, words, family):
-    if family not in (None, source.name):
-        pytest.skip(f"a {family} case")
+def test_bad_prune_input_is_one_line(source, tmp_path, extra, words):
     out = tmp_path / "bad"
     proc = run_suite("prune", f"ckpt={source}", f"run.dir={out}", *extra)
     err = proc.stderr.strip()
