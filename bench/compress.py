@@ -4,7 +4,7 @@
     python bench/compress.py --families gpt --methods int8 int4 gptq --no-qat
     python bench/compress.py --runs /tmp/runs --out /tmp/compress-bench
     python bench/compress.py --base --methods int4 gptq   # the pretrained models instead
-    python bench/compress.py --families llama --set compress.group_size=16   # llama-tiny's MLP is 688 wide
+    python bench/compress.py --families llama --no-qat               # llama-tiny only, no QAT arm
 
 Per family (gpt: recipe gpt-tiny, llama: recipe llama-tiny), as a user would, each made only when its
 folder is missing:
