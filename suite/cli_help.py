@@ -57,6 +57,7 @@ Common keys:
   distill.teacher=runs/gpt-tiny|hf:DIR  distill.loss=forward_kl|reverse_kl|jsd  distill.temperature=X
   distill.ce_weight=X (hard-label share, 0..1)  distill.chunk_tokens=N  distill.data=pretrain|sft
   distill.hidden_weight=X (hidden-state matching; 0: off)  distill.hidden_loss=cosine|mse
+  distill.hidden_schedule=constant|linear (linear: decays to 0 at the last step)
   (sft: finetune.data.task=... or finetune.data.sources=..., as for suite finetune)  model.num_layers=N
   model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding=N  launch.nproc_per_node=N
 

@@ -334,6 +334,9 @@ class DistillConfig:
     # block's, at the target tokens, through a learned projection when the widths differ
     hidden_weight: float = 0.0
     hidden_loss: str = "cosine"  # cosine: 1 - cos(student, teacher) | mse: mean squared error per element
+    # constant: hidden_weight at every step | linear: from hidden_weight at step 1 down to 0 at the last
+    # step (the teacher's blocks guide the start, the labels and logits have the end)
+    hidden_schedule: str = "constant"
 
 
 @dataclass

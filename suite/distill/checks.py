@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
-from suite.distill.hidden import HIDDEN_LOSSES
+from suite.distill.hidden import HIDDEN_LOSSES, HIDDEN_SCHEDULES
 from suite.distill.loss import DIVERGENCES
 
 
@@ -42,6 +42,10 @@ def check_distill(cfg: SuiteConfig) -> None:
     if not d.hidden_weight >= 0 or d.hidden_weight == float("inf"):
         raise ConfigError(
             f"distill.hidden_weight={d.hidden_weight} must be >= 0 (0: no hidden-state matching); e.g. 1.0"
+        )
+    if d.hidden_schedule not in HIDDEN_SCHEDULES:
+        raise ConfigError(
+            f"distill.hidden_schedule={d.hidden_schedule!r} is not a schedule; use one of {', '.join(HIDDEN_SCHEDULES)}"
         )
     if d.hidden_loss not in HIDDEN_LOSSES:
         raise ConfigError(

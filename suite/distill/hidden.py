@@ -28,12 +28,24 @@ from suite.data.batch import IGNORE_INDEX
 from suite.sources import TRAINING_ONLY
 
 HIDDEN_LOSSES = ("cosine", "mse")
+HIDDEN_SCHEDULES = ("constant", "linear")
 PROJECTIONS = TRAINING_ONLY[0].rstrip(".")  # the student's attribute holding the projections
 
 
 def layer_pairs(student_layers: int, teacher_layers: int) -> list[tuple[int, int]]:
     """(student block, teacher block) for every student block, the teacher's evenly spaced."""
     return [(i, max(0, (i + 1) * teacher_layers // student_layers - 1)) for i in range(student_layers)]
+
+
+def hidden_weight_at(weight: float, schedule: str, step: int, max_steps: int) -> float:
+    """The hidden-state term's weight at 0-based `step`: constant, or linear from `weight` at the first
+    step to 0 at the last (a student held to the teacher's blocks to the end plateaus above what the
+    hard labels alone reach; docs/benchmarks.md, distillation with hidden-state matching)."""
+    if schedule == "constant" or max_steps <= 1:
+        return weight
+    if schedule == "linear":
+        return weight * max(0.0, 1.0 - step / (max_steps - 1))
+    raise ValueError(f"distill.hidden_schedule={schedule!r}; use one of {', '.join(HIDDEN_SCHEDULES)}")
 
 
 def attach_projections(model: nn.Module, student_width: int, teacher_width: int) -> None:

@@ -26,6 +26,9 @@ class DistillStep(TrainStep):
             layer_pairs(len(self.model.layers), len(teacher.model.layers)) if distill.hidden_weight else []
         )
         self.projections = getattr(self.model, PROJECTIONS, None)  # None: the widths are equal
+        self.hidden_weight = (
+            distill.hidden_weight
+        )  # this step's (distill.hidden_schedule); the trainer sets it
 
     def model_loss(
         self, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict, weight, aux_weight: float = 0.0
@@ -58,7 +61,7 @@ class DistillStep(TrainStep):
                         targets,
                         d.hidden_loss,
                     )
-                    loss = loss + d.hidden_weight * matched
+                    loss = loss + self.hidden_weight * matched
                 return loss * weight
 
             return self.model(tokens, head=head, **kwargs)

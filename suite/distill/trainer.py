@@ -11,7 +11,7 @@ Trainer's.
 from __future__ import annotations
 
 from suite.config.errors import ConfigError
-from suite.distill.hidden import attach_projections
+from suite.distill.hidden import attach_projections, hidden_weight_at
 from suite.distill.step import DistillStep
 from suite.distill.teacher import Teacher, load_teacher
 from suite.finetune.trainer import FinetuneTrainer
@@ -31,6 +31,14 @@ class _WithTeacher:
         if self.cfg.distill.hidden_weight:
             teacher = ModelSource.parse(self.cfg.distill.teacher, "distill.teacher").model_config()
             attach_projections(model, self.cfg.model.hidden_size, teacher.hidden_size)
+
+    def train_step(self, micro_batches):
+        """The training step at this step's hidden-state weight (distill.hidden_schedule)."""
+        d = self.cfg.distill
+        self.runner.hidden_weight = hidden_weight_at(
+            d.hidden_weight, d.hidden_schedule, self.step, self.cfg.train.max_steps
+        )
+        return super().train_step(micro_batches)
 
     def _make_step(self, **options):
         teacher = load_teacher(self.cfg, self.dims, self.device, self.precision)

@@ -82,7 +82,8 @@ def test_the_teacher_changes_the_loss(tmp_path, teacher, tiny_data, single):
     assert abs(mixed[1] - want[1]) > 1e-3 * want[1], (mixed, want)
 
 
-HIDDEN = ["distill.hidden_weight=1.0", "train.save_every=2"]  # student width 32, teacher 64: projected
+# student width 32, teacher 64: projected; the linear schedule makes a resumed run's weights step-dependent
+HIDDEN = ["distill.hidden_weight=1.0", "distill.hidden_schedule=linear", "train.save_every=2"]
 
 
 def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, teacher, tiny_data):
@@ -108,6 +109,10 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, tea
     assert train_losses(resumed) == want, (train_losses(resumed), want)
     saved = FileSystemReader(str(one / "checkpoints" / f"step_{STEPS}")).read_metadata().state_dict_metadata
     assert "model.distill_proj.0.weight" in saved  # one student block, one projection
+    constant = tmp_path / "constant"
+    distill(constant, teacher, tiny_data, *HIDDEN, "distill.hidden_schedule=constant")
+    steady = train_losses(constant)  # the same first step (weight 1.0), then the decay shows
+    assert steady[1] == train_losses(one)[1] and steady[STEPS] != train_losses(one)[STEPS], steady
     with ModelSource.parse(str(one), "ckpt").weights() as weights:
         assert weights and not any(name.startswith("distill_proj") for name in weights)
     assert abs(export_and_compare(one, tmp_path / "hf")) < 1e-4
@@ -122,6 +127,7 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, tea
         (["distill.ce_weight=2"], ["distill.ce_weight=2"]),
         (["distill.hidden_loss=l1"], ["distill.hidden_loss='l1'", "cosine"]),
         (["distill.hidden_weight=-1"], ["distill.hidden_weight=-1"]),
+        (["distill.hidden_schedule=cosine"], ["distill.hidden_schedule='cosine'", "linear"]),
         (["model.vocab_size=1024"], ["vocab_size=512", "vocab_size=1024"]),
         (["parallel.tp=2", "launch.nproc_per_node=2"], ["parallel.tp=2", "dp and sharding"]),
     ],

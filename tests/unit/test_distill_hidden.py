@@ -79,3 +79,12 @@ def test_hooks_capture_block_outputs_and_leave_the_model_as_it_was():
     assert not hasattr(model, PROJECTIONS)  # equal widths: nothing to learn
     attach_projections(model, 16, 24)
     assert [tuple(p.weight.shape) for p in getattr(model, PROJECTIONS)] == [(24, 16), (24, 16)]
+
+
+def test_the_linear_hidden_schedule_decays_to_zero_at_the_last_step():
+    from suite.distill.hidden import hidden_weight_at
+
+    assert [hidden_weight_at(2.0, "linear", s, 5) for s in range(5)] == [2.0, 1.5, 1.0, 0.5, 0.0]
+    assert [hidden_weight_at(2.0, "constant", s, 5) for s in range(5)] == [2.0] * 5
+    with pytest.raises(ValueError, match="hidden_schedule='cosine'"):
+        hidden_weight_at(1.0, "cosine", 0, 5)
