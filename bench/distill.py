@@ -3,6 +3,7 @@
     python bench/distill.py                              # teacher runs/sft-tiny (made first when missing)
     python bench/distill.py --teacher runs/sft-tiny --out /tmp/distill --steps 800 --seed 1
     python bench/distill.py --set distill.hidden_weight=0 --set distill.ce_weight=0.5   # other settings
+    python bench/distill.py --out /tmp/distill --keep    # students already finished there are not re-run
 
 Runs, as a user would (the teacher first when --teacher does not exist: `suite pretrain` then
 `suite finetune recipe=sft-tiny`):
@@ -65,6 +66,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="student steps (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=None, help="train.seed of both students")
     parser.add_argument(
+        "--keep", action="store_true", help="keep a student whose folder holds a finished run (summary.json)"
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the distilled run"
     )
     args = parser.parse_args()
@@ -78,6 +82,9 @@ def main() -> int:
     alone = ["distill.ce_weight=1.0", "distill.hidden_weight=0"]
     for name, extra in (("distilled", args.set), ("alone", alone)):
         run = out / name
+        if args.keep and (run / "summary.json").exists():
+            rows.append((f"student {name} (kept: {run})", run, None))
+            continue
         _, wall = suite(
             "distill", "recipe=distill-sft-tiny", f"distill.teacher={teacher}", f"run.dir={run}",
             "train.overwrite=true", "log.progress=false", *steps, *extra,
