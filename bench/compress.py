@@ -4,6 +4,7 @@
     python bench/compress.py --families gpt --methods int8 int4 gptq --no-qat
     python bench/compress.py --runs /tmp/runs --out /tmp/compress-bench
     python bench/compress.py --base --methods int4 gptq   # the pretrained models instead
+    python bench/compress.py --base --families gpt --methods int4 --qat-steps 100 --qat-set optim.lr=1e-4
     python bench/compress.py --families llama --no-qat               # llama-tiny only, no QAT arm
 
 Per family (gpt: recipe gpt-tiny, llama: recipe llama-tiny), as a user would, each made only when its
@@ -91,6 +92,10 @@ def main() -> int:
     )
     parser.add_argument("--qat-steps", type=int, default=150, help="--base: steps of continued pretraining")
     parser.add_argument(
+        "--qat-set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="--base: overrides of both continued-pretraining arms, e.g. optim.lr=1e-4",
+    )  # fmt: skip
+    parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every quantize"
     )
     parser.add_argument("--runs", default="runs", help="where the base and finetuned models are (or go)")
@@ -123,7 +128,7 @@ def main() -> int:
             ctrl, qat = out / f"{family}-base-continued", out / f"{family}-base-qat"
             more = [
                 "pretrain", f"recipe={family}-tiny", f"model.init_from={sft}",
-                f"train.max_steps={args.qat_steps}", "log.progress=false",
+                f"train.max_steps={args.qat_steps}", "log.progress=false", *args.qat_set,
             ]  # fmt: skip
             if not (Path(f"{ctrl}-int4") / "report.json").exists():
                 suite(*more, f"run.dir={ctrl}")
