@@ -121,9 +121,11 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
     return _train("distill", cfg, dims, OmegaConf.to_yaml(raw))
 
 
-def _with_base_model(raw, overrides: list[str]):
+def _with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
     """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>); an
-    architecture key that the command line sets to another value than the base's is refused."""
+    architecture key that the command line sets to another value than the base's is refused.
+    `quantized_ok` (finetune): a `suite quantize` checkpoint may be the base (LoRA over it, QLoRA;
+    suite.finetune.checks.check_quantized_base says what else it needs)."""
     from dataclasses import asdict
 
     from suite.compress.checks import refuse_quantized
@@ -131,8 +133,9 @@ def _with_base_model(raw, overrides: list[str]):
     from suite.train.run_folder import ARCHITECTURE
 
     init_from = raw.model.init_from
-    refuse_quantized(init_from, "model.init_from", "training from it")
     source = ModelSource.parse(init_from, "model.init_from")
+    if not (quantized_ok and source.quantized):
+        refuse_quantized(init_from, "model.init_from", "training from it")
     base = asdict(source.model_config())
     base["init_from"] = init_from
     if source.is_hf:  # a weight layout, not architecture: an HF base is fused on load
@@ -158,8 +161,11 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     from suite.finetune.checks import check_finetune
 
     check_finetune(cfg)  # before the base model is read (model.init_from must be there)
-    raw, cfg = _with_base_model(raw, overrides)
+    raw, cfg = _with_base_model(raw, overrides, quantized_ok=True)
     dims = validate(cfg, needs_data=False, finetune=True)
+    from suite.finetune.checks import check_quantized_base
+
+    check_quantized_base(cfg, dims)
     from suite.parallel.hosting import check_hosting
     from suite.train.run_folder import check_run_folder
 

@@ -118,6 +118,26 @@ class ModelSource:
         saved = self.saved
         return saved.finetune.lora if saved is not None and saved.finetune.method == "lora" else None
 
+    @property
+    def quantized(self) -> bool:
+        """A `suite quantize` checkpoint (torchao tensors in safetensors, not a DCP checkpoint)."""
+        from suite.models.quantized import is_quantized
+
+        return not self.is_hf and is_quantized(self.folder)
+
+    @cached_property
+    def quantized_base(self) -> ModelSource | None:
+        """For a LoRA run trained over a quantized checkpoint (QLoRA): that checkpoint, else None."""
+        saved = self.saved
+        init_from = saved.model.init_from if saved is not None else None
+        if self.lora is None or not init_from or str(init_from).startswith(HF_PREFIX):
+            return None
+        try:
+            base = ModelSource.parse(init_from, "model.init_from")
+        except ConfigError:  # moved or deleted: a plain LoRA checkpoint holds its base weights itself
+            return None
+        return base if base.quantized else None
+
     def model_config(self) -> ModelConfig:
         """The architecture: the saved run's model config, or the HF config.json mapped to suite's."""
         if self.is_hf:
@@ -175,6 +195,11 @@ class ModelSource:
             with hf_weights(self.folder, self.named) as tensors:
                 load_suite_weights(model, from_hf_state_dict(cfg, tensors), self.named)
             return
+        if self.quantized:  # QLoRA: the frozen quantized base under the adapters
+            from suite.models.quantized import load_quantized_base
+
+            load_quantized_base(model, self.folder)
+            return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -201,8 +226,12 @@ class ModelSource:
             from suite.train.checkpoint import load_model_weights
 
             apply_lora(model, lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+            base = self.quantized_base
+            if base is not None:  # QLoRA: the quantized base stays quantized, the adapters beside it
+                base.load_weights(model)
             load_model_weights(self.folder, model)
-            merge_lora(model)
+            if base is None:
+                merge_lora(model)
         else:
             from suite.train.checkpoint import load_model_weights
 

@@ -72,19 +72,28 @@ def check_no_compress(cfg: SuiteConfig) -> None:
 
 
 def refuse_quantized(text: str, key: str, purpose: str) -> None:
-    """A quantized checkpoint cannot be quantized again, finetuned or exported (yet)."""
-    from suite.models.quantized import is_quantized, quantized_info
+    """A quantized checkpoint, or LoRA adapters trained over one (QLoRA), cannot be quantized again,
+    exported, pruned, distilled from or trained on as full weights (yet)."""
+    from suite.models.quantized import quantized_info
     from suite.sources import ModelSource
 
     source = ModelSource.parse(text, key)
-    if source.is_hf or not is_quantized(source.folder):
+    if source.is_hf:
         return
-    method = quantized_info(source.folder).get("method", "?")
-    base = quantized_info(source.folder).get("source", "the model it came from")
-    raise ConfigError(
-        f"{key}='{text}' is already quantized ({method}); {purpose} needs the full-precision model: "
-        f"use {key}={base}"
-    )
+    if source.quantized:
+        method = quantized_info(source.folder).get("method", "?")
+        base = quantized_info(source.folder).get("source", "the model it came from")
+        raise ConfigError(
+            f"{key}='{text}' is already quantized ({method}); {purpose} needs the full-precision model: "
+            f"use {key}={base}"
+        )
+    base = source.quantized_base
+    if base is not None:
+        raise ConfigError(
+            f"{key}='{text}' holds LoRA adapters over the quantized {base.text} (QLoRA), which cannot be "
+            f"merged into int weights; {purpose} needs full-precision weights: finetune LoRA over the "
+            "full-precision model instead, or use the run with suite eval / suite generate"
+        )
 
 
 def check_compress_option(overrides: list[str]) -> None:

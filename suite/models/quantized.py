@@ -157,6 +157,44 @@ def load_quantized_model(folder: str | Path, model_cfg, device: str | torch.devi
     return model.to(device).eval()
 
 
+@torch.no_grad()
+def load_quantized_base(model: nn.Module, folder: str | Path) -> int:
+    """QLoRA: a `suite quantize` checkpoint's weights in a training model wrapped with LoRA adapters.
+
+    The quantized weights replace their parameters as non-persistent buffers: frozen, outside the
+    optimizer, and outside every state dict, so DCP checkpoints of the run hold only the adapters
+    and the float tensors (torchao's int4 tensors do not go through DCP); they are read again from
+    model.init_from on resume and by `suite eval/generate`. Every other tensor is copied into its
+    parameter. Returns the number of weights attached quantized. Single device (a plain model).
+    """
+    from suite.models.lora import canonical
+
+    state = read_quantized_state(folder)
+    modules = {canonical(name): module for name, module in model.named_modules()}
+    params = {canonical(name): param for name, param in model.named_parameters()}
+    attached = 0
+    for name, tensor in state.items():
+        owner, _, attr = name.rpartition(".")
+        if is_quantized_tensor(tensor):
+            module = modules[owner]
+            device = getattr(module, attr).device
+            delattr(module, attr)
+            module.register_buffer(attr, tensor.to(device), persistent=False)
+            attached += 1
+        elif name in params:
+            params[name].copy_(tensor.to(params[name].dtype))
+        else:
+            raise ValueError(f"{folder}: {name} is in the quantized checkpoint but not in the model")
+    loaded = set(state)
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    missing = [
+        n for n in params if n not in loaded and ".lora_" not in n and not (tied and n == "output.weight")
+    ]
+    if missing:
+        raise ValueError(f"{folder}: the quantized checkpoint lacks {missing[:3]}")
+    return attached
+
+
 def is_quantized_tensor(tensor: Any) -> bool:
     """A torchao quantized tensor (any of its subclasses), not a plain tensor or parameter."""
     from torchao.utils import TorchAOBaseTensor

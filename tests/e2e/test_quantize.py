@@ -193,8 +193,14 @@ def test_refusals_are_one_line(base_run, quantized, capsys, tmp_path):
     assert "suite quantize" in err
     err = _refused(capsys, "distill", f"distill.teacher={quantized['int8']}", f"run.dir={tmp_path / 'd'}")
     assert "already quantized" in err
-    err = _refused(capsys, "finetune", f"model.init_from={quantized['int8']}", f"run.dir={tmp_path / 'e'}")
-    assert "already quantized" in err
+    err = _refused(
+        capsys,
+        "finetune",
+        f"model.init_from={quantized['int8']}",
+        "data.seq_len=64",
+        f"run.dir={tmp_path / 'e'}",
+    )
+    assert "is quantized" in err and "finetune.method=lora" in err  # full finetuning; LoRA runs (test_qlora)
 
 
 def test_quantize_has_help(capsys):
