@@ -386,6 +386,33 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
     raise ConfigError(f"config subcommand '{sub}' is unknown; use show, list or cp")
 
 
+def cmd_plan(overrides: list[str], flags: set[str]) -> int:
+    """The cost model's ranked layouts for the recipe on the cluster group (suite/plan/): composed
+    without resolve_auto, whose answers are this machine's, not the cluster's."""
+    cfg = to_object(compose_config(_expand(overrides)))
+    explain = next((f.split("=", 1)[1] for f in flags if f.startswith("--explain=")), None)
+    from suite.plan.command import run_plan
+
+    result, text = run_plan(cfg, explain)
+    return _report(flags, result, text)
+
+
+def _take_valued_flags(verb: str, args: list[str]) -> list[str]:
+    """`--explain LAYOUT` (suite plan) as one `--explain=LAYOUT` flag; other arguments unchanged."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if verb == "plan" and args[i] == "--explain":
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError("--explain needs a layout name, e.g. --explain dp4-tp8sp-pp12-mb1-full")
+            out.append(f"--explain={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
 VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
     "finetune": cmd_finetune,
@@ -397,7 +424,9 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "export": cmd_export,
     "quantize": cmd_quantize,
     "config": cmd_config,
+    "plan": cmd_plan,
 }
+VALUED_FLAGS = {"plan": ("--explain",)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,14 +438,21 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"error: unknown verb '{verb}'; use one of: {', '.join(VERBS)} (suite --help)", file=sys.stderr)
         return 2
+    try:
+        rest = _take_valued_flags(verb, rest)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ConfigError.exit_code
     overrides, flags = _split_flags(rest)
     if flags & {"--help", "-h"} or "-h" in overrides:
         print(verb_help(verb))
         return 0
-    unknown = flags - {"--json", "--help"}
+    valued = VALUED_FLAGS.get(verb, ())
+    unknown = {f for f in flags - {"--json", "--help"} if f.split("=", 1)[0] not in valued}
     if unknown:
+        extra = "".join(f", {v} VALUE" for v in valued)
         print(
-            f"error: unknown flag {sorted(unknown)[0]} for '{verb}'; flags are --help and --json, "
+            f"error: unknown flag {sorted(unknown)[0]} for '{verb}'; flags are --help and --json{extra}, "
             "everything else is key=value",
             file=sys.stderr,
         )

@@ -347,6 +347,7 @@ class ClusterConfig:
     the cost model's only calibration constants (docs/planner.md)."""
 
     name: str = "generic"
+    device_type: str = "cuda"  # cuda | cpu: settles the recipe's `auto` precision and attention for the plan
     nodes: int = 1
     devices_per_node: int = 1
     memory_gib: float = 16.0  # per device (HBM; host RAM for a CPU process)
@@ -362,6 +363,9 @@ class ClusterConfig:
     inter_node_latency_us: float = 10.0
     inter_node_efficiency: float = 1.0
     host_bandwidth_gbs: float = 16.0  # device <-> host per device (PCIe), what parallel.offload crosses
+    # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
+    # whose cores do both (gloo), so every collective is on the critical path
+    comm_overlap: bool = True
 
 
 @dataclass

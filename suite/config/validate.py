@@ -21,6 +21,7 @@ CHOICES = {
     "launch.backend": ("auto", "nccl", "gloo"),
     "export.format": ("hf",),
     "export.dtype": ("fp32", "bf16", "fp16"),
+    "cluster.device_type": ("cuda", "cpu"),
 }
 POSITIVE = (
     "model.num_layers",

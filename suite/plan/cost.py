@@ -12,7 +12,7 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
     data      data-parallel / sharding collectives not hidden under compute
     optimizer AdamW's bytes over memory bandwidth (+ the host transfers of offload)
 
-Overlap assumptions: tp collectives (all-reduce, or all-gather + reduce-scatter with sp) and ep
+Overlap assumptions (cluster.comm_overlap=true; a CPU cluster overlaps nothing): tp collectives (all-reduce, or all-gather + reduce-scatter with sp) and ep
 all-to-alls sit on the critical path (no overlap); cp's ring exchange hides under the attention it
 feeds; pipeline sends do not overlap; FSDP all-gathers and reduce-scatters hide under each
 micro-batch's compute and gradient all-reduces under the last micro-batch's backward (whatever
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from suite.plan import comm
 from suite.plan.activations import rank_activations
-from suite.plan.flops import head_forward_flops, layer_forward_flops, recompute_flops, step_flops
+from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
 from suite.plan.layout import Job, Layout
 from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, StateBytes, state_bytes
 from suite.plan.params import pp_rank_params, rank_layers
@@ -103,10 +103,11 @@ def _rank_compute(job: Job, layout: Layout, layers: list[int], last: bool) -> tu
     """(FLOPs, forward FLOPs, attention-core FLOPs) of one micro-batch on a rank holding `layers`:
     3 x forward + recompute (run in backward), split over tp and cp."""
     m, seq, b = job.model, job.seq_len, layout.micro_batch
+    table = layer_table(m, seq)
     flops = forward = core = 0.0
     for layer in layers:
-        f = layer_forward_flops(m, seq, layer)
-        flops += 3 * f.total + recompute_flops(m, seq, layer, layout.recompute)
+        f = table[layer]
+        flops += 3 * f.total + recompute_flops(f, layout.recompute)
         forward += f.total
         core += 3 * f.core
     if last:
@@ -146,7 +147,7 @@ def _micro_batch_comm(
         kv = e * tokens * 2 * kv_heads(m) * head_size(m) / layout.tp
         link = comm.group_link(c, layout, "cp")
         per_layer = 3 * (layout.cp - 1) * comm.send_recv(link, kv)
-        cp = max(0.0, per_layer * len(layers) - core_time)
+        cp = max(0.0, per_layer * len(layers) - (core_time if c.comm_overlap else 0.0))
     moe_layers = sum(1 for layer in layers if layer in moe)
     if layout.ep > 1 and moe_layers:
         per_layer = 4 + (2 if layout.recompute == "full" else 0)  # dispatch + combine, each way
@@ -252,7 +253,8 @@ def evaluate(job: Job, layout: Layout) -> Cost:
         pp_time = 2 * (m * v + p - 1) * comm.send_recv(comm.group_link(c, layout, "pp"), act)
     full = max(r.unsharded for r in table)
     sharded = max(r.sharded for r in table)
-    data = _data_comm(job, layout, full, sharded, t_forward, worst_t - t_forward, m)
+    windows = (t_forward, worst_t - t_forward) if c.comm_overlap else (0.0, 0.0)
+    data = _data_comm(job, layout, full, sharded, *windows, m)
     optimizer = _optimizer_time(job, layout, state, full, sharded)
     time = Time(m * compute, m * tp, m * cp, m * ep, bubble, pp_time, data, optimizer)
     model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)

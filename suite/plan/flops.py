@@ -63,16 +63,30 @@ def layer_forward_flops(cfg: ModelConfig, seq: int, layer: int) -> LayerFlops:
     return LayerFlops(projections, core, mlp)
 
 
+_TABLES: dict[tuple, tuple[LayerFlops, ...]] = {}
+
+
+def layer_table(cfg: ModelConfig, seq: int) -> tuple[LayerFlops, ...]:
+    """layer_forward_flops of every layer, computed once per (model, sequence length)."""
+    key = (repr(cfg), seq)
+    if key not in _TABLES:
+        _TABLES[key] = tuple(layer_forward_flops(cfg, seq, i) for i in range(cfg.num_layers))
+    return _TABLES[key]
+
+
 def head_forward_flops(cfg: ModelConfig, seq: int) -> float:
     """The output projection: 2 s h V."""
     return 2.0 * seq * cfg.hidden_size * cfg.vocab_size
 
 
-def recompute_flops(cfg: ModelConfig, seq: int, layer: int, granularity: str) -> float:
-    """Forward FLOPs run again in backward: full (the block), full_attn (projections + core),
-    core_attn (QK^T and PV only), none."""
-    f = layer_forward_flops(cfg, seq, layer)
-    return {"full": f.total, "full_attn": f.projections + f.core, "core_attn": f.core}.get(granularity, 0.0)
+def recompute_flops(f: LayerFlops, granularity: str) -> float:
+    """Forward FLOPs of a layer (`f`) run again in backward: full (the block), full_attn
+    (projections + core), core_attn (QK^T and PV only), none."""
+    if granularity == "full":
+        return f.total
+    if granularity == "full_attn":
+        return f.projections + f.core
+    return f.core if granularity == "core_attn" else 0.0
 
 
 def step_flops(cfg: ModelConfig, seq: int, sequences: int, granularity: str = "none") -> tuple[float, float]:
@@ -80,8 +94,8 @@ def step_flops(cfg: ModelConfig, seq: int, sequences: int, granularity: str = "n
     numerator); hardware adds the recomputed forward (Narayanan's achieved-TFLOP/s numerator)."""
     forward = head_forward_flops(cfg, seq)
     extra = 0.0
-    for layer in range(cfg.num_layers):
-        forward += layer_forward_flops(cfg, seq, layer).total
-        extra += recompute_flops(cfg, seq, layer, granularity)
+    for f in layer_table(cfg, seq):
+        forward += f.total
+        extra += recompute_flops(f, granularity)
     model = 3 * forward * sequences
     return model, model + extra * sequences

@@ -45,10 +45,19 @@ class Job:
 
     @classmethod
     def from_config(cls, cfg: SuiteConfig) -> Job:
-        """The job a composed recipe describes (the cluster group gives the world size)."""
-        precision = cfg.train.precision if cfg.train.precision != "auto" else "bf16"
+        """The job a composed recipe describes on its cluster group (which gives the world size, and
+        settles the recipe's `auto` precision and attention for its device type, not this machine's)."""
+        from suite.runtime import auto_attention, auto_precision
+
+        device = cfg.cluster.device_type
+        precision = cfg.train.precision
+        if precision == "auto":  # every GPU preset computes bf16 natively; a CPU: as the trainer decides
+            precision = "bf16" if device == "cuda" else auto_precision("cpu")
+        model = cfg.model
+        if model.attention == "auto":
+            model = replace(model, attention=auto_attention(device, precision, cfg.data.seq_len))
         return cls(
-            model=cfg.model,
+            model=model,
             cluster=cfg.cluster,
             seq_len=cfg.data.seq_len,
             global_batch=cfg.parallel.global_batch_size,
@@ -130,29 +139,15 @@ class Layout:
         )
 
     def overrides(self, global_batch: int) -> str:
-        """The command-line overrides for `suite pretrain` that select this layout."""
-        pc, default = self.parallel_config(global_batch), ParallelConfig()
-        keys = {
-            "dp": "dp",
-            "sharding": "sharding",
-            "sharding_stage": "sharding_stage",
-            "offload": "offload",
-            "tp": "tp",
-            "sp": "sp",
-            "pp": "pp",
-            "pp_schedule": "pp_schedule",
-            "vpp": "vpp",
-            "cp": "cp",
-            "ep": "ep",
-            "micro_batch_size": "micro_batch_size",
-        }
-        out = [
-            f"parallel.{key}={str(getattr(pc, attr)).lower()}"
-            for attr, key in keys.items()
-            if getattr(pc, attr) != getattr(default, attr) or attr in ("micro_batch_size",)
-        ]
-        out.append(f"recompute={self.recompute}")
-        return " ".join(out)
+        """The command-line overrides for `suite pretrain` that select this layout: every parallel key
+        (a recipe's own values, e.g. sharding_stage, would otherwise stay) and the recompute group."""
+        pc = self.parallel_config(global_batch)
+        keys = (
+            "dp", "sharding", "sharding_stage", "offload", "tp", "sp", "pp", "pp_schedule", "vpp", "cp", "ep",
+            "micro_batch_size",
+        )  # fmt: skip
+        out = [f"parallel.{key}={str(getattr(pc, key)).lower()}" for key in keys]
+        return " ".join([*out, f"recompute={self.recompute}"])
 
 
 _TOKEN = re.compile(

@@ -69,14 +69,24 @@ def state_bytes(job: Job, layout: Layout, params: RankParams | None = None) -> S
     else:
         copies = full * c if low else 0.0
     host = 0.0
-    if layout.offload:
+    if layout.offload and job.cluster.device_type != "cpu":  # a CPU's host memory is its memory
         host = weights + gradients + optimizer
         weights = gradients = optimizer = 0.0
     return StateBytes(weights, copies, gradients, optimizer, host)
 
 
+_BLOCKS: dict[tuple, int] = {}
+
+
 def _block_params(job: Job, layout: Layout) -> int:
     """tp/ep-local parameters of the largest block (what one FSDP unit gathers)."""
+    key = (repr(job.model), layout.tp, layout.ep)
+    if key not in _BLOCKS:
+        _BLOCKS[key] = _largest_block(job, layout)
+    return _BLOCKS[key]
+
+
+def _largest_block(job: Job, layout: Layout) -> int:
     from suite.plan.params import local_shape
 
     best = 0
