@@ -211,7 +211,7 @@ Keys: cluster=OPTION  cluster.nodes=N  cluster.devices_per_node=N  cluster.memor
 Examples:
   suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
   suite plan recipe=gpt175b cluster=a100-80g cluster.nodes=16 --json
-  suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4 --explain sh32z1-tp8sp-pp1-mb1-full""",
+  suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4 --explain sh2z1-tp8sp-pp2-mb1-full""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
