@@ -42,6 +42,12 @@ Common keys:
 
 Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
 
+--dry-run [--rank N|worst]: build one rank of the job as written (any world size: launch.nnodes x
+launch.nproc_per_node) on the meta device under torch's fake process group, place it with the real
+parallelize, and print the parameters, gradient and optimizer-state bytes that rank holds beside
+the cost model's count (suite plan); nothing is allocated, no data is read. Default: the worst rank.
+e.g. suite pretrain recipe=gpt175b parallel.tp=8 parallel.pp=16 parallel.sharding=8 launch.nnodes=128 --dry-run
+
 Examples:
   suite pretrain
   suite pretrain recipe=llama-tiny train.max_steps=200 run.dir=runs/llama-200

@@ -9,7 +9,7 @@ way suite/models/transformer.py builds it, then split the way suite.parallel pla
   vocabulary-parallel embedding and head split dim 0, row-parallel wo/w2 split dim 1 (their biases
   and the norms and position table are replicated).
 - expert parallel: the stacked expert weights [E, ...] split dim 0 over ep, and are not sharded
-  further (suite.parallel.expert_parallel).
+  further (suite.parallel.expert_parallel); at ep = 1 FSDP shards them like any tensor.
 - sharding (FSDP2, ZeRO): dim 0 of each rank's tensor is cut like torch.chunk, so ranks can hold
   unequal pieces; the worst rank is the first.
 """
@@ -195,12 +195,13 @@ def local_shape(spec: ParamSpec, tp: int, ep: int) -> tuple[int, ...]:
 
 def rank_numel(specs: list[ParamSpec], tp: int, ep: int, shards: int = 1, index: int = 0) -> int:
     """Parameters rank `index` of `shards` holds at rest: the tp/ep-local tensors, each cut on dim 0
-    into `shards` pieces (FSDP2's Shard(0)); expert tensors are not sharded further."""
+    into `shards` pieces (FSDP2's Shard(0)); under ep > 1 expert tensors are not sharded further
+    (expert parallelism keeps them out of FSDP), at ep = 1 FSDP shards them like the rest."""
     total = 0
     for spec in specs:
         shape = local_shape(spec, tp, ep)
         rest = math.prod(shape[1:])
-        if spec.expert or shards == 1:
+        if (spec.expert and ep > 1) or shards == 1:
             total += shape[0] * rest
         else:
             total += chunk(shape[0], shards, index) * rest
@@ -225,7 +226,7 @@ def pp_rank_params(cfg: ModelConfig, pp: int, vpp: int, tp: int, ep: int, shards
         for rank, specs in enumerate(stage_specs(cfg, pp, vpp)):
             unsharded = rank_numel(specs, tp, ep)
             sharded = rank_numel(specs, tp, ep, shards, 0)
-            shardable = sum(math.prod(local_shape(s, tp, ep)) for s in specs if not s.expert)
+            shardable = sum(math.prod(local_shape(s, tp, ep)) for s in specs if not (s.expert and ep > 1))
             table.append(RankParams(rank, unsharded, sharded, shardable))
         _CACHE[key] = table
     return _CACHE[key]  # type: ignore[return-value]

@@ -77,7 +77,7 @@ def test_help_names_the_keys_and_clusters(capsys):
         ([*GPT13B, "--explain", "tp8-qq"], "cannot read 'qq'"),
         ([*GPT13B, "--explain", "tp3-mb1"], "uses 3 devices but the cluster has 32"),
         ([*GPT13B, "--explain", "tp8sp-pp4-mb512"], "1f1b needs at least parallel.pp=4 micro-batches"),
-        ([*GPT13B, "--explain"], "--explain needs a layout name"),
+        ([*GPT13B, "--explain"], "--explain needs a value"),
         ([*GPT13B, "--explainn=x"], "unknown flag --explainn=x"),
         (["recipe=gpt175b", "cluster=cpu"], "the smallest cpu cluster it fits is cluster.nodes="),
     ],
