@@ -27,7 +27,7 @@ from suite.plan import comm
 from suite.plan.activations import rank_activations
 from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
 from suite.plan.layout import Job, Layout
-from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, StateBytes, state_bytes
+from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, state_bytes
 from suite.plan.params import pp_rank_params, rank_layers
 
 GIB = 2**30
@@ -192,7 +192,7 @@ def _merged_data(layout: Layout) -> Layout:
     return with_(layout, dp=layout.data_ranks, sharding=1)
 
 
-def _optimizer_time(job: Job, layout: Layout, state: StateBytes, full: float, sharded: float) -> float:
+def _optimizer_time(job: Job, layout: Layout, full: float, sharded: float) -> float:
     """AdamW reads and writes its moments, the parameters and master copies, reads the gradients:
     (2 x 8 + 2 p + p (+ 2 x 4 master)) bytes per updated parameter over memory bandwidth; offload
     moves gradients down and parameters up over the host link instead."""
@@ -240,7 +240,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
         if worst_mem is None or mem.total > worst_mem[0].total:
             worst_mem = (mem, state, params)
     assert worst_mem is not None
-    memory, state, params = worst_mem
+    memory, _, params = worst_mem
     compute, tp, cp, ep = worst_parts
     p, v = layout.pp, layout.vpp
     bubble = (p - 1) / v * worst_t
@@ -255,7 +255,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     sharded = max(r.sharded for r in table)
     windows = (t_forward, worst_t - t_forward) if c.comm_overlap else (0.0, 0.0)
     data = _data_comm(job, layout, full, sharded, *windows, m)
-    optimizer = _optimizer_time(job, layout, state, full, sharded)
+    optimizer = _optimizer_time(job, layout, full, sharded)
     time = Time(m * compute, m * tp, m * cp, m * ep, bubble, pp_time, data, optimizer)
     model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)
     step = time.total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from suite.plan import comm
 from suite.plan.cost import GIB, Cost
 from suite.plan.layout import Job
 from suite.plan.search import SearchResult
@@ -140,6 +141,13 @@ def explain(job: Job, cost: Cost) -> str:
         f"throughput: {cost.tokens_per_s:,.0f} tokens/s, {cost.tflops_per_device:.1f} TFLOP/s per device "
         f"(with recompute), MFU {cost.mfu:.1%}"
     )
+    links = []
+    for axis in (*comm.AXES, "ep"):
+        link = comm.group_link(job.cluster, cost.layout, axis)
+        if link.ranks > 1:
+            links.append(f"{axis} {link.ranks} ranks on {link.name} ({link.bandwidth / 1e9:.1f} GB/s)")
+    if links:
+        lines.append("links: " + ", ".join(links))
     return "\n".join(lines)
 
 

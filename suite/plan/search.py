@@ -60,6 +60,7 @@ def candidates(
 ) -> Iterator[Layout]:
     """Every layout of the space in the module docstring (not yet checked)."""
     m, world, per_node = job.model, job.world, job.cluster.devices_per_node
+    offload = job.cluster.device_type != "cpu"  # a CPU has no other memory to offload to
     for tp in divisors(world):
         if tp > per_node:
             break
@@ -71,7 +72,6 @@ def candidates(
                     continue
                 data = world // (tp * pp * cp)
                 eps = [e for e in divisors(data) if m.num_experts % e == 0] if m.num_experts else [1]
-                offload = job.cluster.device_type != "cpu"  # a CPU has no other memory to offload to
                 for split in _data_splits(data, max(1, per_node // (tp * cp)), offload):
                     for ep in eps:
                         for sched in _schedules(pp, m.num_layers):
