@@ -177,3 +177,60 @@ def test_check_layout_uses_the_trainers_rules():
         check_layout(job, Layout(pp=4, dp=2, micro_batch=4))
     with pytest.raises(ConfigError, match="devices"):
         check_layout(job, Layout(dp=2, micro_batch=2))
+
+
+@pytest.mark.parametrize(
+    "layout, weights, grads, optim",
+    [  # bytes per parameter of fp32 weights under ZeRO (Rajbhandari et al. 2020), N = 4 sharding ranks
+        (Layout(dp=4), 4, 4, 8),
+        (Layout(sharding=4, stage=1), 4, 4, 8 / 4),
+        (Layout(sharding=4, stage=2), 4 / 4, 4 / 4, 8 / 4),
+        (Layout(sharding=4, stage=3), 4 / 4, 4 / 4, 8 / 4),
+        (Layout(dp=2, sharding=2, stage=3), 4 / 2, 4 / 2, 8 / 2),
+    ],
+)
+def test_zero_stages_shard_what_they_should(layout, weights, grads, optim):
+    from suite.plan.memory import state_bytes
+
+    cfg = ModelConfig(
+        family="llama", num_layers=2, hidden_size=256, num_heads=4, vocab_size=1024, tie_embeddings=False
+    )
+    job = Job(
+        model=cfg, cluster=ClusterConfig(devices_per_node=4), seq_len=128, global_batch=8, precision="fp32"
+    )
+    n = count_params(cfg)  # every dim 0 here divides by 4: the pieces are exact
+    state = state_bytes(job, layout)
+    assert (state.weights, state.gradients, state.optimizer) == (weights * n, grads * n, optim * n)
+    if layout.sharding > 1 and layout.stage == 2:
+        assert state.compute_copies == 4 * n  # gathered in forward, kept to backward
+    offloaded = state_bytes(job, dataclasses.replace(layout, offload=True)) if layout.stage >= 2 else None
+    if offloaded is not None:
+        assert offloaded.weights == offloaded.optimizer == 0 and offloaded.host == pytest.approx(
+            state.total - state.compute_copies
+        )
+
+
+def test_bf16_weights_carry_fp32_masters_in_the_optimizer():
+    from suite.plan.memory import state_bytes
+
+    cfg = ModelConfig(family="gpt", num_layers=2, hidden_size=256, num_heads=4, vocab_size=1024)
+    job = Job(
+        model=cfg, cluster=ClusterConfig(), seq_len=128, global_batch=8, precision="bf16", param_dtype="bf16"
+    )
+    n = count_params(cfg)
+    state = state_bytes(job, Layout())
+    assert (state.weights, state.gradients, state.optimizer, state.compute_copies) == (
+        2 * n,
+        2 * n,
+        12 * n,
+        0,
+    )
+
+
+def test_pipeline_neighbours_on_other_nodes_use_the_network():
+    cluster = ClusterConfig(nodes=4, devices_per_node=8)
+    assert comm.group_link(cluster, Layout(tp=8, pp=4), "pp").inter_node
+    assert not comm.group_link(cluster, Layout(tp=2, pp=4, dp=4), "tp").inter_node
+    assert not comm.group_link(
+        ClusterConfig(nodes=1, devices_per_node=8), Layout(tp=2, pp=4), "pp"
+    ).inter_node
