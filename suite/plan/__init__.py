@@ -9,6 +9,9 @@
     cost.py         one layout's step: memory, time, tokens/s, TFLOP/s, MFU
     search.py       every valid layout of a world size, ranked
     report.py       the table, one layout's breakdown, JSON
+    command.py      `suite plan` from a composed recipe; the smallest cluster when nothing fits
+    dryrun.py       `suite pretrain --dry-run`: one rank placed on the meta device (fake process group)
+    published.py    the published runs the model is checked against (Narayanan et al. 2021, Table 2)
 
 Pure arithmetic on the config (no tensors, no process group), so a 1024-GPU search runs on a laptop
 in seconds. The formulas and their sources are in each function's docstring and docs/planner.md.
