@@ -55,6 +55,8 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
     if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
         raw, cfg = _with_base_model(raw, overrides)
+    if "--dry-run" in flags:
+        return _dry_run(cfg, flags)
     dims = validate(cfg)
     from suite.parallel.hosting import check_hosting
 
@@ -71,6 +73,26 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     data_dir = ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
     check_run_folder(cfg, "pretrain", data_dir)  # refuses, writing nothing, or moves an old run aside
     return _convert_qat(cfg, _train("pretrain", cfg, dims, resolved_yaml), flags)
+
+
+def _dry_run(cfg, flags: set[str]) -> int:
+    """`--dry-run [--rank N|worst]`: one rank of the full job placed on the meta device under a fake
+    process group (suite.plan.dryrun); no data, no run folder, no memory check: a laptop can do it."""
+    dims = validate(cfg, needs_data=False, writes_run=False)
+    from suite.plan.dryrun import dry_run, report, worst_rank
+
+    which = next((f.split("=", 1)[1] for f in flags if f.startswith("--rank=")), "worst")
+    if which == "worst":
+        rank = worst_rank(cfg, dims)
+    else:
+        try:
+            rank = int(which)
+        except ValueError:
+            raise ConfigError(
+                f"--rank {which} is not a rank; use a number 0..{dims.world_size - 1} or worst"
+            ) from None
+    result = dry_run(cfg, dims, rank)
+    return _report(flags, result, report(result))
 
 
 def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
@@ -392,6 +414,34 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
     raise ConfigError(f"config subcommand '{sub}' is unknown; use show, list or cp")
 
 
+def cmd_plan(overrides: list[str], flags: set[str]) -> int:
+    """The cost model's ranked layouts for the recipe on the cluster group (suite/plan/): composed
+    without resolve_auto, whose answers are this machine's, not the cluster's."""
+    cfg = to_object(compose_config(_expand(overrides)))
+    explain = next((f.split("=", 1)[1] for f in flags if f.startswith("--explain=")), None)
+    from suite.plan.command import run_plan
+
+    result, text = run_plan(cfg, explain)
+    return _report(flags, result, text)
+
+
+def _take_valued_flags(verb: str, args: list[str]) -> list[str]:
+    """`--explain LAYOUT` (suite plan), `--rank N` (suite pretrain --dry-run) as one `--flag=VALUE`
+    argument; other arguments unchanged."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] in VALUED_FLAGS.get(verb, ()):
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{args[i]} needs a value, e.g. {VALUE_EXAMPLES[args[i]]}")
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
 VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "pretrain": cmd_pretrain,
     "finetune": cmd_finetune,
@@ -403,7 +453,11 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "export": cmd_export,
     "quantize": cmd_quantize,
     "config": cmd_config,
+    "plan": cmd_plan,
 }
+VALUED_FLAGS = {"plan": ("--explain",), "pretrain": ("--rank",)}
+VALUE_EXAMPLES = {"--explain": "--explain dp4-tp8sp-pp12-mb1-full", "--rank": "--rank 0 (or --rank worst)"}
+BOOL_FLAGS = {"pretrain": ("--dry-run",)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,14 +469,22 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"error: unknown verb '{verb}'; use one of: {', '.join(VERBS)} (suite --help)", file=sys.stderr)
         return 2
+    try:
+        rest = _take_valued_flags(verb, rest)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ConfigError.exit_code
     overrides, flags = _split_flags(rest)
     if flags & {"--help", "-h"} or "-h" in overrides:
         print(verb_help(verb))
         return 0
-    unknown = flags - {"--json", "--help"}
+    valued = VALUED_FLAGS.get(verb, ())
+    known = {"--json", "--help", *BOOL_FLAGS.get(verb, ())}
+    unknown = {f for f in flags - known if f.split("=", 1)[0] not in valued}
     if unknown:
+        extra = "".join(f", {v}" for v in BOOL_FLAGS.get(verb, ())) + "".join(f", {v} VALUE" for v in valued)
         print(
-            f"error: unknown flag {sorted(unknown)[0]} for '{verb}'; flags are --help and --json, "
+            f"error: unknown flag {sorted(unknown)[0]} for '{verb}'; flags are --help and --json{extra}, "
             "everything else is key=value",
             file=sys.stderr,
         )

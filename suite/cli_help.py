@@ -18,6 +18,7 @@ verbs:
   export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
   quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
   config     show / list / cp recipes: suite config show recipe=gpt13b
+  plan       rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
 
 Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
 `suite config list` shows them, `suite config show` prints a resolved config."""
@@ -40,6 +41,12 @@ Common keys:
   model.num_heads=N  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
 Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
+
+--dry-run [--rank N|worst]: build one rank of the job as written (any world size: launch.nnodes x
+launch.nproc_per_node) on the meta device under torch's fake process group, place it with the real
+parallelize, and print the parameters, gradient and optimizer-state bytes that rank holds beside
+the cost model's count (suite plan); nothing is allocated, no data is read. Default: the worst rank.
+e.g. suite pretrain recipe=gpt175b parallel.tp=8 parallel.pp=16 parallel.sharding=8 launch.nnodes=128 --dry-run
 
 Examples:
   suite pretrain
@@ -189,6 +196,29 @@ Examples:
   suite quantize ckpt=runs/gpt-tiny compress=int8
   suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64
   suite quantize ckpt=runs/gpt-tiny compress=gptq run.dir=runs/gpt-tiny-gptq""",
+    "plan": """usage: suite plan [recipe=NAME|PATH.yaml] [cluster={clusters}] [cluster.nodes=N] [key=value ...]
+       [--json] [--explain LAYOUT]
+
+The cost model (suite/plan/, docs/planner.md): every parallel layout of the cluster's world size
+(cluster.nodes x cluster.devices_per_node) that the trainer accepts - dp, sharding and its ZeRO stage,
+offload, tp with sequence parallelism, pp with its schedule and virtual stages, cp, ep, micro-batch,
+recompute - is costed for one step of the recipe (model, data.seq_len, parallel.global_batch_size,
+train.precision): memory per device (weights, gradients, optimizer state, activations) and step time
+(compute, tp/cp/ep/data-parallel communication, pipeline bubble and sends, optimizer). Layouts that do
+not fit are dropped; the rest are ranked by step time, with tokens/s, TFLOP/s per device and MFU, and
+the reasons the winner wins. The recipe's own parallel.* keys are ignored (except the global batch).
+--explain LAYOUT prints one layout's parts (a name from the table, e.g. dp4-tp8sp-pp12-mb1-full:
+dpN, shNz1|z2|z3[off], tpN[sp], ppN[vV][gpipe|zb], cpN, epN, mbN, sel|attn|full).
+Nothing is allocated, nothing is launched.
+
+Keys: cluster=OPTION  cluster.nodes=N  cluster.devices_per_node=N  cluster.memory_gib=X
+      cluster.compute_efficiency=X  cluster.inter_node_bandwidth_gbs=X  (every cluster.* key)
+      data.seq_len=N  parallel.global_batch_size=N  train.precision=bf16|fp32  train.param_dtype=fp32|bf16
+
+Examples:
+  suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
+  suite plan recipe=gpt175b cluster=a100-80g cluster.nodes=16 --json
+  suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4 --explain sh2z1-tp8sp-pp2-mb1-full""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
@@ -204,4 +234,5 @@ Examples:
 
 def verb_help(verb: str) -> str:
     """A verb's --help (the recipe list is the one `suite config list` shows, never a stale copy)."""
-    return VERB_HELP[verb].replace("{recipes}", "|".join(known_options("recipe")))
+    text = VERB_HELP[verb].replace("{recipes}", "|".join(known_options("recipe")))
+    return text.replace("{clusters}", "|".join(known_options("cluster")))

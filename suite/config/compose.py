@@ -47,6 +47,7 @@ GROUP_NAMES = (
     "sched",
     "log",
     "launch",
+    "cluster",
 )
 
 ConfigStore.instance().store(name="suite_schema", node=SuiteConfig)

@@ -340,6 +340,38 @@ class DistillConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a job runs on, for `suite plan` (suite/plan/): what one device computes and holds,
+    and the links between devices. Presets in recipes/cluster/ (a100-40g, a100-80g, h100-80g, h200, cpu).
+
+    Bandwidths are per direction in GB/s (1e9 bytes/s); `*_efficiency` is the fraction of a link's
+    nominal bandwidth that large collectives achieve (NCCL bus bandwidth over the data sheet), and
+    `compute_efficiency` the fraction of the dense peak that a transformer's large matmuls sustain:
+    the cost model's only calibration constants (docs/planner.md)."""
+
+    name: str = "generic"
+    device_type: str = "cuda"  # cuda | cpu: settles the recipe's `auto` precision and attention for the plan
+    nodes: int = 1
+    devices_per_node: int = 1
+    memory_gib: float = 16.0  # per device (HBM; host RAM for a CPU process)
+    reserved_gib: float = 0.0  # per device, not for the job: runtime context, allocator fragmentation
+    # dense (no sparsity) FLOP/s per device by train.precision
+    peak_flops: dict[str, float] = field(default_factory=lambda: {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11})
+    compute_efficiency: float = 1.0  # sustained fraction of peak_flops on a transformer's matmuls
+    memory_bandwidth_gbs: float = 20.0  # device memory (the optimizer step is bound by it)
+    intra_node_bandwidth_gbs: float = 1.0  # per device, per direction (NVLink; loopback on CPU)
+    intra_node_latency_us: float = 10.0
+    intra_node_efficiency: float = 1.0
+    inter_node_bandwidth_gbs: float = 1.0  # per node, per direction (all NICs together)
+    inter_node_latency_us: float = 10.0
+    inter_node_efficiency: float = 1.0
+    host_bandwidth_gbs: float = 16.0  # device <-> host per device (PCIe), what parallel.offload crosses
+    # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
+    # whose cores do both (gloo), so every collective is on the critical path
+    comm_overlap: bool = True
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/${model.name}"
     name: Optional[str] = None
@@ -357,6 +389,7 @@ class SuiteConfig:
     sched: SchedConfig = field(default_factory=SchedConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -378,4 +411,5 @@ GROUPS = {
     "sched": SchedConfig,
     "log": LogConfig,
     "launch": LaunchConfig,
+    "cluster": ClusterConfig,
 }

@@ -21,6 +21,7 @@ CHOICES = {
     "launch.backend": ("auto", "nccl", "gloo"),
     "export.format": ("hf",),
     "export.dtype": ("fp32", "bf16", "fp16"),
+    "cluster.device_type": ("cuda", "cpu"),
 }
 POSITIVE = (
     "model.num_layers",
@@ -36,6 +37,8 @@ POSITIVE = (
     "train.eval_every",
     "train.eval_batches",
     "launch.nnodes",
+    "cluster.nodes",
+    "cluster.devices_per_node",
     "parallel.micro_batch_size",
     "parallel.global_batch_size",
     "generate.max_new_tokens",
@@ -94,6 +97,7 @@ def check_values(cfg: SuiteConfig) -> None:
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive, e.g. optim.lr=3e-4")
     _check_ranges(cfg)
+    _check_cluster(cfg)
     t = cfg.train
     for key in ("keep_last", "keep_every"):
         if getattr(t, key) < 0:
@@ -159,3 +163,31 @@ def _check_ranges(cfg: SuiteConfig) -> None:
         )
     if not str(cfg.run.dir).strip():
         raise ConfigError("run.dir is empty; name the run's folder, e.g. run.dir=runs/my-run")
+
+
+def _check_cluster(cfg: SuiteConfig) -> None:
+    """cluster.*: sizes, bandwidths and peaks must be positive, efficiencies fractions in (0, 1]."""
+    c = cfg.cluster
+    for key in (
+        "memory_gib",
+        "memory_bandwidth_gbs",
+        "intra_node_bandwidth_gbs",
+        "inter_node_bandwidth_gbs",
+        "host_bandwidth_gbs",
+    ):
+        if getattr(c, key) <= 0:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be positive")
+    for key in ("reserved_gib", "intra_node_latency_us", "inter_node_latency_us"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be >= 0")
+    if c.reserved_gib >= c.memory_gib:
+        raise ConfigError(
+            f"cluster.reserved_gib={c.reserved_gib} leaves nothing of cluster.memory_gib={c.memory_gib}; "
+            "reserve less than the device holds"
+        )
+    for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
+        if not 0.0 < getattr(c, key) <= 1.0:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1], e.g. cluster.{key}=0.8")
+    for precision, value in c.peak_flops.items():
+        if value <= 0:
+            raise ConfigError(f"cluster.peak_flops.{precision}={value} must be positive FLOP/s per device")

@@ -177,9 +177,15 @@ def _compile_blocks(model: nn.Module) -> None:
 
 
 def make_part_parallelizer(
-    cfg: SuiteConfig, dims: ParallelDims, mesh, device: torch.device, precision: PrecisionPolicy
+    cfg: SuiteConfig,
+    dims: ParallelDims,
+    mesh,
+    device: torch.device,
+    precision: PrecisionPolicy,
+    materialize: bool = True,
 ) -> tuple[Callable[[nn.Module], nn.Module], dict]:
-    """The callback that turns one meta-device model part into this rank's runnable, initialised part.
+    """The callback that turns one meta-device model part into this rank's runnable, initialised part
+    (`materialize=False`: placed but left on the meta device, what `suite pretrain --dry-run` reads).
 
     Returns (callback, info); info gets `dp_kind`, `optim_device` and `compute_device` once the
     callback has run (the same for every part).
@@ -226,8 +232,11 @@ def make_part_parallelizer(
         )
         # offloaded FSDP keeps the sharded parameters (and so the optimizer) on the CPU
         home = torch.device("cpu") if pcfg.offload else device
-        dpar.materialize_parallel(part, home, cfg.train.seed, buffer_device=device)
-        if kind == "none" and dims.tp > 1:  # after materialising: hooks live on the final parameters
+        if materialize:
+            dpar.materialize_parallel(part, home, cfg.train.seed, buffer_device=device)
+        if (
+            materialize and kind == "none" and dims.tp > 1
+        ):  # after materialising: hooks live on the final parameters
             from suite.parallel.tensor_parallel import keep_gradient_layouts
 
             keep_gradient_layouts(part)
@@ -238,9 +247,15 @@ def make_part_parallelizer(
 
 
 def parallelize(
-    model: nn.Module, cfg: SuiteConfig, dims: ParallelDims, device: torch.device, precision: PrecisionPolicy
+    model: nn.Module,
+    cfg: SuiteConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    precision: PrecisionPolicy,
+    materialize: bool = True,
 ) -> Placement:
-    """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order)."""
+    """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order);
+    `materialize=False` leaves the placed parameters on the meta device (a dry run)."""
     num_params = model.num_params()
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
@@ -256,7 +271,7 @@ def parallelize(
             "or make the launch keys match torchrun's"
         )
     mesh = dims.build_mesh(device.type)
-    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device, precision)
+    parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device, precision, materialize)
     if dims.pp > 1:
         from suite.parallel.pipeline import build_pipeline
 
@@ -269,7 +284,7 @@ def parallelize(
         dims=dims,
         dp_rank=data_rank(mesh),
         cp_rank=mesh.get_local_rank("cp"),
-        materialized=True,
+        materialized=materialize,
         num_params=num_params,
         mesh=mesh,
         loss_parallel=dims.tp > 1,

@@ -86,6 +86,7 @@ def _help_commands() -> list[str]:
         "quantize",
         "prune",
         "config",
+        "plan",
     ):
         text = verb_help(verb)
         assert "\nExamples:\n" in text, f"`suite {verb} --help` has no Examples: section"
@@ -134,6 +135,7 @@ def test_every_verb_shows_examples_and_every_recipe():
         "quantize",
         "prune",
         "config",
+        "plan",
     }
     from suite.config.compose import known_options
 

@@ -1,0 +1,271 @@
+"""One layout's training step: memory per device and its parts, step time and its parts, tokens/s,
+achieved TFLOP/s per device and MFU.
+
+Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3):
+
+    t_mb      one micro-batch's forward + backward (+ recompute) on the rank: its FLOPs over
+              peak x compute_efficiency, plus the exposed tp, cp and ep communication of its layers
+    compute   m t_mb                          (m micro-batches per step and data rank)
+    bubble    (p - 1)/v t_mb                  (a bubble fraction (p - 1)/(v m); GPipe and 1F1B v = 1;
+                                               zero-bubble: a third of 1F1B's, Qi et al. 2023 ZB-H1)
+    pp p2p    2 (m v + p - 1) t_send          (activations forward, gradients back, on the critical path)
+    data      data-parallel / sharding collectives not hidden under compute
+    optimizer AdamW's bytes over memory bandwidth (+ the host transfers of offload)
+
+Overlap assumptions (cluster.comm_overlap=true; a CPU cluster overlaps nothing): tp collectives (all-reduce, or all-gather + reduce-scatter with sp) and ep
+all-to-alls sit on the critical path (no overlap); cp's ring exchange hides under the attention it
+feeds; pipeline sends do not overlap; FSDP all-gathers and reduce-scatters hide under each
+micro-batch's compute and gradient all-reduces under the last micro-batch's backward (whatever
+exceeds the window is exposed); ZeRO-1's parameter all-gather after the step is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from suite.plan import comm
+from suite.plan.activations import rank_activations
+from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
+from suite.plan.layout import Job, Layout
+from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, state_bytes
+from suite.plan.params import pp_rank_params, rank_layers
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak bytes on the worst device, by part."""
+
+    weights: float
+    compute_copies: float
+    gradients: float
+    optimizer: float
+    activations: float
+    host: float  # offloaded (not on the device)
+    capacity: float  # what the job may use: memory_gib - reserved_gib
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.compute_copies + self.gradients + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class Time:
+    """Seconds of one optimizer step on the critical path, by part."""
+
+    compute: float  # m x the micro-batch's FLOPs at the sustained rate
+    tp: float
+    cp: float
+    ep: float
+    bubble: float
+    pp: float
+    data: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.bubble + self.pp + self.data + self.optimizer
+
+
+@dataclass(frozen=True)
+class Cost:
+    layout: Layout
+    memory: Memory
+    time: Time
+    tokens_per_s: float
+    tflops_per_device: float  # hardware FLOPs (with recompute) per second per device / 1e12
+    mfu: float  # model FLOPs (no recompute) over the peak
+    micro_batches: int
+    params_per_device: int  # the worst rank's parameters held at rest
+
+    def as_dict(self) -> dict:
+        return {
+            "layout": self.layout.name,
+            "parallel": asdict(self.layout),
+            "fits": self.memory.fits,
+            "memory_gib": {k: v / GIB for k, v in asdict(self.memory).items()}
+            | {"total": self.memory.total / GIB},
+            "time_s": asdict(self.time) | {"total": self.time.total},
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "micro_batches": self.micro_batches,
+            "params_per_device": self.params_per_device,
+        }
+
+
+def _rank_compute(job: Job, layout: Layout, layers: list[int], last: bool) -> tuple[float, float, float]:
+    """(FLOPs, forward FLOPs, attention-core FLOPs) of one micro-batch on a rank holding `layers`:
+    3 x forward + recompute (run in backward), split over tp and cp."""
+    m, seq, b = job.model, job.seq_len, layout.micro_batch
+    table = layer_table(m, seq)
+    flops = forward = core = 0.0
+    for layer in layers:
+        f = table[layer]
+        flops += 3 * f.total + recompute_flops(f, layout.recompute)
+        forward += f.total
+        core += 3 * f.core
+    if last:
+        flops += 3 * head_forward_flops(m, seq)
+        forward += head_forward_flops(m, seq)
+    split = layout.tp * layout.cp
+    return flops * b / split, forward * b / split, core * b / split
+
+
+def _rate(job: Job) -> float:
+    c = job.cluster
+    return c.peak_flops[job.precision] * c.compute_efficiency
+
+
+def _micro_batch_comm(
+    job: Job, layout: Layout, layers: list[int], core_time: float
+) -> tuple[float, float, float]:
+    """Exposed (tp, cp, ep) seconds of one micro-batch on a rank holding `layers`."""
+    from suite.models.moe import moe_layer_ids
+    from suite.models.transformer import head_size, kv_heads
+
+    m, c, e = job.model, job.cluster, job.compute_bytes
+    tokens = job.seq_len / layout.cp * layout.micro_batch
+    act = e * tokens * m.hidden_size
+    moe = set(moe_layer_ids(m))
+    tp = cp = ep = 0.0
+    if layout.tp > 1:
+        # 2 forward + 2 backward all-reduces per layer (AG + RS under sp: the same time), plus the
+        # forward's again when recomputed (full: 2, full_attn: 1)
+        per_layer = 4 + {"full": 2, "full_attn": 1}.get(layout.recompute, 0)
+        link = comm.group_link(c, layout, "tp")
+        tp = per_layer * len(layers) * comm.all_reduce(link, act)
+        if layout.pp == 1:  # vocabulary-parallel embedding (forward) and head input (backward)
+            tp += 2 * comm.all_reduce(link, act)
+    if layout.cp > 1:
+        # ring attention: cp - 1 exchanges of the local K and V forward, K, V, dK, dV backward
+        kv = e * tokens * 2 * kv_heads(m) * head_size(m) / layout.tp
+        link = comm.group_link(c, layout, "cp")
+        per_layer = 3 * (layout.cp - 1) * comm.send_recv(link, kv)
+        cp = max(0.0, per_layer * len(layers) - (core_time if c.comm_overlap else 0.0))
+    moe_layers = sum(1 for layer in layers if layer in moe)
+    if layout.ep > 1 and moe_layers:
+        per_layer = 4 + (2 if layout.recompute == "full" else 0)  # dispatch + combine, each way
+        link = comm.group_link(c, layout, "ep")
+        ep = per_layer * moe_layers * comm.all_to_all(link, act * m.top_k)
+    return tp, cp, ep
+
+
+def _data_comm(
+    job: Job, layout: Layout, full: float, sharded: float, forward: float, backward: float, m: int
+) -> float:
+    """Exposed seconds of data-parallel and sharding collectives per step (module docstring): FSDP's
+    forward all-gather hides under the micro-batch's forward, the backward all-gather and the
+    reduce-scatter under its backward (with the recompute); a gradient all-reduce under the last
+    micro-batch's backward."""
+    c = job.cluster
+    if layout.data_ranks == 1:
+        return 0.0
+    data_link = comm.group_link(c, _merged_data(layout), "dp")
+    if layout.sharding == 1 or layout.stage == 1:  # replicate or ZeRO-1: all-reduce at the last micro-batch
+        exposed = max(0.0, comm.all_reduce(data_link, full * job.reduce_bytes) - backward)
+        if layout.sharding > 1:  # ZeRO-1: updated slices all-gathered after the step
+            exposed += comm.all_gather(data_link, full * job.param_bytes)
+        return exposed
+    shard_link = comm.group_link(c, layout, "sharding")
+    gather = comm.all_gather(shard_link, full * job.compute_bytes)
+    in_backward = comm.reduce_scatter(shard_link, full * job.reduce_bytes) + (
+        gather if layout.stage == 3 else 0.0
+    )
+    exposed = m * (max(0.0, gather - forward) + max(0.0, in_backward - backward))
+    if layout.dp > 1:  # HSDP: the sharded gradients all-reduced across replicas once
+        exposed += max(
+            0.0, comm.all_reduce(comm.group_link(c, layout, "dp"), sharded * job.reduce_bytes) - backward
+        )
+    return exposed
+
+
+def _merged_data(layout: Layout) -> Layout:
+    """A layout whose dp axis is the whole data group (dp x sharding, adjacent in the mesh)."""
+    from suite.plan.layout import with_
+
+    return with_(layout, dp=layout.data_ranks, sharding=1)
+
+
+def _optimizer_time(job: Job, layout: Layout, full: float, sharded: float) -> float:
+    """AdamW reads and writes its moments, the parameters and master copies, reads the gradients:
+    (2 x 8 + 2 p + p (+ 2 x 4 master)) bytes per updated parameter over memory bandwidth; offload
+    moves gradients down and parameters up over the host link instead."""
+    c = job.cluster
+    p = job.param_bytes
+    updated = sharded if layout.sharding > 1 else full
+    per = 2 * ADAM_STATE_BYTES + 3 * p + (2 * MASTER_BYTES if p < 4 else 0)
+    if layout.offload:
+        return 2 * updated * p / (c.host_bandwidth_gbs * 1e9)
+    return updated * per / (c.memory_bandwidth_gbs * 1e9)
+
+
+def evaluate(job: Job, layout: Layout) -> Cost:
+    """The cost of one step of `job` under `layout` (assumed valid: suite.plan.layout.check_layout)."""
+    from suite.models.moe import moe_layer_ids
+
+    c, model = job.cluster, job.model
+    m = layout.micro_batches(job.global_batch)
+    shards = layout.sharding if layout.sharding > 1 else 1
+    table = pp_rank_params(model, layout.pp, layout.vpp, layout.tp, layout.ep, shards)
+    layers_of = rank_layers(model, layout.pp, layout.vpp)
+    moe = set(moe_layer_ids(model))
+    rate = _rate(job)
+    capacity = (c.memory_gib - c.reserved_gib) * GIB
+    worst_t, worst_parts, worst_mem = 0.0, (0.0, 0.0, 0.0, 0.0), None
+    t_forward = 0.0
+    for rank, (params, layers) in enumerate(zip(table, layers_of)):
+        flops, forward, core = _rank_compute(job, layout, layers, last=rank == layout.pp - 1)
+        compute = flops / rate
+        tp, cp, ep = _micro_batch_comm(job, layout, layers, core / rate)
+        t = compute + tp + cp + ep
+        if t > worst_t:
+            worst_t, worst_parts, t_forward = t, (compute, tp, cp, ep), forward / rate
+        state = state_bytes(job, layout, params)
+        acts = rank_activations(job, layout, len(layers), sum(1 for x in layers if x in moe), rank)
+        mem = Memory(
+            state.weights,
+            state.compute_copies,
+            state.gradients,
+            state.optimizer,
+            acts.total,
+            state.host,
+            capacity,
+        )
+        if worst_mem is None or mem.total > worst_mem[0].total:
+            worst_mem = (mem, state, params)
+    assert worst_mem is not None
+    memory, _, params = worst_mem
+    compute, tp, cp, ep = worst_parts
+    p, v = layout.pp, layout.vpp
+    bubble = (p - 1) / v * worst_t
+    if layout.schedule == "zero_bubble":
+        bubble /= 3
+    pp_time = 0.0
+    if p > 1:
+        sp_div = layout.tp if layout.sp else 1
+        act = job.compute_bytes * job.seq_len / layout.cp * layout.micro_batch * model.hidden_size / sp_div
+        pp_time = 2 * (m * v + p - 1) * comm.send_recv(comm.group_link(c, layout, "pp"), act)
+    full = max(r.unsharded for r in table)
+    sharded = max(r.sharded for r in table)
+    windows = (t_forward, worst_t - t_forward) if c.comm_overlap else (0.0, 0.0)
+    data = _data_comm(job, layout, full, sharded, *windows, m)
+    optimizer = _optimizer_time(job, layout, full, sharded)
+    time = Time(m * compute, m * tp, m * cp, m * ep, bubble, pp_time, data, optimizer)
+    model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)
+    step = time.total
+    return Cost(
+        layout=layout,
+        memory=memory,
+        time=time,
+        tokens_per_s=job.global_batch * job.seq_len / step,
+        tflops_per_device=hardware_flops / step / job.world / 1e12,
+        mfu=model_flops / step / job.world / c.peak_flops[job.precision],
+        micro_batches=m,
+        params_per_device=params.sharded if layout.sharding > 1 and layout.stage >= 2 else params.unsharded,
+    )

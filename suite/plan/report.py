@@ -1,0 +1,163 @@
+"""What `suite plan` prints: the ranked table, why the winner wins, one layout's breakdown, JSON."""
+
+from __future__ import annotations
+
+from suite.plan import comm
+from suite.plan.cost import GIB, Cost
+from suite.plan.layout import Job
+from suite.plan.search import SearchResult
+
+TIME_PARTS = {
+    "compute": "compute",
+    "tp": "tp comm",
+    "cp": "cp comm",
+    "ep": "ep all-to-all",
+    "bubble": "pipeline bubble",
+    "pp": "pp sends",
+    "data": "data-parallel comm",
+    "optimizer": "optimizer",
+}
+MEMORY_PARTS = {
+    "weights": "weights",
+    "compute_copies": "compute copies",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+}
+
+
+def describe_job(job: Job) -> str:
+    c = job.cluster
+    return (
+        f"{job.model.name} ({_count(job)} parameters), seq {job.seq_len}, global batch {job.global_batch}, "
+        f"{job.precision} on {c.nodes} x {c.devices_per_node} {c.name} = {job.world} devices "
+        f"({c.memory_gib - c.reserved_gib:.1f} GiB usable each)"
+    )
+
+
+def _count(job: Job) -> str:
+    from suite.plan.params import count_params
+
+    n = count_params(job.model)
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _mem(cost: Cost) -> str:
+    m = cost.memory
+    parts = (m.weights + m.compute_copies, m.gradients, m.optimizer, m.activations)
+    return f"{m.total / GIB:6.1f} = " + "/".join(f"{p / GIB:.1f}" for p in parts)
+
+
+def _time(cost: Cost) -> str:
+    t = cost.time
+    comm = t.tp + t.cp + t.ep + t.pp + t.data
+    return f"{t.total:8.3f} = {t.compute:.3f}/{comm:.3f}/{t.bubble:.3f}/{t.optimizer:.3f}"
+
+
+def table(job: Job, result: SearchResult, rows: int = 10) -> str:
+    """The ranked table and the reasons the winner wins."""
+    lines = [describe_job(job)]
+    counted = len(result.ranked) + len(result.too_big)
+    lines.append(
+        f"{counted + result.invalid} layouts: {result.invalid} refused by the trainer's checks, "
+        f"{len(result.too_big)} do not fit, {len(result.ranked)} fit"
+    )
+    if not result.ranked:
+        return "\n".join(lines)
+    header = (
+        f"{'#':>3} {'layout':34} {'memory GiB = w/g/opt/act':>26} {'step s = comp/comm/bubble/opt':>33}"
+        f" {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
+    )
+    lines += ["", header]
+    for i, cost in enumerate(result.ranked[:rows], 1):
+        lines.append(
+            f"{i:>3} {cost.layout.name:34} {_mem(cost):>26} {_time(cost):>33} {cost.tokens_per_s:10.0f}"
+            f" {cost.tflops_per_device:8.1f} {cost.mfu:6.1%}"
+        )
+    lines += ["", *why(result)]
+    best = result.ranked[0]
+    lines.append(f"run it: suite pretrain ... {best.layout.overrides(job.global_batch)}")
+    return "\n".join(lines)
+
+
+def why(result: SearchResult) -> list[str]:
+    """Why the winner wins: against the best layout of each other shape (degrees), the step-time
+    parts where it gains most, and what it leaves in memory."""
+    best = result.ranked[0]
+    out = [
+        f"winner {best.layout.name}: {best.time.total:.3f} s/step, {best.memory.total / GIB:.1f} GiB per device"
+    ]
+    seen = {_shape(best)}
+    rivals = []
+    for cost in result.ranked[1:]:
+        if _shape(cost) not in seen:
+            seen.add(_shape(cost))
+            rivals.append(cost)
+        if len(rivals) == 3:
+            break
+    for rival in rivals:
+        gains = sorted(
+            ((getattr(rival.time, k) - getattr(best.time, k), label) for k, label in TIME_PARTS.items()),
+            reverse=True,
+        )
+        top = ", ".join(f"{label} {delta:+.3f} s" for delta, label in gains[:2] if delta > 0)
+        slower = rival.time.total / best.time.total - 1
+        out.append(
+            f"  vs {rival.layout.name} ({slower:+.1%} step time): it spends more on {top or 'nothing'}"
+        )
+    if result.too_big:
+        fastest_big = min(result.too_big, key=lambda c: c.time.total)
+        if fastest_big.time.total < best.time.total:
+            out.append(
+                f"  faster but out of memory: {fastest_big.layout.name} ({fastest_big.time.total:.3f} s, "
+                f"{fastest_big.memory.total / GIB:.1f} GiB > {fastest_big.memory.capacity / GIB:.1f})"
+            )
+    return out
+
+
+def _shape(cost: Cost) -> tuple:
+    layout = cost.layout
+    return (layout.dp, layout.sharding, layout.tp, layout.pp, layout.cp, layout.ep)
+
+
+def explain(job: Job, cost: Cost) -> str:
+    """One layout's breakdown: every memory and time part, throughput, the recipe keys."""
+    m, t = cost.memory, cost.time
+    lines = [describe_job(job), f"layout {cost.layout.name}: {cost.layout.overrides(job.global_batch)}", ""]
+    lines.append(
+        f"memory per device (worst rank): {m.total / GIB:.2f} GiB of {m.capacity / GIB:.2f} "
+        f"({'fits' if m.fits else 'does NOT fit'})"
+    )
+    for key, label in MEMORY_PARTS.items():
+        lines.append(f"  {label:20} {getattr(m, key) / GIB:10.3f} GiB")
+    if m.host:
+        lines.append(f"  {'offloaded to host':20} {m.host / GIB:10.3f} GiB")
+    lines.append(f"  parameters held: {cost.params_per_device:,}")
+    lines.append(f"step time: {t.total:.4f} s ({cost.micro_batches} micro-batches per data rank)")
+    for key, label in TIME_PARTS.items():
+        value = getattr(t, key)
+        lines.append(f"  {label:20} {value:10.4f} s  {value / t.total:6.1%}")
+    lines.append(
+        f"throughput: {cost.tokens_per_s:,.0f} tokens/s, {cost.tflops_per_device:.1f} TFLOP/s per device "
+        f"(with recompute), MFU {cost.mfu:.1%}"
+    )
+    links = []
+    for axis in (*comm.AXES, "ep"):
+        link = comm.group_link(job.cluster, cost.layout, axis)
+        if link.ranks > 1:
+            links.append(f"{axis} {link.ranks} ranks on {link.name} ({link.bandwidth / 1e9:.1f} GB/s)")
+    if links:
+        lines.append("links: " + ", ".join(links))
+    return "\n".join(lines)
+
+
+def as_json(job: Job, result: SearchResult, rows: int = 50) -> dict:
+    """The search for machines: the job, the counts, the ranked layouts (as Cost.as_dict)."""
+    return {
+        "job": describe_job(job),
+        "world": job.world,
+        "invalid": result.invalid,
+        "too_big": len(result.too_big),
+        "ranked": [c.as_dict() for c in result.ranked[:rows]],
+        "overrides": result.ranked[0].layout.overrides(job.global_batch) if result.ranked else None,
+    }
