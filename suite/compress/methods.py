@@ -34,20 +34,31 @@ class Method:
     summary: str
     cuda_only: bool = False
     calibrated: bool = False
+    # float activations: gradients reach a layer's input (LoRA over it trains what lies below)
+    weight_only: bool = True
 
 
 METHODS = {
     m.name: m
     for m in (
         Method("int8", "int8 weight-only (torchao Int8WeightOnlyConfig)"),
-        Method("w8a8", "int8 dynamic activations + int8 weights (Int8DynamicActivationInt8WeightConfig)"),
+        Method(
+            "w8a8",
+            "int8 dynamic activations + int8 weights (Int8DynamicActivationInt8WeightConfig)",
+            weight_only=False,
+        ),
         Method(
             "int4", "group-wise int4 weight-only (IntxWeightOnlyConfig on CPU, Int4WeightOnlyConfig on CUDA)"
         ),
         Method(
             "int4-tinygemm", "int4 weight-only with torchao's tinygemm kernels (Int4WeightOnlyConfig)", True
         ),
-        Method("smoothquant", "w8a8 after SmoothQuant calibration (torchao prototype)", calibrated=True),
+        Method(
+            "smoothquant",
+            "w8a8 after SmoothQuant calibration (torchao prototype)",
+            calibrated=True,
+            weight_only=False,
+        ),
         Method("gptq", "group-wise int4 weights placed by GPTQ (plain torch, any device)", calibrated=True),
         Method("gptq-int8", "int8 weights placed by GPTQ (plain torch, any device)", calibrated=True),
     )

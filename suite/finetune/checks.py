@@ -65,6 +65,16 @@ def check_quantized_base(cfg: SuiteConfig, dims) -> None:
             f"model.init_from='{init_from}' is quantized: its int weights cannot be trained; use "
             "finetune.method=lora (adapters over the frozen quantized weights), or the full-precision model"
         )
+    from suite.compress.methods import METHODS
+    from suite.models.quantized import quantized_info
+
+    method = quantized_info(ModelSource.parse(init_from, "model.init_from").folder).get("method", "")
+    if method in METHODS and not METHODS[method].weight_only:
+        raise ConfigError(
+            f"model.init_from='{init_from}' is quantized with {method}, whose int8 activations pass no "
+            "gradient to the layers below; LoRA needs a weight-only base: quantize with compress=int8, "
+            "int4 or gptq"
+        )
     if dims.world_size > 1:
         raise ConfigError(
             f"model.init_from='{init_from}' is quantized: LoRA over it runs in one process; this layout has "

@@ -201,6 +201,11 @@ def test_refusals_are_one_line(base_run, quantized, capsys, tmp_path):
         f"run.dir={tmp_path / 'e'}",
     )
     assert "is quantized" in err and "finetune.method=lora" in err  # full finetuning; LoRA runs (test_qlora)
+    err = _refused(
+        capsys, "finetune", f"model.init_from={quantized['w8a8']}", "finetune.method=lora", "data.seq_len=64",
+        f"run.dir={tmp_path / 'f'}",
+    )  # fmt: skip
+    assert "w8a8" in err and "no gradient" in err and "compress=int8" in err
 
 
 def test_quantize_has_help(capsys):
