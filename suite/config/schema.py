@@ -51,6 +51,10 @@ class ModelConfig:
     num_shared_experts: int = 0  # experts every token also goes through (one MLP of that many widths)
     moe_ffn_hidden_size: Optional[int] = None  # width of one expert; None: the dense MLP width
     capacity_factor: Optional[float] = None  # None: dropless; else tokens beyond cf*T*k/E per expert drop
+    # the experts' matmuls: grouped (one torch._grouped_mm per weight for all experts; padded where it
+    # does not run) | padded (tokens in an [experts, max tokens, hidden] buffer, torch.bmm) | loop (one
+    # matmul chain per expert, the reference); suite/models/moe.py
+    moe_impl: str = "grouped"
     aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch/Mixtral)
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE); 0: off
 

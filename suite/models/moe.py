@@ -22,6 +22,7 @@ parallelism replaces: it dispatches the sorted tokens to the ranks that own the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -54,15 +55,113 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     return F.gelu(x @ w1.t(), approximate="tanh") @ w2.t()
 
 
-def run_experts(
+MOE_IMPLS = ("grouped", "padded", "loop")  # model.moe_impl
+
+
+def _loop_experts(
     x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
 ) -> torch.Tensor:
-    """Rows of `x` grouped by expert (counts[e] rows for expert e of the given weights), each through its MLP."""
+    """One matmul chain per expert (the reference `model.moe_impl=loop` keeps)."""
     outputs = []
     for e, rows in enumerate(x.split(counts)):
         if rows.shape[0]:
             outputs.append(expert_mlp(rows, w1[e], w2[e], w3[e] if w3 is not None else None))
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward here (a private op: CPU fp32/bf16/fp16 in
+    torch 2.13, while some CUDA builds take bf16 on sm90+ only); probed once per device type and dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        out = torch._grouped_mm(
+            a, b.transpose(-2, -1), offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+        )
+        torch.autograd.grad(out, (a, b), torch.ones_like(out))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm wants every row stride a multiple of 16 bytes (hidden and ffn widths in
+    elements: multiples of 4 in fp32, 8 in bf16) and a dtype it runs on this device."""
+    size = x.element_size()
+    aligned = (w1.shape[2] * size) % 16 == 0 and (w1.shape[1] * size) % 16 == 0
+    same = x.dtype == w1.dtype == w2.dtype
+    return aligned and same and grouped_mm_runs(x.device.type, x.dtype)
+
+
+def _grouped_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+) -> torch.Tensor:
+    """Every expert in one torch._grouped_mm per weight: the rows of expert e are offs[e-1]:offs[e]."""
+    offs = counts.cumsum(0).to(torch.int32)
+    x = x.contiguous()
+    hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    if w3 is not None:
+        hidden = F.silu(hidden) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    else:
+        hidden = F.gelu(hidden, approximate="tanh")
+    return _Contiguous.apply(torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs))
+
+
+class _Contiguous(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: torch._grouped_mm's backward refuses
+    stride-0 gradients (what `.sum()` sends back)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _padded_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+) -> torch.Tensor:
+    """The fallback where torch._grouped_mm does not run: rows scattered into an [E, max count, h]
+    buffer (zeros elsewhere), one batched matmul per weight, the real rows gathered back."""
+    num_experts = counts.shape[0]
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w2.shape[1])
+    expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts)
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    padded = x.new_zeros(num_experts, int(counts.max()), x.shape[1]).index_put((expert, slot), x)
+    hidden = torch.bmm(padded, w1.transpose(-2, -1))
+    if w3 is not None:
+        hidden = F.silu(hidden) * torch.bmm(padded, w3.transpose(-2, -1))
+    else:
+        hidden = F.gelu(hidden, approximate="tanh")
+    return torch.bmm(hidden, w2.transpose(-2, -1))[expert, slot]
+
+
+def run_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    impl: str = "grouped",
+) -> torch.Tensor:
+    """Rows of `x` grouped by expert (counts[e] rows for expert e of the given weights), each through its MLP.
+
+    impl="grouped" (model.moe_impl): one grouped matmul per weight for all experts, no per-expert
+    Python work (the padded batched matmul where torch._grouped_mm does not run); "padded": always
+    the padded batched matmul; "loop": one matmul chain per expert, the reference.
+    """
+    if impl == "loop":
+        return _loop_experts(x, counts.tolist(), w1, w2, w3)
+    if impl == "grouped" and grouped_mm_fits(x, w1, w2):
+        return _grouped_experts(x, counts, w1, w2, w3)
+    return _padded_experts(x, counts, w1, w2, w3)
 
 
 class GroupedExperts(nn.Module):
@@ -74,9 +173,10 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, width, hidden))  # gate (llama) / fc (gpt)
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))  # down / proj
         self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if cfg.family == "llama" else None  # up
+        self.impl = cfg.moe_impl
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_experts(x, counts.tolist(), self.w1, self.w2, self.w3)
+        return run_experts(x, counts, self.w1, self.w2, self.w3, self.impl)
 
 
 class MoEFeedForward(nn.Module):
@@ -249,5 +349,9 @@ def check_moe_config(cfg: ModelConfig) -> None:
     for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 0")
+    if cfg.moe_impl not in MOE_IMPLS:
+        raise ConfigError(
+            f"model.moe_impl={cfg.moe_impl!r} is not one of {', '.join(MOE_IMPLS)}; use model.moe_impl=grouped"
+        )
     if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size < 1:
         raise ConfigError(f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} must be a positive integer")
