@@ -69,6 +69,7 @@ def _loop_experts(
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
 
+@torch.compiler.disable
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward here (a private op: CPU fp32/bf16/fp16 in
@@ -96,6 +97,7 @@ def grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool
     return aligned and same and grouped_mm_runs(x.device.type, x.dtype)
 
 
+@torch.compiler.disable  # torch 2.13's fake-tensor kernel of _grouped_mm takes bf16 only: eager in a compiled block
 def _grouped_experts(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
 ) -> torch.Tensor:
