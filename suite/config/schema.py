@@ -41,6 +41,9 @@ class ModelConfig:
     # (the score matrix in the compute dtype: 2x faster than the CPU flash kernel in bf16) | auto (explicit
     # for bf16/fp16 on CPU up to EXPLICIT_ATTENTION_MAX_SEQ tokens, else sdpa; resolved at compose time)
     attention: str = "auto"
+    # packed documents (data.doc_mask, SFT packing): varlen (one causal SDPA per document, memory linear
+    # in the sequence) | dense (a [seq, seq] boolean mask, quadratic); suite/models/document_attention.py
+    document_attention: str = "varlen"
     init_std: float = 0.02
     init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
     # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense

@@ -1,0 +1,150 @@
+"""Attention inside packed documents without a [seq, seq] mask (`model.document_attention`).
+
+A packed row holds several documents (suite.data.documents: a document is a run of equal ids in
+`doc_ids`), and a token may attend only to earlier tokens of its own document: block-diagonal causal.
+
+- `varlen` (the default): per-document SDPA. Each document of each row is one causal
+  `F.scaled_dot_product_attention` call over its own rows of Q/K/V (no mask: the flash kernel, which
+  never holds the score matrix), and the outputs are concatenated back in sequence order. Memory is
+  linear in the sequence length; the work is the documents' own causal triangles, less than the
+  dense path's full seq x seq scores. A document's output is what it would be alone.
+- `dense`: the boolean [b, 1, seq, seq] mask handed to SDPA, as before: quadratic memory (the mask,
+  and SDPA's float copy of it, per row), kept as the reference and for comparison.
+
+Why per-document SDPA and not flex attention with a document block mask: in torch 2.13 on CPU flex
+attention has no backward ("FlexAttention does not support backward on CPU", checked on this
+machine), so it cannot train here; and it avoids the score matrix only when compiled, which on CPU
+needs inductor's C++ toolchain and recompiles as the documents' layout changes. Per-document SDPA
+runs eagerly with torch's own kernels on every device and is exact in the sense that matters for
+packing: a document's logits are the document's alone. Its cost is one kernel call per document,
+small next to the matmuls when documents are hundreds of tokens long.
+
+Context parallelism (suite.parallel.context_parallel) keeps its queries local and gathers every key;
+`document_chunk_attention` runs one query chunk against the keys up to its end, per document: a
+document that started in an earlier chunk sees its earlier keys through a [chunk part, document
+part] causal mask (bounded by that document's length, not the sequence's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+DOCUMENT_ATTENTIONS = ("varlen", "dense")  # model.document_attention
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # causal attention of one piece
+
+
+def document_mask(
+    doc_ids: torch.Tensor, query_index: torch.Tensor | None = None, key_index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean [b, 1, q, k] mask (True = attend): same document and key not after the query.
+
+    query_index / key_index: which sequence positions the queries / keys are (default: all, in
+    order). Context parallelism passes its rank's query positions and every key position.
+    """
+    s = doc_ids.shape[-1]
+    everything = torch.arange(s, device=doc_ids.device)
+    q_index = everything if query_index is None else query_index
+    k_index = everything if key_index is None else key_index
+    q_doc, k_doc = doc_ids[:, q_index], doc_ids[:, k_index]
+    causal = k_index[None, :] <= q_index[:, None]
+    return ((q_doc[:, :, None] == k_doc[:, None, :]) & causal)[:, None]
+
+
+def document_spans(doc_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) of each run of equal ids, in order: the documents of a packed row."""
+    b, s = doc_ids.shape
+    change = torch.ones(b, s + 1, dtype=torch.bool, device=doc_ids.device)
+    change[:, 1:s] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    spans = []
+    for row in change.cpu():
+        cuts = row.nonzero().flatten().tolist()
+        spans.append(list(zip(cuts[:-1], cuts[1:])))
+    return spans
+
+
+@dataclass(eq=False)
+class Documents:
+    """The packed documents of a micro-batch, handed to every attention layer in place of a mask.
+
+    doc_ids: [b, S] over the whole sequence (under context parallelism too: each rank's attention
+    picks its own queries); dense: build the [b, 1, q, k] mask (`model.document_attention=dense`)
+    instead of attending per document. Spans and masks are computed once per forward and shared by
+    the layers.
+    """
+
+    doc_ids: torch.Tensor
+    dense: bool = False
+    _spans: list[list[tuple[int, int]]] | None = field(default=None, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def seq_len(self) -> int:
+        return self.doc_ids.shape[-1]
+
+    def spans(self) -> list[list[tuple[int, int]]]:
+        if self._spans is None:
+            self._spans = document_spans(self.doc_ids)
+        return self._spans
+
+    @torch.compiler.disable
+    def mask(self, query_index: torch.Tensor | None = None, key: object = None) -> torch.Tensor:
+        """The dense boolean mask (queries: all, or `query_index` cached under `key`); eager under a
+        compiled block (train.compile), like the per-document loop below."""
+        if key not in self._masks:
+            self._masks[key] = document_mask(self.doc_ids, query_index=query_index)
+        return self._masks[key]
+
+
+def causal_sdpa(gqa: bool) -> Attend:
+    """Causal SDPA of one piece (queries and keys the same positions)."""
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+
+
+@torch.compiler.disable  # one call per document, data-dependent: a compiled block runs it eagerly
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, attend: Attend
+) -> torch.Tensor:
+    """softmax(QK^T)V of every document on its own. q, k, v: [b, heads, S, d]; attend: causal attention."""
+    if q.shape[2] != docs.seq_len or k.shape[2] != docs.seq_len:
+        raise ValueError(
+            f"document attention over {docs.seq_len} positions got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    rows = []
+    for i, spans in enumerate(docs.spans()):
+        pieces = [attend(q[i : i + 1, :, s:e], k[i : i + 1, :, s:e], v[i : i + 1, :, s:e]) for s, e in spans]
+        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def document_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, start: int, gqa: bool
+) -> torch.Tensor:
+    """Queries at sequence positions [start, end) against the keys [0, end), per document.
+
+    q: [b, heads, end - start, d]; k, v: [b, kv heads, >= end, d] in sequence order. A document that
+    begins inside the chunk is plain causal attention; one that began earlier attends from its own
+    start with the queries aligned to the bottom right of its keys.
+    """
+    end = start + q.shape[2]
+    rows = []
+    for i, spans in enumerate(docs.spans()):
+        pieces = []
+        for s, e in spans:
+            if e <= start or s >= end:
+                continue
+            q_from, q_to = max(s, start), min(e, end)
+            qi = q[i : i + 1, :, q_from - start : q_to - start]
+            ki, vi = k[i : i + 1, :, s:q_to], v[i : i + 1, :, s:q_to]
+            if q_from == s:
+                pieces.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=gqa))
+            else:
+                keys = q_to - s
+                mask = torch.ones(q_to - q_from, keys, dtype=torch.bool, device=q.device).tril(q_from - s)
+                pieces.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=gqa))
+        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
