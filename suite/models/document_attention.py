@@ -105,6 +105,42 @@ def causal_sdpa(gqa: bool) -> Attend:
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
 
 
+class _PerDocumentAttention(torch.autograd.Function):
+    """Per-document attention written into one output, with a backward that recomputes each document.
+
+    Autograd through slices and a concatenation would keep every document's output twice (the
+    kernel's saved output and the concatenated copy) and, in backward, allocate a zero-filled
+    full-size gradient for every slice. Here forward saves only Q/K/V and backward runs each
+    document's attention again under autograd (one extra attention forward, as the context-parallel
+    attention does), writing its gradients into dq/dk/dv: memory is the output and the gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, docs: Documents, attend: Attend):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        for i, spans in enumerate(docs.spans()):
+            for s, e in spans:
+                out[i : i + 1, :, s:e] = attend(
+                    q[i : i + 1, :, s:e], k[i : i + 1, :, s:e], v[i : i + 1, :, s:e]
+                )
+        ctx.save_for_backward(q, k, v)
+        ctx.docs, ctx.attend = docs, attend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))  # every position is written
+        for i, spans in enumerate(ctx.docs.spans()):
+            for s, e in spans:
+                piece = [t[i : i + 1, :, s:e].detach().requires_grad_() for t in (q, k, v)]
+                with torch.enable_grad():
+                    out = ctx.attend(*piece)
+                for buf, grad in zip(grads, torch.autograd.grad(out, piece, grad_out[i : i + 1, :, s:e])):
+                    buf[i : i + 1, :, s:e] = grad
+        return *grads, None, None
+
+
 @torch.compiler.disable  # one call per document, data-dependent: a compiled block runs it eagerly
 def document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, attend: Attend
@@ -114,11 +150,7 @@ def document_attention(
         raise ValueError(
             f"document attention over {docs.seq_len} positions got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
-    rows = []
-    for i, spans in enumerate(docs.spans()):
-        pieces = [attend(q[i : i + 1, :, s:e], k[i : i + 1, :, s:e], v[i : i + 1, :, s:e]) for s, e in spans]
-        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
-    return torch.cat(rows) if len(rows) > 1 else rows[0]
+    return _PerDocumentAttention.apply(q, k, v, docs, attend)
 
 
 def document_chunk_attention(
