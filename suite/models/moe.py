@@ -17,6 +17,9 @@ that every token uses (one wider MLP, DeepSeek/Qwen-MoE style).
 
 `GroupedExperts.forward(tokens sorted by expert, count per expert)` is the one seam expert
 parallelism replaces: it dispatches the sorted tokens to the ranks that own the experts and back.
+Tokens are sorted by an argsort of their expert ids and scattered back with index_add, and the
+experts run as one grouped matmul per weight (`model.moe_impl`, `run_experts`): no per-expert
+Python work on the default path, which is what a GPU needs (one kernel per weight, not per expert).
 """
 
 from __future__ import annotations
@@ -88,13 +91,18 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch._grouped_mm wants every row stride a multiple of 16 bytes (hidden and ffn widths in
-    elements: multiples of 4 in fp32, 8 in bf16) and a dtype it runs on this device."""
+@torch.compiler.disable  # reads data pointers: eager in a compiled block
+def grouped_mm_fits(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None = None
+) -> bool:
+    """torch._grouped_mm wants 16-byte aligned rows and data (hidden and ffn widths in elements:
+    multiples of 4 in fp32, 8 in bf16; weights that are views into a flat buffer, as FSDP's
+    unsharded parameters are, may start anywhere) and a dtype it runs on this device."""
     size = x.element_size()
     aligned = (w1.shape[2] * size) % 16 == 0 and (w1.shape[1] * size) % 16 == 0
+    starts = all(t.data_ptr() % 16 == 0 for t in (x, w1, w2, w3) if t is not None)
     same = x.dtype == w1.dtype == w2.dtype
-    return aligned and same and grouped_mm_runs(x.device.type, x.dtype)
+    return aligned and starts and same and grouped_mm_runs(x.device.type, x.dtype)
 
 
 @torch.compiler.disable  # torch 2.13's fake-tensor kernel of _grouped_mm takes bf16 only: eager in a compiled block
@@ -161,7 +169,7 @@ def run_experts(
     """
     if impl == "loop":
         return _loop_experts(x, counts.tolist(), w1, w2, w3)
-    if impl == "grouped" and grouped_mm_fits(x, w1, w2):
+    if impl == "grouped" and grouped_mm_fits(x, w1, w2, w3):
         return _grouped_experts(x, counts, w1, w2, w3)
     return _padded_experts(x, counts, w1, w2, w3)
 

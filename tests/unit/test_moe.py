@@ -155,6 +155,21 @@ def test_grouped_experts_match_the_loop_forward_and_backward(family, hidden):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_unaligned_data_takes_the_padded_path():
+    x, counts, w1, w2, w3, grad = _expert_inputs("llama", 16, 8, [3, 4])
+    shifted = torch.empty(x.numel() + 1)[1:].view_as(x).copy_(x)  # starts 4 bytes past an aligned address
+    assert grouped_mm_fits(x, w1, w2, w3) and not grouped_mm_fits(shifted, w1, w2, w3)
+    shifted.requires_grad_()
+    x.requires_grad_()
+    got, want = (
+        run_experts(shifted, counts, w1, w2, w3, "grouped"),
+        run_experts(x, counts, w1, w2, w3, "loop"),
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (dx,), (ref,) = torch.autograd.grad(got, [shifted], grad), torch.autograd.grad(want, [x], grad)
+    torch.testing.assert_close(dx, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_experts_without_tokens_give_an_empty_result():
     x, _, w1, w2, w3, _ = _expert_inputs("llama", 16, 8, [1, 1])
     for impl in ("grouped", "padded", "loop"):
