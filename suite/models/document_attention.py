@@ -5,7 +5,7 @@ A packed row holds several documents (suite.data.documents: a document is a run 
 
 - `varlen` (the default): per-document SDPA. Each document of each row is one causal
   `F.scaled_dot_product_attention` call over its own rows of Q/K/V (no mask: the flash kernel, which
-  never holds the score matrix), and the outputs are concatenated back in sequence order. Memory is
+  never holds the score matrix), written into one output in sequence order. Memory is
   linear in the sequence length; the work is the documents' own causal triangles, less than the
   dense path's full seq x seq scores. A document's output is what it would be alone.
 - `dense`: the boolean [b, 1, seq, seq] mask handed to SDPA, as before: quadratic memory (the mask,
@@ -20,7 +20,8 @@ packing: a document's logits are the document's alone. Its cost is one kernel ca
 small next to the matmuls when documents are hundreds of tokens long.
 
 Context parallelism (suite.parallel.context_parallel) keeps its queries local and gathers every key;
-`document_chunk_attention` runs one query chunk against the keys up to its end, per document: a
+`document_chunk_attention` runs one query chunk against the keys up to its end, per document (the
+same piecewise function as without cp, so its backward recomputes per document too): a
 document that started in an earlier chunk sees its earlier keys through a [chunk part, document
 part] causal mask (bounded by that document's length, not the sequence's).
 """
@@ -105,40 +106,60 @@ def causal_sdpa(gqa: bool) -> Attend:
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
 
 
-class _PerDocumentAttention(torch.autograd.Function):
-    """Per-document attention written into one output, with a backward that recomputes each document.
+Piece = tuple[int, int, int, int, int]  # (row, first query, end query, first key, end key)
 
-    Autograd through slices and a concatenation would keep every document's output twice (the
-    kernel's saved output and the concatenated copy) and, in backward, allocate a zero-filled
-    full-size gradient for every slice. Here forward saves only Q/K/V and backward runs each
-    document's attention again under autograd (one extra attention forward, as the context-parallel
-    attention does), writing its gradients into dq/dk/dv: memory is the output and the gradients.
+
+def _attend_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, gqa: bool
+) -> torch.Tensor:
+    """Causal attention of queries that are the last q.shape[2] of the keys (`attend` when they are
+    all of them; else SDPA with the bottom-right causal mask of this piece only)."""
+    queries, keys = q.shape[2], k.shape[2]
+    if queries == keys:
+        return attend(q, k, v)
+    mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class _PiecewiseAttention(torch.autograd.Function):
+    """Attention piece by piece (one document, or its part in a query chunk) into one output, with a
+    backward that recomputes each piece.
+
+    Autograd through slices and a concatenation would keep every piece's output twice (the kernel's
+    saved output and the concatenated copy) and, in backward, allocate a zero-filled full-size
+    gradient for every slice. Here forward saves only Q/K/V and backward runs each piece's attention
+    again under autograd (one extra attention forward, as the context-parallel attention does),
+    writing its gradients into dq/dk/dv: memory is the output and the gradients. The pieces' queries
+    cover every row of q; their keys never overlap.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, docs: Documents, attend: Attend):
+    def forward(ctx, q, k, v, pieces: list[Piece], attend: Attend, gqa: bool):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        for i, spans in enumerate(docs.spans()):
-            for s, e in spans:
-                out[i : i + 1, :, s:e] = attend(
-                    q[i : i + 1, :, s:e], k[i : i + 1, :, s:e], v[i : i + 1, :, s:e]
-                )
+        for i, q0, q1, k0, k1 in pieces:
+            row = slice(i, i + 1)
+            out[row, :, q0:q1] = _attend_piece(
+                q[row, :, q0:q1], k[row, :, k0:k1], v[row, :, k0:k1], attend, gqa
+            )
         ctx.save_for_backward(q, k, v)
-        ctx.docs, ctx.attend = docs, attend
+        ctx.pieces, ctx.attend, ctx.gqa = pieces, attend, gqa
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
-        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))  # every position is written
-        for i, spans in enumerate(ctx.docs.spans()):
-            for s, e in spans:
-                piece = [t[i : i + 1, :, s:e].detach().requires_grad_() for t in (q, k, v)]
-                with torch.enable_grad():
-                    out = ctx.attend(*piece)
-                for buf, grad in zip(grads, torch.autograd.grad(out, piece, grad_out[i : i + 1, :, s:e])):
-                    buf[i : i + 1, :, s:e] = grad
-        return *grads, None, None
+        dq = torch.empty_like(q)  # every query row belongs to a piece
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # keys after the last query are nobody's
+        for i, q0, q1, k0, k1 in ctx.pieces:
+            row = slice(i, i + 1)
+            piece = [
+                t.detach().requires_grad_() for t in (q[row, :, q0:q1], k[row, :, k0:k1], v[row, :, k0:k1])
+            ]
+            with torch.enable_grad():
+                out = _attend_piece(*piece, ctx.attend, ctx.gqa)
+            grads = torch.autograd.grad(out, piece, grad_out[row, :, q0:q1])
+            dq[row, :, q0:q1], dk[row, :, k0:k1], dv[row, :, k0:k1] = grads
+        return dq, dk, dv, None, None, None
 
 
 @torch.compiler.disable  # one call per document, data-dependent: a compiled block runs it eagerly
@@ -150,7 +171,8 @@ def document_attention(
         raise ValueError(
             f"document attention over {docs.seq_len} positions got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
-    return _PerDocumentAttention.apply(q, k, v, docs, attend)
+    pieces = [(i, s, e, s, e) for i, spans in enumerate(docs.spans()) for s, e in spans]
+    return _PiecewiseAttention.apply(q, k, v, pieces, attend, False)
 
 
 def document_chunk_attention(
@@ -163,20 +185,10 @@ def document_chunk_attention(
     start with the queries aligned to the bottom right of its keys.
     """
     end = start + q.shape[2]
-    rows = []
-    for i, spans in enumerate(docs.spans()):
-        pieces = []
-        for s, e in spans:
-            if e <= start or s >= end:
-                continue
-            q_from, q_to = max(s, start), min(e, end)
-            qi = q[i : i + 1, :, q_from - start : q_to - start]
-            ki, vi = k[i : i + 1, :, s:q_to], v[i : i + 1, :, s:q_to]
-            if q_from == s:
-                pieces.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=gqa))
-            else:
-                keys = q_to - s
-                mask = torch.ones(q_to - q_from, keys, dtype=torch.bool, device=q.device).tril(q_from - s)
-                pieces.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=gqa))
-        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
-    return torch.cat(rows) if len(rows) > 1 else rows[0]
+    pieces = [
+        (i, max(s, start) - start, min(e, end) - start, s, min(e, end))
+        for i, spans in enumerate(docs.spans())
+        for s, e in spans
+        if s < end and e > start
+    ]
+    return _PiecewiseAttention.apply(q, k, v, pieces, causal_sdpa(gqa), gqa)
