@@ -22,8 +22,8 @@ small next to the matmuls when documents are hundreds of tokens long.
 Context parallelism (suite.parallel.context_parallel) keeps its queries local and gathers every key;
 `document_chunk_attention` runs one query chunk against the keys up to its end, per document (the
 same piecewise function as without cp, so its backward recomputes per document too): a
-document that started in an earlier chunk sees its earlier keys through a [chunk part, document
-part] causal mask (bounded by that document's length, not the sequence's).
+document that started in an earlier chunk sees its earlier keys through causal masks of at most
+[MASKED_QUERY_BLOCK, document length] (bounded by that document's length, not the sequence's).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 DOCUMENT_ATTENTIONS = ("varlen", "dense")  # model.document_attention
 
+MASKED_QUERY_BLOCK = 512  # queries per SDPA call where a document needs a mask (under cp): its size bound
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # causal attention of one piece
 
 
@@ -130,7 +131,8 @@ class _PiecewiseAttention(torch.autograd.Function):
     gradient for every slice. Here forward saves only Q/K/V and backward runs each piece's attention
     again under autograd (one extra attention forward, as the context-parallel attention does),
     writing its gradients into dq/dk/dv: memory is the output and the gradients. The pieces' queries
-    cover every row of q; their keys never overlap.
+    cover every row of q exactly once; their keys may overlap (query blocks of one document), so key
+    gradients add up.
     """
 
     @staticmethod
@@ -157,8 +159,10 @@ class _PiecewiseAttention(torch.autograd.Function):
             ]
             with torch.enable_grad():
                 out = _attend_piece(*piece, ctx.attend, ctx.gqa)
-            grads = torch.autograd.grad(out, piece, grad_out[row, :, q0:q1])
-            dq[row, :, q0:q1], dk[row, :, k0:k1], dv[row, :, k0:k1] = grads
+            grad_q, grad_k, grad_v = torch.autograd.grad(out, piece, grad_out[row, :, q0:q1])
+            dq[row, :, q0:q1] = grad_q
+            dk[row, :, k0:k1] += grad_k  # the query blocks of one document share its keys
+            dv[row, :, k0:k1] += grad_v
         return dq, dk, dv, None, None, None
 
 
@@ -182,13 +186,20 @@ def document_chunk_attention(
 
     q: [b, heads, end - start, d]; k, v: [b, kv heads, >= end, d] in sequence order. A document that
     begins inside the chunk is plain causal attention; one that began earlier attends from its own
-    start with the queries aligned to the bottom right of its keys.
+    start with the queries aligned to the bottom right of its keys, MASKED_QUERY_BLOCK queries at a
+    time (each block's mask is [block, its keys]: linear in the document's length).
     """
     end = start + q.shape[2]
-    pieces = [
-        (i, max(s, start) - start, min(e, end) - start, s, min(e, end))
-        for i, spans in enumerate(docs.spans())
-        for s, e in spans
-        if s < end and e > start
-    ]
+    pieces = []
+    for i, spans in enumerate(docs.spans()):
+        for s, e in spans:
+            if e <= start or s >= end:
+                continue
+            q_from, q_to = max(s, start), min(e, end)
+            # a document begun before the chunk needs a mask: bound it by cutting the queries into
+            # blocks, each the last queries of its own keys (the mask is [block, keys], not [chunk, keys])
+            step = q_to - q_from if q_from == s else MASKED_QUERY_BLOCK
+            for a in range(q_from, q_to, step):
+                b_ = min(a + step, q_to)
+                pieces.append((i, a - start, b_ - start, s, b_))
     return _PiecewiseAttention.apply(q, k, v, pieces, causal_sdpa(gqa), gqa)

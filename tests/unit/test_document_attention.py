@@ -62,16 +62,25 @@ def test_per_document_attention_and_its_gradients_equal_the_dense_mask(explicit)
         torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
 
 
-def test_a_context_parallel_chunk_sees_the_rows_of_the_dense_mask():
+@pytest.mark.parametrize("block", [512, 2])  # MASKED_QUERY_BLOCK: whole chunk parts, or 2 queries per call
+def test_a_context_parallel_chunk_sees_the_rows_of_the_dense_mask(block, monkeypatch):
     """Queries [start, end) against the keys before `end`: each chunk of a 4-way cp split."""
+    monkeypatch.setattr("suite.models.document_attention.MASKED_QUERY_BLOCK", block)
     ids = _ids()
     q, k, v = _qkv(ids)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(ids), enable_gqa=True)
     size = ids.shape[1] // 8
     for chunk in range(8):
         start, end = chunk * size, (chunk + 1) * size
-        got = document_chunk_attention(q[:, :, start:end], k, v, Documents(ids), start, gqa=True)
+        q_chunk = q.detach()[:, :, start:end].requires_grad_()
+        got = document_chunk_attention(q_chunk, k, v, Documents(ids), start, gqa=True)
         torch.testing.assert_close(got, ref[:, :, start:end], rtol=0, atol=1e-12)
+        grad = torch.randn_like(got)
+        mine = torch.autograd.grad(got, (q_chunk, k, v), grad)
+        want = torch.autograd.grad(ref[:, :, start:end], (q, k, v), grad, retain_graph=True)
+        torch.testing.assert_close(mine[0], want[0][:, :, start:end], rtol=0, atol=1e-12)
+        for a, b in zip(mine[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 CFG = ModelConfig(family="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128)
