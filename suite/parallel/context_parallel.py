@@ -4,9 +4,9 @@ Layout (load-balanced causal chunking). A row of S positions is cut into 2*cp ch
 L = S / (2*cp); cp rank r holds chunks r and 2*cp-1-r, an early and a late one, so that under the
 causal mask every rank does the same attention work ((2*cp+1) * L^2 scores). The batch is split
 before the embedding (`split_batch`: tokens, targets, the real positions of the rank's tokens for
-RoPE and learned positions, and the whole rows' document ids when documents are packed) and the loss is the
-mean over the rank's tokens; the data-parallel wrapper averages gradients over dp x sharding x cp,
-which makes the gradient that of the mean over every token of the global batch.
+RoPE and learned positions, and the whole rows' document ids when documents are packed) and the
+loss is the mean over the rank's tokens; the data-parallel wrapper averages gradients over
+dp x sharding x cp, which makes the gradient that of the mean over every token of the global batch.
 
 Attention: all-gather of K/V (`ContextParallelAttention` replaces each block's `CoreAttention`).
 Queries stay local; the K/V of every rank are gathered along the cp group and put back in sequence
@@ -18,12 +18,12 @@ backward, so every saved activation shrinks with cp; the gathered K/V (2 * S * k
 exist only while one layer's attention runs.
 
 Why all-gather and not a ring: it is exact with the same kernel as one process (no online-softmax
-merge whose rounding differs from it), any mask composes with it (document masks just index the
-gathered keys, or run per document), it needs one collective per layer instead of cp-1 dependent steps (a ring's win
-is overlapping its steps with compute, which gloo on CPU cannot do), and with grouped-query
-attention K/V are a small fraction of the activations. Its cost is the transient gathered K/V,
-which a ring would bound to two blocks: at very long sequences (K/V of S tokens per layer no
-longer fitting) a ring is the better algorithm.
+merge whose rounding differs from it), any mask composes with it (documents just index the
+gathered keys, per document or as rows of a dense mask), it needs one collective per layer instead
+of cp-1 dependent steps (a ring's win is overlapping its steps with compute, which gloo on CPU
+cannot do), and with grouped-query attention K/V are a small fraction of the activations. Its cost
+is the transient gathered K/V, which a ring would bound to two blocks: at very long sequences (K/V
+of S tokens per layer no longer fitting) a ring is the better algorithm.
 """
 
 from __future__ import annotations
