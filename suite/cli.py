@@ -145,7 +145,8 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
 
 def _with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
     """Take the architecture from model.init_from (a suite run/checkpoint or hf:<folder>); an
-    architecture key that the command line sets to another value than the base's is refused.
+    architecture key that the command line sets to another value than the base's is refused, and
+    the other model keys it sets (how to compute: attention, document_attention, moe_impl, ...) stay.
     `quantized_ok` (finetune): a `suite quantize` checkpoint may be the base (LoRA over it, QLoRA;
     suite.finetune.checks.check_quantized_base says what else it needs)."""
     from dataclasses import asdict
@@ -172,7 +173,8 @@ def _with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
             )
     print(source.describe(), flush=True)  # training verbs report on stdout
     for key, value in base.items():
-        raw.model[key] = value
+        if key in ARCHITECTURE or key not in typed:
+            raw.model[key] = value
     return raw, to_object(raw)
 
 

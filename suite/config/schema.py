@@ -41,6 +41,9 @@ class ModelConfig:
     # (the score matrix in the compute dtype: 2x faster than the CPU flash kernel in bf16) | auto (explicit
     # for bf16/fp16 on CPU up to EXPLICIT_ATTENTION_MAX_SEQ tokens, else sdpa; resolved at compose time)
     attention: str = "auto"
+    # packed documents (data.doc_mask, SFT packing): varlen (one causal SDPA per document, memory linear
+    # in the sequence) | dense (a [seq, seq] boolean mask, quadratic); suite/models/document_attention.py
+    document_attention: str = "varlen"
     init_std: float = 0.02
     init_from: Optional[str] = None  # hf:<folder> or a suite run/checkpoint folder
     # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense
@@ -51,6 +54,10 @@ class ModelConfig:
     num_shared_experts: int = 0  # experts every token also goes through (one MLP of that many widths)
     moe_ffn_hidden_size: Optional[int] = None  # width of one expert; None: the dense MLP width
     capacity_factor: Optional[float] = None  # None: dropless; else tokens beyond cf*T*k/E per expert drop
+    # the experts' matmuls: grouped (one torch._grouped_mm per weight for all experts; padded where it
+    # does not run) | padded (tokens in an [experts, max tokens, hidden] buffer, torch.bmm) | loop (one
+    # matmul chain per expert, the reference); suite/models/moe.py
+    moe_impl: str = "grouped"
     aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch/Mixtral)
     z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE); 0: off
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from suite.data.documents import document_ids, document_mask, document_positions
+from suite.data.documents import document_ids, document_positions
 
 IGNORE_INDEX = -100  # the target of a position that contributes nothing to the loss
 
@@ -77,10 +77,11 @@ class Batch:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
-        """Keyword arguments for Transformer.forward besides the tokens: positions and the document mask."""
+        """Keyword arguments for Transformer.forward besides the tokens: positions and document ids (the
+        model keeps attention inside documents: suite.models.document_attention)."""
         kwargs = {}
         if self.positions is not None:
             kwargs["positions"] = self.positions
         if self.doc_ids is not None:
-            kwargs["mask"] = document_mask(self.doc_ids)
+            kwargs["doc_ids"] = self.doc_ids
         return kwargs

@@ -6,7 +6,8 @@ of another. With document masking each of them is seen as if it were alone: posi
 0 after every EOS, and attention is block-diagonal causal (a token attends to earlier tokens of its
 own document only). The EOS token belongs to the document it ends; the token after it starts the
 next one. The loss is unchanged (every position is still a target, EOS -> next document included),
-as in Megatron-LM's `reset_position_ids` + `reset_attention_mask`.
+as in Megatron-LM's `reset_position_ids` + `reset_attention_mask`. Batches carry the ids; the model
+keeps attention inside documents (suite.models.document_attention: per document, or a dense mask).
 """
 
 from __future__ import annotations
@@ -29,20 +30,3 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     # index of the first token of each position's document: a running max over document starts
     first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=-1).values
     return index - first
-
-
-def document_mask(
-    doc_ids: torch.Tensor, query_index: torch.Tensor | None = None, key_index: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Boolean [b, 1, q, k] mask (True = attend): same document and key not after the query.
-
-    query_index / key_index: which sequence positions the queries / keys are (default: all, in
-    order). Context parallelism passes its rank's query positions and every key position.
-    """
-    s = doc_ids.shape[-1]
-    everything = torch.arange(s, device=doc_ids.device)
-    q_index = everything if query_index is None else query_index
-    k_index = everything if key_index is None else key_index
-    q_doc, k_doc = doc_ids[:, q_index], doc_ids[:, k_index]
-    causal = k_index[None, :] <= q_index[:, None]
-    return ((q_doc[:, :, None] == k_doc[:, None, :]) & causal)[:, None]

@@ -15,9 +15,9 @@ padding. Shifting: a sample of n tokens x_0..x_{n-1} becomes n-1 positions: toke
 and labels[t] = x_{t+1} when x_{t+1} is an assistant token, else IGNORE_INDEX.
 
 Packing. Samples are greedily packed into rows of `seq_len` in a seeded order; positions restart at
-0 for every sample and `doc_ids` numbers the samples of a row (padding: -1), so the document mask
-(suite.data.documents.document_mask) is the block-diagonal causal mask under which a packed sample
-sees exactly what it would see alone. Without packing, one sample per row, right-padded; the
+0 for every sample and `doc_ids` numbers the samples of a row (padding: -1), so attention inside
+documents (suite.models.document_attention: per document, or the block-diagonal causal mask) lets
+a packed sample see exactly what it would see alone. Without packing, one sample per row, right-padded; the
 plain causal mask is then enough and `doc_ids` is None.
 """
 

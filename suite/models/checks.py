@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.models.document_attention import DOCUMENT_ATTENTIONS
 from suite.models.transformer import head_size
 
 
@@ -26,6 +27,11 @@ def check_model(m: ModelConfig) -> None:
     if m.family == "llama" and head_size(m) % 2:
         what = "model.head_dim" if m.head_dim else "model.hidden_size/model.num_heads"
         raise ConfigError(f"{what}={head_size(m)} must be even for RoPE")
+    if m.document_attention not in DOCUMENT_ATTENTIONS:
+        raise ConfigError(
+            f"model.document_attention={m.document_attention!r} is not one of {', '.join(DOCUMENT_ATTENTIONS)}; "
+            "use varlen (per-document attention) or dense (the [seq, seq] mask)"
+        )
     if m.num_experts > 0:
         from suite.models.moe import check_moe_config
 

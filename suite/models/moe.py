@@ -17,11 +17,15 @@ that every token uses (one wider MLP, DeepSeek/Qwen-MoE style).
 
 `GroupedExperts.forward(tokens sorted by expert, count per expert)` is the one seam expert
 parallelism replaces: it dispatches the sorted tokens to the ranks that own the experts and back.
+Tokens are sorted by an argsort of their expert ids and scattered back with index_add, and the
+experts run as one grouped matmul per weight (`model.moe_impl`, `run_experts`): no per-expert
+Python work on the default path, which is what a GPU needs (one kernel per weight, not per expert).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -54,15 +58,120 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     return F.gelu(x @ w1.t(), approximate="tanh") @ w2.t()
 
 
-def run_experts(
+MOE_IMPLS = ("grouped", "padded", "loop")  # model.moe_impl
+
+
+def _loop_experts(
     x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
 ) -> torch.Tensor:
-    """Rows of `x` grouped by expert (counts[e] rows for expert e of the given weights), each through its MLP."""
+    """One matmul chain per expert (the reference `model.moe_impl=loop` keeps)."""
     outputs = []
     for e, rows in enumerate(x.split(counts)):
         if rows.shape[0]:
             outputs.append(expert_mlp(rows, w1[e], w2[e], w3[e] if w3 is not None else None))
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+@torch.compiler.disable
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward here (a private op: CPU fp32/bf16/fp16 in
+    torch 2.13, while some CUDA builds take bf16 on sm90+ only); probed once per device type and dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        out = torch._grouped_mm(
+            a, b.transpose(-2, -1), offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+        )
+        torch.autograd.grad(out, (a, b), torch.ones_like(out))
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):  # the op refuses this device or dtype
+        return False
+
+
+@torch.compiler.disable  # reads data pointers: eager in a compiled block
+def grouped_mm_fits(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None = None
+) -> bool:
+    """torch._grouped_mm wants 16-byte aligned rows and data (hidden and ffn widths in elements:
+    multiples of 4 in fp32, 8 in bf16; weights that are views into a flat buffer, as FSDP's
+    unsharded parameters are, may start anywhere) and a dtype it runs on this device."""
+    size = x.element_size()
+    aligned = (w1.shape[2] * size) % 16 == 0 and (w1.shape[1] * size) % 16 == 0
+    starts = all(t.data_ptr() % 16 == 0 for t in (x, w1, w2, w3) if t is not None)
+    same = x.dtype == w1.dtype == w2.dtype
+    return aligned and starts and same and grouped_mm_runs(x.device.type, x.dtype)
+
+
+@torch.compiler.disable  # torch 2.13's fake-tensor kernel of _grouped_mm takes bf16 only: eager in a compiled block
+def _grouped_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+) -> torch.Tensor:
+    """Every expert in one torch._grouped_mm per weight: the rows of expert e are offs[e-1]:offs[e]."""
+    offs = counts.cumsum(0).to(torch.int32)
+    x = x.contiguous()
+    hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    if w3 is not None:
+        hidden = F.silu(hidden) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    else:
+        hidden = F.gelu(hidden, approximate="tanh")
+    return _Contiguous.apply(torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs))
+
+
+class _Contiguous(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: torch._grouped_mm's backward refuses
+    stride-0 gradients (what `.sum()` sends back)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _padded_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+) -> torch.Tensor:
+    """The fallback where torch._grouped_mm does not run: rows scattered into an [E, max count, h]
+    buffer (zeros elsewhere), one batched matmul per weight, the real rows gathered back."""
+    num_experts = counts.shape[0]
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w2.shape[1])
+    expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts)
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    padded = x.new_zeros(num_experts, int(counts.max()), x.shape[1]).index_put((expert, slot), x)
+    hidden = torch.bmm(padded, w1.transpose(-2, -1))
+    if w3 is not None:
+        hidden = F.silu(hidden) * torch.bmm(padded, w3.transpose(-2, -1))
+    else:
+        hidden = F.gelu(hidden, approximate="tanh")
+    return torch.bmm(hidden, w2.transpose(-2, -1))[expert, slot]
+
+
+def run_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    impl: str = "grouped",
+) -> torch.Tensor:
+    """Rows of `x` grouped by expert (counts[e] rows for expert e of the given weights), each through its MLP.
+
+    impl="grouped" (model.moe_impl): one grouped matmul per weight for all experts, no per-expert
+    Python work (the padded batched matmul where torch._grouped_mm does not run); "padded": always
+    the padded batched matmul; "loop": one matmul chain per expert, the reference.
+    """
+    if impl == "loop":
+        return _loop_experts(x, counts.tolist(), w1, w2, w3)
+    if impl == "grouped" and grouped_mm_fits(x, w1, w2, w3):
+        return _grouped_experts(x, counts, w1, w2, w3)
+    return _padded_experts(x, counts, w1, w2, w3)
 
 
 class GroupedExperts(nn.Module):
@@ -74,9 +183,10 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, width, hidden))  # gate (llama) / fc (gpt)
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))  # down / proj
         self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if cfg.family == "llama" else None  # up
+        self.impl = cfg.moe_impl
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_experts(x, counts.tolist(), self.w1, self.w2, self.w3)
+        return run_experts(x, counts, self.w1, self.w2, self.w3, self.impl)
 
 
 class MoEFeedForward(nn.Module):
@@ -249,5 +359,9 @@ def check_moe_config(cfg: ModelConfig) -> None:
     for key in ("num_shared_experts", "aux_loss_coef", "z_loss_coef"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 0")
+    if cfg.moe_impl not in MOE_IMPLS:
+        raise ConfigError(
+            f"model.moe_impl={cfg.moe_impl!r} is not one of {', '.join(MOE_IMPLS)}; use model.moe_impl=grouped"
+        )
     if cfg.moe_ffn_hidden_size is not None and cfg.moe_ffn_hidden_size < 1:
         raise ConfigError(f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} must be a positive integer")

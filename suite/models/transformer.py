@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.config.schema import ModelConfig
+from suite.models.document_attention import Documents, document_attention
 from suite.models.moe import moe_layer_ids
 
 
@@ -135,7 +136,11 @@ def explicit_attention(
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T)V alone: the unit that `recompute=core_attn` checkpoints."""
+    """softmax(QK^T)V alone: the unit that `recompute=core_attn` checkpoints.
+
+    mask: None (causal), a boolean [b, 1, q, k] mask, or the packed `Documents` of the batch (each
+    document attends on its own, or through their dense mask with model.document_attention=dense).
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, explicit: bool = False):
         super().__init__()
@@ -143,8 +148,18 @@ class CoreAttention(nn.Module):
         self.explicit = explicit  # model.attention=explicit (for training-length queries; decoding: sdpa)
 
     def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Documents | None = None
+    ) -> torch.Tensor:
+        if isinstance(mask, Documents):
+            if not mask.dense:
+                return document_attention(q, k, v, mask, self.attend)
+            mask = mask.mask()
+        return self.attend(q, k, v, mask)
+
+    def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """One attention call: causal when `mask` is None, else the boolean mask."""
         if self.explicit and q.shape[2] > 1:
             return explicit_attention(q, k, v, mask)
         if mask is None:
@@ -244,7 +259,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | Documents | None = None,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
@@ -361,11 +376,15 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         hidden: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for `tokens` [b, s]. Pipeline stages without the embedding pass `hidden` instead.
 
         positions: [s] or [b, s] absolute positions (default: arange from the cache length);
-        mask: an optional boolean attention mask (True = attend), e.g. for packed documents.
+        mask: an optional boolean attention mask (True = attend);
+        doc_ids: [b, S] document number of each position of packed rows (suite.data.documents; under
+        context parallelism the whole sequence's): attention stays inside documents, per document or
+        through a dense mask as `model.document_attention` says (suite.models.document_attention).
         head: called as head(final hidden states, output weight) in place of the output projection, and
         its result returned: a loss that applies the head itself (chunked cross-entropy) runs inside
         this forward, where wrappers that gather parameters around forward (FSDP) have the weight whole.
@@ -384,6 +403,10 @@ class Transformer(nn.Module):
             if positions is None:
                 positions = torch.arange(start, start + h.shape[1], device=h.device)
         rope = self.rope_tables(positions, h.dtype) if self.rope_inv_freq is not None else None
+        if doc_ids is not None:
+            if mask is not None:
+                raise ValueError("pass either mask or doc_ids, not both")
+            mask = Documents(doc_ids, dense=self.cfg.document_attention == "dense")
         for i, layer in enumerate(self.layers.values()):
             cache = (kv_cache.keys[i], kv_cache.values[i], start) if kv_cache is not None else None
             h = layer(h, rope, mask, cache)

@@ -4,9 +4,9 @@ Layout (load-balanced causal chunking). A row of S positions is cut into 2*cp ch
 L = S / (2*cp); cp rank r holds chunks r and 2*cp-1-r, an early and a late one, so that under the
 causal mask every rank does the same attention work ((2*cp+1) * L^2 scores). The batch is split
 before the embedding (`split_batch`: tokens, targets, the real positions of the rank's tokens for
-RoPE and learned positions, and the document mask when `data.doc_mask` is on) and the loss is the
-mean over the rank's tokens; the data-parallel wrapper averages gradients over dp x sharding x cp,
-which makes the gradient that of the mean over every token of the global batch.
+RoPE and learned positions, and the whole rows' document ids when documents are packed) and the
+loss is the mean over the rank's tokens; the data-parallel wrapper averages gradients over
+dp x sharding x cp, which makes the gradient that of the mean over every token of the global batch.
 
 Attention: all-gather of K/V (`ContextParallelAttention` replaces each block's `CoreAttention`).
 Queries stay local; the K/V of every rank are gathered along the cp group and put back in sequence
@@ -18,12 +18,12 @@ backward, so every saved activation shrinks with cp; the gathered K/V (2 * S * k
 exist only while one layer's attention runs.
 
 Why all-gather and not a ring: it is exact with the same kernel as one process (no online-softmax
-merge whose rounding differs from it), any mask composes with it (document masks just index the
-gathered keys), it needs one collective per layer instead of cp-1 dependent steps (a ring's win
-is overlapping its steps with compute, which gloo on CPU cannot do), and with grouped-query
-attention K/V are a small fraction of the activations. Its cost is the transient gathered K/V,
-which a ring would bound to two blocks: at very long sequences (K/V of S tokens per layer no
-longer fitting) a ring is the better algorithm.
+merge whose rounding differs from it), any mask composes with it (documents just index the
+gathered keys, per document or as rows of a dense mask), it needs one collective per layer instead
+of cp-1 dependent steps (a ring's win is overlapping its steps with compute, which gloo on CPU
+cannot do), and with grouped-query attention K/V are a small fraction of the activations. Its cost
+is the transient gathered K/V, which a ring would bound to two blocks: at very long sequences (K/V
+of S tokens per layer no longer fitting) a ring is the better algorithm.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.data.batch import Batch
-from suite.data.documents import document_mask
+from suite.models.document_attention import Documents, document_chunk_attention
 
 
 def chunk_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -50,16 +50,16 @@ def chunk_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "
 
 
 def split_batch(batch: Batch, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """This rank's part of a micro-batch: (tokens, targets, forward kwargs with positions and mask).
+    """This rank's part of a micro-batch: (tokens, targets, forward kwargs with positions and doc ids).
 
     Positions are the chunks' own (the batch's positions, or their index in the sequence); without
-    documents the mask is left to the attention (causal); with documents it is [b, 1, 2L, S]: the
-    rank's queries against every key, in sequence order.
+    documents attention is causal; with documents the kwargs carry the whole rows' `doc_ids` [b, S]
+    (small next to any mask), from which each rank's attention takes its queries' documents.
     """
     index = chunk_index(batch.tokens.shape[1], cp, rank, batch.tokens.device)
     kwargs: dict = {"positions": index if batch.positions is None else batch.positions[:, index]}
     if batch.doc_ids is not None:
-        kwargs["mask"] = document_mask(batch.doc_ids, query_index=index)
+        kwargs["doc_ids"] = batch.doc_ids
     return batch.tokens[:, index], batch.labels[:, index], kwargs
 
 
@@ -98,17 +98,22 @@ def _two_chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | Documents | None,
     cp: int,
     rank: int,
     gqa: bool,
 ) -> torch.Tensor:
-    """Local queries (chunks rank, 2cp-1-rank) against the full-sequence keys, each chunk up to its end."""
+    """Local queries (chunks rank, 2cp-1-rank) against the full-sequence keys, each chunk up to its end.
+
+    mask: None (causal), the [b, 1, 2L, S] dense document mask, or `Documents` (per document)."""
     size = q.shape[2] // 2
     outs = []
     for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         keys = (chunk + 1) * size
         rows = slice(half * size, (half + 1) * size)
+        if isinstance(mask, Documents):
+            outs.append(document_chunk_attention(q[:, :, rows], k, v, mask, chunk * size, gqa))
+            continue
         if mask is None:
             chunk_mask = _diagonal_causal(size, keys, q.device)
         else:
@@ -128,14 +133,14 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, group, cp, rank, gqa):
         k_all, v_all = _gather_sequence(k, group, cp), _gather_sequence(v, group, cp)
         out = _two_chunk_attention(q, k_all, v_all, mask, cp, rank, gqa)
-        ctx.save_for_backward(q, k, v, mask)
-        ctx.args = (group, cp, rank, gqa)
+        ctx.save_for_backward(q, k, v)
+        ctx.args = (mask, group, cp, rank, gqa)  # the mask: an input without gradient, or Documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask = ctx.saved_tensors
-        group, cp, rank, gqa = ctx.args
+        q, k, v = ctx.saved_tensors
+        mask, group, cp, rank, gqa = ctx.args
         k_all, v_all = _gather_sequence(k, group, cp), _gather_sequence(v, group, cp)
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k_all, v_all))
@@ -148,9 +153,11 @@ class _AllGatherAttention(torch.autograd.Function):
 class ContextParallelAttention(nn.Module):
     """Drop-in for the model's CoreAttention when the sequence is split across a cp group.
 
-    q, k, v: [b, heads, 2L, head_dim] of this rank's two chunks; mask: None (causal) or the
-    [b, 1, 2L, S] document mask from `split_batch`. A KV-cache decode (q of one token, keys longer
-    than the local sequence) is not context parallel: it is refused.
+    q, k, v: [b, heads, 2L, head_dim] of this rank's two chunks; mask: None (causal), a
+    [b, 1, 2L, S] boolean mask of the rank's queries against every key, or the batch's `Documents`
+    over the whole sequence (model.document_attention: varlen attends per document, dense builds the
+    [b, 1, 2L, S] rows of the document mask). A KV-cache decode (q of one token, keys longer than
+    the local sequence) is not context parallel: it is refused.
     """
 
     def __init__(self, gqa: bool, group: dist.ProcessGroup, cp: int, rank: int):
@@ -165,6 +172,9 @@ class ContextParallelAttention(nn.Module):
                 "context-parallel attention expects this rank's two sequence chunks for q, k and v "
                 f"(got q {tuple(q.shape)}, k {tuple(k.shape)}); decoding with a KV cache is not context parallel"
             )
+        if isinstance(mask, Documents) and mask.dense:
+            index = chunk_index(mask.seq_len, self.cp, self.rank, q.device)
+            mask = mask.mask(query_index=index, key=("cp", self.cp, self.rank))
         return _AllGatherAttention.apply(q, k, v, mask, self.group, self.cp, self.rank, self.gqa)
 
 

@@ -117,7 +117,7 @@ class ExpertParallelExperts(GroupedExperts):
         order = torch.argsort(row_key, stable=True)
         w3 = self.w3.to_local() if self.w3 is not None else None
         out = run_experts(
-            received[order], recv_matrix.sum(0).tolist(), self.w1.to_local(), self.w2.to_local(), w3
+            received[order], recv_matrix.sum(0), self.w1.to_local(), self.w2.to_local(), w3, self.impl
         )
         out = out[torch.argsort(order)]
         result = x.new_empty(x.shape[0], out.shape[1])

@@ -34,6 +34,8 @@ NOT_ARCHITECTURE = {
     "dropout",
     "init_std",
     "attention",
+    "document_attention",
+    "moe_impl",
     "aux_loss_coef",
     "z_loss_coef",
     "capacity_factor",

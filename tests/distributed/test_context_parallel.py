@@ -131,7 +131,8 @@ def _attention_worker(rank: int, cp: int, port: int) -> None:
     import torch.nn.functional as F
 
     from suite.data.batch import Batch
-    from suite.data.documents import document_ids, document_mask
+    from suite.data.documents import document_ids
+    from suite.models.document_attention import Documents, document_mask
     from suite.parallel.context_parallel import ContextParallelAttention, chunk_index, split_batch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -147,10 +148,11 @@ def _attention_worker(rank: int, cp: int, port: int) -> None:
         grad = torch.randn(b, heads, seq, dim, generator=gen, dtype=torch.float64)
         tokens = torch.randint(0, 6, (b, seq), generator=gen)  # id 0 ends a document: ~8 per row
         index = chunk_index(seq, cp, rank)
-        for docs in (False, True):
+        for docs in (None, "varlen", "dense"):  # model.document_attention
             ids = document_ids(tokens, 0) if docs else None
             full_mask = document_mask(ids) if docs else None
-            local_mask = split_batch(Batch(tokens, tokens, doc_ids=ids), cp, rank)[2].get("mask")
+            kwargs = split_batch(Batch(tokens, tokens, doc_ids=ids), cp, rank)[2]
+            local_mask = Documents(kwargs["doc_ids"], dense=docs == "dense") if docs else None
             for t in (q, k, v):
                 t.grad = None
             ref = F.scaled_dot_product_attention(

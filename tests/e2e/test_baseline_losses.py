@@ -41,16 +41,23 @@ PRETRAIN = [
     "log.progress=false",
 ]
 RUNS = ["gpt-tiny", "llama-tiny", "moe-tiny", "sft"]
-# The shapes the fixture was recorded with, where a recipe has moved on since (llama-tiny's MLP: 688 -> 704).
-RECORDED_SHAPES = {"llama-tiny": ["model.ffn_hidden_size=688"]}
+# The shapes and kernels the fixture was recorded with, where the defaults have moved on since
+# (llama-tiny's MLP: 688 -> 704; MoE experts: one matmul chain per expert -> grouped matmuls, whose
+# weight gradients sum in another order; packed SFT samples: one dense [seq, seq] mask -> attention
+# per document, another kernel per document: both checked against the fixture at 1e-5 below).
+RECORDED_SHAPES = {
+    "llama-tiny": ["model.ffn_hidden_size=688"],
+    "moe-tiny": ["model.moe_impl=loop"],
+    "sft": ["model.document_attention=dense"],
+}
 
 
 def _machine() -> dict:
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def _losses(name: str, tiny_data: Path, tmp_path: Path) -> dict[str, float]:
-    run = tmp_path / name
+def _losses(name: str, tiny_data: Path, tmp_path: Path, *overrides: str) -> dict[str, float]:
+    run = tmp_path / (name + "".join("-" + o.rpartition("=")[2] for o in overrides))
     if name == "sft":
         base = tiny_base(tmp_path / "base-hf", tiny_data)
         finetune(
@@ -62,6 +69,7 @@ def _losses(name: str, tiny_data: Path, tmp_path: Path) -> dict[str, float]:
             f"train.eval_every={STEPS}",
             f"train.save_every={STEPS}",
             "finetune.eval_samples=0",
+            *(overrides or RECORDED_SHAPES[name]),
         )
     else:
         run_suite(
@@ -70,7 +78,7 @@ def _losses(name: str, tiny_data: Path, tmp_path: Path) -> dict[str, float]:
             f"data.path={tiny_data}",
             f"run.dir={run}",
             *PRETRAIN,
-            *RECORDED_SHAPES.get(name, []),
+            *(overrides or RECORDED_SHAPES.get(name, [])),
             check=True,
         )
     return {str(step): loss for step, loss in train_losses(run).items()}
@@ -93,3 +101,17 @@ def test_losses_match_the_recorded_baseline(tiny_data, tmp_path):
                 assert have[step] == value, (name, step, value, have[step])
             else:  # another CPU's kernels: the layout tolerance (see the module docstring)
                 assert abs(have[step] - value) <= 1e-4 * abs(value), (name, step, value, have[step])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "default"), [("moe-tiny", "model.moe_impl=grouped"), ("sft", "model.document_attention=varlen")]
+)
+def test_new_default_kernels_stay_within_1e_5_of_the_recorded_ones(tiny_data, tmp_path, name, default):
+    """The defaults that replaced a recorded kernel (grouped experts, per-document attention): the
+    fixture's losses within 1e-5 relative."""
+    recorded = json.loads(FIXTURE.read_text())["losses"][name]
+    have = _losses(name, tiny_data, tmp_path, default)
+    assert sorted(have, key=int) == sorted(recorded, key=int)
+    for step, value in recorded.items():
+        assert abs(have[step] - value) <= 1e-5 * abs(value), (step, value, have[step])

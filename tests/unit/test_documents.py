@@ -9,8 +9,9 @@ import torch
 
 from suite.config.schema import ModelConfig
 from suite.data.batch import Batch
-from suite.data.documents import document_ids, document_mask, document_positions
+from suite.data.documents import document_ids, document_positions
 from suite.models import build_model, materialize
+from suite.models.document_attention import Documents, document_mask
 from suite.parallel.context_parallel import chunk_index, split_batch
 from suite.parallel.dims import ParallelDims
 from suite.parallel.parallelize import Placement
@@ -43,13 +44,16 @@ def test_context_parallel_chunks_are_load_balanced_and_cover_the_sequence():
     index = chunk_index(seq, cp, 1)
     assert torch.equal(local, tokens[:, index]) and torch.equal(targets, tokens[:, index] + 1)
     assert torch.equal(kwargs["positions"], document_positions(ids)[:, index])
-    assert torch.equal(kwargs["mask"], document_mask(ids)[:, :, index])  # rows of the full mask
+    assert torch.equal(kwargs["doc_ids"], ids)  # the whole rows: each rank's attention picks its queries
+    dense_rows = Documents(ids, dense=True).mask(query_index=index, key="rank 1")
+    assert torch.equal(dense_rows, document_mask(ids)[:, :, index])  # rows of the full mask
     plain = split_batch(Batch(tokens, tokens), cp, 1)[2]  # no documents: real positions, causal attention
     assert list(plain) == ["positions"] and torch.equal(plain["positions"], index)
 
 
+@pytest.mark.parametrize("document_attention", ["varlen", "dense"])
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_a_document_has_the_same_logits_packed_or_alone(family):
+def test_a_document_has_the_same_logits_packed_or_alone(family, document_attention):
     """Through the trainer's batch path (suite.train.step.TrainStep.model_inputs): positions restart, the mask is
     block-diagonal, so a document's logits do not depend on what it is packed with."""
     cfg = ModelConfig(
@@ -60,6 +64,7 @@ def test_a_document_has_the_same_logits_packed_or_alone(family):
         num_kv_heads=2,
         vocab_size=512,
         max_seq_len=128,
+        document_attention=document_attention,
     )
     model = materialize(build_model(cfg), "cpu", seed=3).eval()
     dims = ParallelDims(dp=1, sharding=1, tp=1, pp=1, cp=1, ep=1, world_size=1)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from suite.config.schema import ModelConfig
 from suite.models import build_model, materialize
-from suite.models.moe import MoEFeedForward, expert_mlp, moe_aux_loss, moe_layer_ids, pop_load_stats
+from suite.models.moe import (
+    MoEFeedForward,
+    expert_mlp,
+    grouped_mm_fits,
+    moe_aux_loss,
+    moe_layer_ids,
+    pop_load_stats,
+    run_experts,
+)
 
 CFG = ModelConfig(
     family="llama",
@@ -111,3 +120,119 @@ def test_model_places_moe_layers_and_reports_balance():
     stats = pop_load_stats(model)
     assert stats["tokens_per_expert"].shape == (2, 4)
     assert float(stats["tokens_per_expert"].sum()) == 2 * 2 * 8 * 2  # layers x tokens x top_k
+
+
+def _expert_inputs(family: str, hidden: int, width: int, counts: list[int]):
+    gen = torch.Generator().manual_seed(1)
+    n, e = sum(counts), len(counts)
+    x = torch.randn(n, hidden, generator=gen)
+    w1, w2 = (
+        torch.randn(e, width, hidden, generator=gen) * 0.2,
+        torch.randn(e, hidden, width, generator=gen) * 0.2,
+    )
+    w3 = torch.randn(e, width, hidden, generator=gen) * 0.2 if family == "llama" else None
+    return x, torch.tensor(counts), w1, w2, w3, torch.randn(n, hidden, generator=gen)
+
+
+def _forward_backward(fn, x, counts, w1, w2, w3, grad_out):
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3) if t is not None]
+    x_, w1_, w2_ = leaves[:3]
+    out = fn(x_, counts, w1_, w2_, leaves[3] if w3 is not None else None)
+    return [out, *torch.autograd.grad(out, leaves, grad_out)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("hidden", [16, 13])  # 13 * 4 bytes: rows torch._grouped_mm refuses (padded bmm then)
+def test_grouped_experts_match_the_loop_forward_and_backward(family, hidden):
+    counts = [5, 0, 9, 1, 7]  # an expert without tokens too
+    args = _expert_inputs(family, hidden, 8, counts)
+    loop = _forward_backward(lambda *a: run_experts(*a, impl="loop"), *args)
+    grouped = _forward_backward(lambda *a: run_experts(*a, impl="grouped"), *args)
+    padded = _forward_backward(lambda *a: run_experts(*a, impl="padded"), *args)
+    assert grouped_mm_fits(args[0], args[2], args[3]) == (hidden == 16)
+    for got in (grouped, padded):
+        for a, b in zip(got, loop):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_unaligned_data_takes_the_padded_path():
+    x, counts, w1, w2, w3, grad = _expert_inputs("llama", 16, 8, [3, 4])
+    shifted = torch.empty(x.numel() + 1)[1:].view_as(x).copy_(x)  # starts 4 bytes past an aligned address
+    assert grouped_mm_fits(x, w1, w2, w3) and not grouped_mm_fits(shifted, w1, w2, w3)
+    shifted.requires_grad_()
+    x.requires_grad_()
+    got, want = (
+        run_experts(shifted, counts, w1, w2, w3, "grouped"),
+        run_experts(x, counts, w1, w2, w3, "loop"),
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (dx,), (ref,) = torch.autograd.grad(got, [shifted], grad), torch.autograd.grad(want, [x], grad)
+    torch.testing.assert_close(dx, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_without_tokens_give_an_empty_result():
+    x, _, w1, w2, w3, _ = _expert_inputs("llama", 16, 8, [1, 1])
+    for impl in ("grouped", "padded", "loop"):
+        assert run_experts(x[:0], torch.zeros(2, dtype=torch.long), w1, w2, w3, impl).shape == (0, 16)
+
+
+def _train_losses(impl: str, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A few SGD steps of a moe-tiny-shaped model on one batch (cross-entropy + balance/z losses)."""
+    cfg = ModelConfig(
+        **{
+            **vars(CFG),
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "num_experts": 8,
+            "moe_ffn_hidden_size": 32,
+            "moe_impl": impl,
+        }
+    )
+    model = materialize(build_model(cfg), "cpu", seed=0).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # AdamW would amplify near-zero gradients' rounding
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + moe_aux_loss(model)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("impl", ["grouped", "padded"])
+def test_moe_model_trains_the_same_with_grouped_and_looped_experts(impl):
+    (loop, loop_params), (fast, fast_params) = _train_losses("loop"), _train_losses(impl)
+    assert loop[-1] < loop[0]  # it trains
+    torch.testing.assert_close(torch.tensor(fast), torch.tensor(loop), rtol=1e-5, atol=0)
+    for name, value in loop_params.items():
+        torch.testing.assert_close(fast_params[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_impl_is_checked():
+    from suite.config.errors import ConfigError
+    from suite.models.moe import check_moe_config
+
+    with pytest.raises(ConfigError, match="model.moe_impl='fast'"):
+        check_moe_config(ModelConfig(**{**vars(CFG), "moe_impl": "fast"}))
+
+
+def test_grouped_experts_run_inside_a_compiled_layer():
+    """train.compile compiles blocks: torch._grouped_mm's fake kernel takes bf16 only, so the grouped
+    matmuls run eagerly between compiled graphs, with the eager layer's output and gradients."""
+    layer = _layer()
+    x = torch.randn(2, 5, 16)
+    compiled = torch.compile(layer)
+    got = compiled(x)
+    got.square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    want = layer(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, layer.parameters()):  # inductor fuses the router's softmax differently
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)

@@ -20,9 +20,9 @@ from suite.data.chat import (
     prompt_ids,
     resolve_chat_template,
 )
-from suite.data.documents import document_mask
 from suite.data.sft import SFTBatches, SFTDataError, SFTDataset, SFTOptions
 from suite.models import build_model, materialize
+from suite.models.document_attention import document_mask
 from suite.train.loss import cross_entropy
 
 CORPUS = [
