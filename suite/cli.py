@@ -148,7 +148,7 @@ def _with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
     architecture key that the command line sets to another value than the base's is refused, and
     the other model keys it sets (how to compute: attention, document_attention, moe_impl, ...) stay.
     `quantized_ok` (finetune): a `suite quantize` checkpoint may be the base (LoRA over it, QLoRA;
-    suite.finetune.checks.check_quantized_base says what else it needs)."""
+    suite.compress.checks.check_quantized_base says what else it needs)."""
     from dataclasses import asdict
 
     from suite.compress.checks import refuse_quantized
@@ -187,7 +187,7 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     check_finetune(cfg)  # before the base model is read (model.init_from must be there)
     raw, cfg = _with_base_model(raw, overrides, quantized_ok=True)
     dims = validate(cfg, needs_data=False, finetune=True)
-    from suite.finetune.checks import check_quantized_base
+    from suite.compress.checks import check_quantized_base
 
     check_quantized_base(cfg, dims)
     from suite.parallel.hosting import check_hosting

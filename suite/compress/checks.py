@@ -134,3 +134,38 @@ def check_qat_layout(cfg: SuiteConfig, dims, verb: str) -> None:
             f"compress={method} with finetune.method=lora: the adapters would be trained against fake-quantized "
             "base weights that LoRA never changes; use finetune.method=full, or quantize after LoRA (suite quantize)"
         )
+
+
+def check_quantized_base(cfg: SuiteConfig, dims) -> None:
+    """Finetuning over a `suite quantize` checkpoint (QLoRA): LoRA adapters over its frozen quantized
+    weights, one process (torchao's tensors are not sharded or replicated by the engine)."""
+    from suite.sources import ModelSource
+
+    init_from = cfg.model.init_from
+    if not init_from or not ModelSource.parse(init_from, "model.init_from").quantized:
+        return
+    if cfg.finetune.method != "lora":
+        raise ConfigError(
+            f"model.init_from='{init_from}' is quantized: its int weights cannot be trained; use "
+            "finetune.method=lora (adapters over the frozen quantized weights), or the full-precision model"
+        )
+    from suite.compress.methods import METHODS
+    from suite.models.quantized import quantized_info
+
+    method = quantized_info(ModelSource.parse(init_from, "model.init_from").folder).get("method", "")
+    if method in METHODS and not METHODS[method].weight_only:
+        raise ConfigError(
+            f"model.init_from='{init_from}' is quantized with {method}, whose int8 activations pass no "
+            "gradient to the layers below; LoRA needs a weight-only base: quantize with compress=int8, "
+            "int4 or gptq"
+        )
+    if dims.world_size > 1:
+        raise ConfigError(
+            f"model.init_from='{init_from}' is quantized: LoRA over it runs in one process; this layout has "
+            f"{dims.world_size}: set launch.nproc_per_node=1 and parallel degrees 1"
+        )
+    if cfg.compress.method != "none":
+        raise ConfigError(
+            f"compress={cfg.compress.method} with a quantized model.init_from='{init_from}': it is quantized "
+            "already; use compress=none"
+        )
