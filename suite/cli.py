@@ -59,7 +59,7 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     if cfg.parallel.auto:  # the planner picks the layout for this launch (suite.plan.auto)
         from suite.plan.auto import choose_layout
 
-        choice = choose_layout(raw)
+        choice = choose_layout(raw, here="--dry-run" not in flags)
         raw, cfg = choice.raw, choice.cfg
     if "--dry-run" in flags:
         if choice is not None:

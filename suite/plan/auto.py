@@ -109,9 +109,9 @@ def with_layout(raw: DictConfig, cost: Cost, global_batch: int) -> DictConfig:
     return out
 
 
-def check_auto(cfg: SuiteConfig) -> None:
-    """What `parallel=auto` cannot plan: an elastic world, or a cluster group of other devices than
-    the ones this run trains on."""
+def check_auto(cfg: SuiteConfig, here: bool = True) -> None:
+    """What `parallel=auto` cannot plan: an elastic world, or (for a run `here`, not a dry run) a
+    cluster group of other devices than the ones this run trains on."""
     from suite.plan.fit import run_device
 
     low, high = nproc_range(cfg)
@@ -121,7 +121,7 @@ def check_auto(cfg: SuiteConfig) -> None:
             f"picks degrees for one world size; pass launch.nproc_per_node={high} (or parallel=fsdp for elastic runs)"
         )
     device = run_device(cfg)
-    if cfg.cluster.device_type != device:
+    if here and cfg.cluster.device_type != device:
         hint = (
             "cluster=cpu" if device == "cpu" else "the cluster preset of these GPUs (e.g. cluster=h100-80g)"
         )
@@ -131,17 +131,18 @@ def check_auto(cfg: SuiteConfig) -> None:
         )
 
 
-def choose_layout(raw: DictConfig, validate_fn=None) -> Choice:
+def choose_layout(raw: DictConfig, validate_fn=None, here: bool = True) -> Choice:
     """Search the launch's world and return the fastest layout the trainer accepts (module
     docstring). `validate_fn(cfg)` raises ConfigError for a config the trainer refuses (default:
-    suite.checks.validate without the run-folder and data checks, which do not depend on the layout)."""
+    suite.checks.validate without the run-folder and data checks, which do not depend on the layout).
+    `here=False` (a dry run, nothing allocated): the cluster group as it is, whatever this machine has."""
     from suite.config.compose import to_object
     from suite.plan.command import job_of
     from suite.plan.fit import launched_cluster
 
     cfg = to_object(raw)
-    check_auto(cfg)
-    job = replace(job_of(cfg), cluster=launched_cluster(cfg))
+    check_auto(cfg, here)
+    job = replace(job_of(cfg), cluster=launched_cluster(cfg, here))
     result = search(job)
     if not result.ranked:
         from suite.plan.command import no_fit

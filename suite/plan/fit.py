@@ -59,12 +59,13 @@ def device_memory(cfg: SuiteConfig) -> tuple[float, str]:
     return ram / nproc, f"this machine has {ram / GIB:.1f} GiB of memory available for {procs}"
 
 
-def launched_cluster(cfg: SuiteConfig) -> ClusterConfig:
+def launched_cluster(cfg: SuiteConfig, here: bool = True) -> ClusterConfig:
     """The cluster group sized to this launch: launch.nnodes nodes of launch.nproc_per_node devices.
-    CPU processes get the less of the preset's memory and their share of the RAM available here."""
+    CPU processes that run `here` get the less of the preset's memory and their share of the RAM
+    available on this machine (a dry run allocates nothing: the preset's memory stands)."""
     nproc = nproc_range(cfg)[1]
     cluster = replace(cfg.cluster, nodes=cfg.launch.nnodes, devices_per_node=nproc)
-    if cluster.device_type == "cpu":
+    if here and cluster.device_type == "cpu":
         share = device_memory(cfg)[0] / GIB + cluster.reserved_gib
         cluster = replace(cluster, memory_gib=min(cluster.memory_gib, share))
     return cluster

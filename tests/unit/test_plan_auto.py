@@ -142,3 +142,13 @@ def test_the_plan_command_keeps_what_defines_the_job():
         "suite plan recipe=gpt13b model.num_layers=8 train.precision=fp32 parallel.global_batch_size=64 "
         "cluster=cpu cluster.nodes=5"
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a CPU run with a GPU cluster group")
+def test_a_dry_run_plans_for_the_cluster_group_whatever_this_machine_is():
+    raw = _compose(["recipe=gpt13b", "cluster=h100-80g", "parallel=auto"])[0]
+    with pytest.raises(ConfigError, match="pass cluster=cpu"):
+        choose_layout(raw)  # a real run here would train on this CPU
+    choice = choose_layout(raw, here=False)
+    assert choice.job.world == choice.cost.layout.world == 32 and choice.job.cluster.memory_gib == 79.1
+    assert choice.cfg.parallel.global_batch_size == 1024 and choice.cost.memory.fits
