@@ -55,7 +55,9 @@ class Choice:
         rival = runner_up(self.result, best)
         if rival is not None:
             slower = rival.time.total / best.time.total - 1
-            margin = f"{slower:+.1%}{_gain(best, rival)}" if slower >= 0.001 else "as fast, less simple"
+            margin = (
+                f"{slower:+.1%}{_gain(best, rival)}" if slower >= 0.001 else "as fast, the winner is simpler"
+            )
             parts.append(f"; next shape {rival.layout.name}: {margin}")
         if self.refused:
             name, why = self.refused[0]

@@ -152,3 +152,12 @@ def test_a_dry_run_plans_for_the_cluster_group_whatever_this_machine_is():
     choice = choose_layout(raw, here=False)
     assert choice.job.world == choice.cost.layout.world == 32 and choice.job.cluster.memory_gib == 79.1
     assert choice.cfg.parallel.global_batch_size == 1024 and choice.cost.memory.fits
+
+
+@pytest.mark.parametrize("verb", ["finetune", "distill"])
+def test_finetune_and_distill_refuse_auto_in_one_line(verb, capsys):
+    from suite.cli import main
+
+    assert main([verb, "parallel=auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: parallel=auto is for suite pretrain; suite {verb}")
