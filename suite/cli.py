@@ -55,11 +55,21 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
     raw, cfg = _compose(overrides)
     if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
         raw, cfg = _with_base_model(raw, overrides)
+    choice = None
+    if cfg.parallel.auto:  # the planner picks the layout for this launch (suite.plan.auto)
+        from suite.plan.auto import choose_layout
+
+        choice = choose_layout(raw, here="--dry-run" not in flags)
+        raw, cfg = choice.raw, choice.cfg
     if "--dry-run" in flags:
+        if choice is not None:
+            _say(choice.line("not written by a dry run (`suite plan` prints it)"))
         return _dry_run(cfg, flags)
     dims = validate(cfg)
     from suite.parallel.hosting import check_hosting
+    from suite.plan.fit import check_fits
 
+    check_fits(cfg, dims, _expand(overrides))  # nothing allocated yet: a recipe that cannot fit stops here
     estimate = check_hosting(cfg, dims)  # before the data is prepared: a cluster recipe stops here
     if not cfg.data.path and estimate.params > BIG_MODEL:
         _say(
@@ -72,6 +82,8 @@ def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
 
     data_dir = ensure_prepared(cfg.data, progress=True)  # once, in the parent, before any worker starts
     check_run_folder(cfg, "pretrain", data_dir)  # refuses, writing nothing, or moves an old run aside
+    if choice is not None:
+        print(choice.line(str(choice.write(cfg.run.dir))), flush=True)
     return _convert_qat(cfg, _train("pretrain", cfg, dims, resolved_yaml), flags)
 
 
@@ -127,6 +139,7 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
     if not any(o.split("=", 1)[0] == "recipe" for o in overrides):
         overrides = ["recipe=distill-gpt-tiny", *overrides]
     raw, cfg = _compose(overrides)
+    _refuse_auto(cfg, "distill")
     from suite.distill.checks import check_distill
 
     if cfg.model.init_from:  # a student that starts from a checkpoint (e.g. a pruned teacher)
@@ -141,6 +154,16 @@ def cmd_distill(overrides: list[str], flags: set[str]) -> int:
     data_dir = ensure_prepared(cfg.data, progress=True) if cfg.distill.data == "pretrain" else None
     check_run_folder(cfg, "distill", data_dir)
     return _train("distill", cfg, dims, OmegaConf.to_yaml(raw))
+
+
+def _refuse_auto(cfg, verb: str) -> None:
+    """parallel=auto plans pretraining only: the planner does not model LoRA, QLoRA or a teacher."""
+    if cfg.parallel.auto:
+        raise ConfigError(
+            f"parallel=auto is for suite pretrain; suite {verb} needs its degrees written out (the planner does "
+            f"not model a {'teacher' if verb == 'distill' else 'finetuning method'}): "
+            "e.g. parallel=fsdp, or `suite plan ...` for a layout"
+        )
 
 
 def _with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
@@ -182,6 +205,7 @@ def cmd_finetune(overrides: list[str], flags: set[str]) -> int:
     if not any(o.split("=", 1)[0] == "recipe" for o in overrides):
         overrides = ["recipe=sft-tiny", *overrides]
     raw, cfg = _compose(overrides)
+    _refuse_auto(cfg, "finetune")
     from suite.finetune.checks import check_finetune
 
     check_finetune(cfg)  # before the base model is read (model.init_from must be there)

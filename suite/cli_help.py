@@ -41,6 +41,7 @@ Common keys:
   model.num_heads=N  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
 Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
+(+ plan.json with parallel=auto)
 
 --dry-run [--rank N|worst]: build one rank of the job as written (any world size: launch.nnodes x
 launch.nproc_per_node) on the meta device under torch's fake process group, place it with the real
@@ -48,8 +49,21 @@ parallelize, and print the parameters, gradient and optimizer-state bytes that r
 the cost model's count (suite plan); nothing is allocated, no data is read. Default: the worst rank.
 e.g. suite pretrain recipe=gpt175b parallel.tp=8 parallel.pp=16 parallel.sharding=8 launch.nnodes=128 --dry-run
 
+parallel=auto (or parallel.auto=true): the planner (suite plan) searches the layouts of the world
+this run launches (launch.nnodes x launch.nproc_per_node) on the cluster group's devices (cluster=cpu
+here), keeps the recipe's global batch, and trains with the fastest that fits and that the trainer
+accepts: every parallel degree, micro_batch_size and recompute. One line names it and why;
+<run.dir>/plan.json holds the table, config.yaml the layout that ran. With --dry-run it plans for the
+cluster group as it is (e.g. cluster=h100-80g) and builds that layout's worst rank.
+
+Before anything is allocated, a recipe whose planned memory (its own layout, this launch) clearly
+exceeds this machine's (each GPU's, or the available RAM shared by this node's CPU processes) stops
+with one line: the smallest cluster of the cluster group it needs and the `suite plan` line for the
+table (e.g. suite pretrain recipe=gpt175b on a laptop: exit 2, in seconds).
+
 Examples:
   suite pretrain
+  suite pretrain parallel=auto launch.nproc_per_node=2
   suite pretrain recipe=llama-tiny train.max_steps=200 run.dir=runs/llama-200
   suite pretrain recipe=moe-tiny train.precision=fp32""",
     "distill": """usage: suite distill distill.teacher=<run.dir|checkpoint|hf:folder> [recipe=NAME|PATH.yaml] [key=value ...]

@@ -264,7 +264,11 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
                 assert "tp:Shard(dim=" in placement, (name, placement)
             expert = ".experts." in name  # expert parallel: on their own (edp, ep) mesh, not FSDP's
             if kind in ("fsdp", "hsdp") and not (expert and degrees["ep"] > 1):
-                assert re.search(r"sharding\w*:(_Strided)?Shard\(dim=0", placement), (name, placement)
+                # over the sharding axis, or with cp over the flattened (sharding, cp) mesh
+                assert re.search(r"(sharding\w*|data_cp):(_Strided)?Shard\(dim=0", placement), (
+                    name,
+                    placement,
+                )
             if kind in ("replicate", "zero1"):
                 assert "Replicate()" in placement, (name, placement)
             if kind == "none" and degrees["tp"] == 1 and degrees["ep"] == 1:

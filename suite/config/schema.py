@@ -79,6 +79,10 @@ class ParallelConfig:
     ep: Any = 1
     micro_batch_size: int = 8
     global_batch_size: int = 16
+    # true (`parallel=auto`): `suite pretrain` asks the planner (suite/plan/auto.py) for the fastest
+    # layout that fits the world it launches (launch.nnodes x launch.nproc_per_node on the cluster
+    # group) and trains with its degrees, micro_batch_size and recompute; global_batch_size stays
+    auto: bool = False
     # FSDP2 (sharding_stage 2-3): blocks whose all-gather each block starts ahead in forward / in
     # backward (docs/performance.md); 0 / 1 are FSDP2's implicit defaults
     fsdp_forward_prefetch: int = 0

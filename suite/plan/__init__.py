@@ -11,6 +11,8 @@
     report.py       the table, one layout's breakdown, JSON
     command.py      `suite plan` from a composed recipe; the smallest cluster when nothing fits
     dryrun.py       `suite pretrain --dry-run`: one rank placed on the meta device (fake process group)
+    auto.py         `parallel=auto`: the fastest layout the trainer accepts for the launched world
+    fit.py          `suite pretrain` stops a recipe that clearly cannot fit here, naming the cluster it needs
     published.py    the published runs the model is checked against (Narayanan et al. 2021, Table 2)
 
 Pure arithmetic on the config (no tensors, no process group), so a 1024-GPU search runs on a laptop

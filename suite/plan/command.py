@@ -40,11 +40,11 @@ def run_plan(cfg: SuiteConfig, layout_name: str | None = None) -> tuple[dict, st
         return cost.as_dict(), explain(job, cost)
     result = search(job)
     if not result.ranked:
-        raise ConfigError(_no_fit(job, result))
+        raise ConfigError(no_fit(job, result))
     return as_json(job, result), table(job, result)
 
 
-def _no_fit(job: Job, result) -> str:
+def no_fit(job: Job, result) -> str:
     """One line: nothing fits here; the leanest layout's need, and the nodes the planner would need."""
     c = job.cluster
     where = f"{c.nodes} x {c.devices_per_node} {c.name} ({c.memory_gib - c.reserved_gib:.1f} GiB usable per device)"

@@ -175,8 +175,36 @@ def test_a_model_that_cannot_fit_one_process_stops_before_allocating(tmp_path):
         cwd=tmp_path,
         timeout=60,
     )
-    line = assert_one_line(proc, 2, "12.84B parameters", "GB of parameters, gradients and optimizer state")
+    line = assert_one_line(
+        proc,
+        2,
+        "12.85B parameters as mb1-full",
+        "GiB per process",
+        "it needs at least",
+        "suite plan recipe=gpt13b",
+    )
     assert time.monotonic() - start < 30, line
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()
+
+
+def test_gpt175b_here_names_the_smallest_cluster_the_planner_would_need(tmp_path):
+    """The planner's memory for the recipe's own layout against this machine's RAM: one line with
+    the cluster (of the cluster group) it needs and the `suite plan` line for the table."""
+    start = time.monotonic()
+    proc = run_suite(
+        "pretrain", "recipe=gpt175b", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path, timeout=60
+    )
+    elapsed = time.monotonic() - start
+    line = assert_one_line(
+        proc,
+        2,
+        "world size 512",
+        "sh4z1-tp8sp-pp16-mb1-full",
+        "GiB per process",
+        "it needs at least 1024 x cpu (cluster=cpu cluster.nodes=512",
+        "`suite plan recipe=gpt175b cluster=cpu cluster.nodes=512` for the table",
+    )
+    assert elapsed < 30, (elapsed, line)
     assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()
 
 
