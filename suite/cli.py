@@ -353,7 +353,9 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
     shard_bytes = int(cfg.export.max_shard_mb * 2**20)
     # streamed tensor by tensor from the checkpoint files: never the whole model in memory
-    folder = export_checkpoint_hf(source, out, dtype, shard_bytes)
+    folder, notes = export_checkpoint_hf(source, out, dtype, shard_bytes)
+    for note in notes:  # an id the model cannot embed is left out rather than written
+        _say(f"note: {note}")
     return _report(
         flags,
         {"out": str(out), "format": cfg.export.format},

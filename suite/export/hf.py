@@ -3,7 +3,9 @@
 The names, transposes and fusions are suite.models.hf's mapping; the weights come from a model
 source (suite.sources) as lazy tensors, so a checkpoint from any parallel layout (LoRA adapters
 folded in) or another HF folder converts one tensor at a time, holding at most one output shard
-of `max_shard_bytes` in memory. Config files are written through transformers' own classes.
+of `max_shard_bytes` in memory. Config files are written through transformers' own classes, with
+the source's special-token ids (suite.export.special: never one outside the vocabulary), and the
+written folder is checked the way a user loads it (suite.export.verify).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 import torch
 
 from suite.config.schema import ModelConfig
+from suite.export.special import SpecialIds, hf_folder_ids, in_vocabulary, tokenizer_ids
+from suite.export.verify import verify_hf_folder
 from suite.models.hf import hf_config, on_disk_names, to_hf_state_dict
 from suite.models.lazy import LazyTensor, as_lazy
 from suite.sources import ModelSource
@@ -24,8 +28,11 @@ MAX_SHARD_BYTES = 2 * 1024**3
 
 
 def export_hf(model, cfg: ModelConfig, out: Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
-    """Write a folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load with no custom code."""
-    return write_hf_folder(cfg, model.state_dict(), out, tokenizer, dtype)
+    """Write a folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load with no custom code,
+    and check that they do."""
+    write_hf_folder(cfg, model.state_dict(), out, tokenizer, dtype)
+    verify_hf_folder(out, cfg.vocab_size)
+    return out
 
 
 def write_hf_folder(
@@ -35,17 +42,23 @@ def write_hf_folder(
     tokenizer=None,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    special: SpecialIds | None = None,
 ) -> Path:
-    """The HF folder for suite-named `weights` (tensors, or lazy tensors read one shard at a time)."""
+    """The HF folder for suite-named `weights` (tensors, or lazy tensors read one shard at a time).
+
+    `special`: the special-token ids to write (the source's); by default the tokenizer's, each only
+    when it is inside the vocabulary. Unchecked: the callers that report an export verify it."""
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from suite.export.checks import check_hf_exportable
 
     check_hf_exportable(cfg)
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    pad = tokenizer.pad_token_id if tokenizer is not None else None
-    config = hf_config(cfg, eos, pad)
+    if special is None:
+        ids = tokenizer_ids(tokenizer)
+        special = in_vocabulary(ids, ids, cfg.vocab_size)
+    config = hf_config(cfg)
+    config.update(special.config)
     config.dtype = dtype
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     hf_sd = on_disk_names(cfg, to_hf_state_dict(cfg, dict(weights)))
@@ -54,10 +67,11 @@ def write_hf_folder(
     out.mkdir(parents=True, exist_ok=True)
     write_hf_weights(hf_sd, out, dtype, max_shard_bytes)
     config.save_pretrained(out)
-    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+    GenerationConfig(**special.generation).save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    (out / "suite_export.json").write_text(json.dumps({"family": cfg.family, "name": cfg.name}, indent=1))
+    marker = {"family": cfg.family, "name": cfg.name, "special_ids_left_out": list(special.notes)}
+    (out / "suite_export.json").write_text(json.dumps(marker, indent=1))
     return out
 
 
@@ -66,14 +80,22 @@ def export_checkpoint_hf(
     out: Path,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> Path:
+) -> tuple[Path, tuple[str, ...]]:
     """`suite export`: a suite checkpoint (any layout wrote it; LoRA adapters merged) or an hf:
-    folder, streamed tensor by tensor into an HF folder. Returns the folder read."""
+    folder, streamed tensor by tensor into an HF folder, then verified. Returns the folder read and
+    a note for each special-token id left out (outside the vocabulary)."""
     source = ModelSource.parse(ckpt, "ckpt")
     tokenizer = source.tokenizer(required=not source.is_hf)
+    cfg = source.model_config()
+    if source.is_hf:  # its own ids: its tokenizer may hold tokens past the model's vocabulary
+        special = in_vocabulary(*hf_folder_ids(source.folder), cfg.vocab_size)
+    else:
+        ids = tokenizer_ids(tokenizer)
+        special = in_vocabulary(ids, ids, cfg.vocab_size)
     with source.weights() as weights:
-        write_hf_folder(source.model_config(), weights, out, tokenizer, dtype, max_shard_bytes)
-    return source.folder
+        write_hf_folder(cfg, weights, out, tokenizer, dtype, max_shard_bytes, special)
+    verify_hf_folder(out, cfg.vocab_size)
+    return source.folder, special.notes
 
 
 def write_hf_weights(
