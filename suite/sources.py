@@ -165,7 +165,9 @@ class ModelSource:
 
         if not (self.run_dir / "tokenizer.json").is_file():
             raise ConfigError(
-                f"{self.named}: no tokenizer.json in {self.run_dir}; was it written by `suite pretrain`?"
+                f"{self.named}: the run folder {self.run_dir} has no tokenizer.json (training copies it there "
+                "from its data folder); copy the data folder's tokenizer.json into the run folder, or give "
+                "a run folder that has one"
             )
         return load_tokenizer(self.run_dir)
 
