@@ -159,6 +159,8 @@ weights. A run finetuned with a chat template exports it (chat_template.jinja).
 The checkpoint (any parallel layout wrote it) is read one tensor at a time, never the whole model;
 export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).
 `out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
+Special-token ids are the source's (an hf: folder's config.json); one outside the vocabulary is left
+out with a note. The written folder is checked: transformers loads it.
 
 Examples:
   suite export ckpt=runs/gpt-tiny

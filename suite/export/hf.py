@@ -94,7 +94,7 @@ def export_checkpoint_hf(
         special = in_vocabulary(ids, ids, cfg.vocab_size)
     with source.weights() as weights:
         write_hf_folder(cfg, weights, out, tokenizer, dtype, max_shard_bytes, special)
-    verify_hf_folder(out, cfg.vocab_size)
+    verify_hf_folder(out, cfg.vocab_size, load_bytes=max_shard_bytes)  # no more than one shard held
     return source.folder, special.notes
 
 

@@ -4,9 +4,10 @@ reported as exported.
 
 Checked: every special-token id in config.json and generation_config.json is inside the vocabulary,
 and the folder loads with no missing, unexpected or mismatched weights. Loading holds the whole
-model in memory, which the streaming export otherwise never does: above `load_bytes` of weights
-only the model is built from the written config, on the meta device (no memory; it still catches a
-config transformers cannot build, such as a pad id outside the embedding).
+model in memory, which the streaming export otherwise never does: `suite export` loads it only when
+the weights fit in one output shard (export.max_shard_mb, what the export held at once anyway);
+above that the model is only built from the written config on the meta device (no memory; it still
+catches a config transformers cannot build, such as a pad id outside the embedding).
 """
 
 from __future__ import annotations
