@@ -176,8 +176,12 @@ def main() -> None:
         diff = max(
             float(
                 (
-                    torch.load(f"/tmp/document_attention_varlen_{seq}_cp{args.cp}_rank{r}.pt")
-                    - torch.load(f"/tmp/document_attention_dense_{seq}_cp{args.cp}_rank{r}.pt")
+                    torch.load(
+                        f"/tmp/document_attention_varlen_{seq}_cp{args.cp}_rank{r}.pt", weights_only=True
+                    )
+                    - torch.load(
+                        f"/tmp/document_attention_dense_{seq}_cp{args.cp}_rank{r}.pt", weights_only=True
+                    )
                 )
                 .abs()
                 .max()

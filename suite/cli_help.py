@@ -110,7 +110,7 @@ tokenizer files with the chat template, task/ (a built-in task's train/eval rows
 Examples:
   suite finetune model.init_from=runs/gpt-tiny
   suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny
-  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny-int4   (LoRA over `suite quantize` int weights: QLoRA)
+  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny-int4
   suite finetune model.init_from=runs/gpt-tiny finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' run.dir=runs/sft-chat""",
     "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
 

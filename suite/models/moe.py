@@ -79,16 +79,22 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     torch 2.13, while some CUDA builds take bf16 on sm90+ only); probed once per device type and dtype."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        out = torch._grouped_mm(
-            a, b.transpose(-2, -1), offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-        )
-        torch.autograd.grad(out, (a, b), torch.ones_like(out))
-        return True
+    try:  # with grad on: a first call from inside no_grad/inference_mode (eval) must not cache False
+        with torch.inference_mode(False), torch.enable_grad():
+            return _probe_grouped_mm(device_type, dtype)
     except (RuntimeError, NotImplementedError, TypeError):  # the op refuses this device or dtype
         return False
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    """A tiny forward and backward of torch._grouped_mm; raises where it does not run."""
+    a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
+    b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+    out = torch._grouped_mm(
+        a, b.transpose(-2, -1), offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+    )
+    torch.autograd.grad(out, (a, b), torch.ones_like(out))
+    return True
 
 
 @torch.compiler.disable  # reads data pointers: eager in a compiled block

@@ -236,3 +236,17 @@ def test_grouped_experts_run_inside_a_compiled_layer():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, p in zip(grads, layer.parameters()):  # inductor fuses the router's softmax differently
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_the_grouped_mm_probe_is_not_fooled_by_no_grad():
+    """The probe's answer is cached per process: a first call from evaluation (no_grad,
+    inference_mode) must not record that the op cannot run backward."""
+    from suite.models.moe import grouped_mm_runs
+
+    cached = grouped_mm_runs.__wrapped__  # under torch.compiler.disable: the functools.cache
+    cached.cache_clear()
+    with torch.inference_mode():
+        assert grouped_mm_runs("cpu", torch.float32)
+    cached.cache_clear()
+    with torch.no_grad():
+        assert grouped_mm_runs("cpu", torch.float32)
