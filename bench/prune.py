@@ -3,6 +3,7 @@ from the model it came from, score it, export it.
 
     python bench/prune.py --runs /tmp/runs                  # gpt and llama, finetuned by bench/compress.py
     python bench/prune.py --families llama --heal-steps 300
+    python bench/prune.py --hidden 0.25 --out /tmp/prune-h    # hidden channels with the heads: exportable
 
 Per family (the finetuned model <runs>/sft-<family>-tiny that bench/compress.py makes), as a user would:
     suite prune ckpt=<sft> prune.ffn=0.25 prune.heads=0.25 run.dir=<out>/<family>-pruned
@@ -69,6 +70,7 @@ def main() -> int:
     parser.add_argument("--heal-steps", type=int, default=200)
     parser.add_argument("--ffn", type=float, default=0.25)
     parser.add_argument("--heads", type=float, default=0.25)
+    parser.add_argument("--hidden", type=float, default=0.0, help="prune.hidden (= --heads keeps HF export)")
     args = parser.parse_args()
     runs, out = Path(args.runs), Path(args.out)
     results = {}
@@ -77,7 +79,7 @@ def main() -> int:
         pruned, healed, hf = out / f"{family}-pruned", out / f"{family}-healed", out / f"{family}-hf"
         if not (pruned / "checkpoints").exists():
             suite(
-                "prune", f"ckpt={sft}", f"prune.ffn={args.ffn}", f"prune.heads={args.heads}", f"run.dir={pruned}",
+                "prune", f"ckpt={sft}", f"prune.ffn={args.ffn}", f"prune.heads={args.heads}", f"prune.hidden={args.hidden}", f"run.dir={pruned}",
                 "compress.task_samples=0",
             )  # fmt: skip
         heal_wall = None
@@ -115,7 +117,7 @@ def main() -> int:
             else f"refused: {r['hf_export'][:80]}"
         )
         print(
-            f"| {family}-tiny sft, ffn {args.ffn} + heads {args.heads} | {r['params']['teacher']:,} -> "
+            f"| {family}-tiny sft, ffn {args.ffn} + heads {args.heads} + hidden {args.hidden} | {r['params']['teacher']:,} -> "
             f"{r['params']['pruned']:,} | {100 * em['teacher']:.1f}% -> {100 * em['pruned']:.1f}% -> "
             f"{100 * em['healed']:.1f}% ({r['heal_steps']}) | {100 * r['kept_fraction']:.1f}% | {export} |"
         )

@@ -33,16 +33,26 @@ def check_default_out(out: Path) -> None:
 
 
 def check_hf_exportable(cfg: ModelConfig) -> None:
-    """GPT-2's HF config derives the head size as n_embd / n_head (transformers' GPT2Attention; no
-    pruned_heads either): a GPT model whose heads are another size (suite prune prune.heads /
-    prune.hidden) cannot be written as GPT2LMHeadModel. Llama-family configs carry head_dim."""
+    """What the Hugging Face config can hold after `suite prune`: GPT-2's derives the head size as
+    n_embd / n_head (transformers' GPT2Attention; no pruned_heads either), and transformers 5 refuses
+    every config whose hidden size is not a multiple of its head count (validate_architecture), even
+    where a llama-family config carries head_dim. Both are refused here in one line, before anything
+    is written, rather than as a traceback from transformers."""
     from suite.models.transformer import head_size
 
-    if cfg.family != "gpt" or cfg.hidden_size == cfg.num_heads * head_size(cfg):
-        return
-    raise ConfigError(
-        f"model.head_dim={head_size(cfg)} with model.hidden_size={cfg.hidden_size} and model.num_heads="
-        f"{cfg.num_heads}: GPT-2's Hugging Face config cannot hold a head size other than hidden_size / "
-        "num_heads, so this pruned GPT model does not export (it runs in the suite: generate, eval, finetune, "
-        "distill); export a GPT pruned with prune.ffn / prune.layers only, or prune heads on a llama-family model"
-    )
+    heads, size = cfg.num_heads, head_size(cfg)
+    if cfg.family == "gpt" and cfg.hidden_size != heads * size:
+        raise ConfigError(
+            f"model.head_dim={size} with model.hidden_size={cfg.hidden_size} and model.num_heads={heads}: "
+            "GPT-2's Hugging Face config cannot hold a head size other than hidden_size / num_heads, so this "
+            "pruned GPT model does not export (it runs in the suite: generate, eval, finetune, distill); prune "
+            f"the hidden channels with the heads (e.g. prune.hidden = prune.heads: hidden {heads * size} for "
+            f"{heads} heads of {size}), or prune.ffn / prune.layers only"
+        )
+    if cfg.hidden_size % heads:
+        raise ConfigError(
+            f"model.hidden_size={cfg.hidden_size} with model.num_heads={heads}: transformers' {cfg.family} config "
+            "requires the hidden size to be a multiple of the head count, so this pruned model does not export "
+            "(it runs in the suite: generate, eval, finetune, distill); prune the hidden channels with the "
+            f"heads (e.g. prune.hidden = prune.heads: hidden {heads * size} for {heads} heads of {size})"
+        )

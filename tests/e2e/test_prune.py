@@ -208,9 +208,25 @@ def test_a_gpt_with_pruned_heads_runs_in_the_suite_but_does_not_export(source, t
     err = proc.stderr.strip()
     assert proc.returncode == 2, (proc.returncode, err)
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    for word in ("model.head_dim=16", "GPT-2", "prune.ffn", "llama-family"):
+    for word in ("model.head_dim=16", "GPT-2", "prune.ffn", "prune.hidden"):
         assert word in err, (word, err)
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_llama_whose_hidden_size_is_no_multiple_of_its_heads_is_refused_before_export():
+    """transformers 5's configs refuse hidden_size % num_attention_heads != 0 even with head_dim set
+    (8 heads pruned to 6 at width 256): one line naming the fix, not transformers' traceback."""
+    from suite.config.errors import ConfigError
+    from suite.config.schema import ModelConfig
+    from suite.export.checks import check_hf_exportable
+
+    pruned = ModelConfig(family="llama", hidden_size=256, num_heads=6, num_kv_heads=3, head_dim=32)
+    with pytest.raises(ConfigError, match="multiple of the head count") as err:
+        check_hf_exportable(pruned)
+    assert "hidden 192 for 6 heads of 32" in str(err.value)
+    check_hf_exportable(
+        ModelConfig(family="llama", hidden_size=192, num_heads=6, num_kv_heads=3, head_dim=32)
+    )
 
 
 def test_whole_kv_groups_go_when_the_fraction_is_whole_groups():
