@@ -209,7 +209,11 @@ class ModelSource:
             set_model_state_dict,
         )
 
-        state = {k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
+        state = {  # adapters and training-only modules (distill_proj) are no part of any source
+            k: v
+            for k, v in get_model_state_dict(model).items()
+            if ".lora_" not in k and not k.startswith(TRAINING_ONLY)
+        }
         dcp.load({"model": state}, checkpoint_id=str(self.folder))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 

@@ -109,6 +109,11 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, tea
     assert train_losses(resumed) == want, (train_losses(resumed), want)
     saved = FileSystemReader(str(one / "checkpoints" / f"step_{STEPS}")).read_metadata().state_dict_metadata
     assert "model.distill_proj.0.weight" in saved  # one student block, one projection
+    # a student that starts from a checkpoint (a pruned model) of another width than the teacher's:
+    # its projections are new, not read from the checkpoint
+    from_ckpt = tmp_path / "from-ckpt"
+    distill(from_ckpt, teacher, tiny_data, *HIDDEN, f"model.init_from={one}")
+    assert sorted(train_losses(from_ckpt)) == list(range(1, STEPS + 1))
     constant = tmp_path / "constant"
     distill(constant, teacher, tiny_data, *HIDDEN, "distill.hidden_schedule=constant")
     steady = train_losses(constant)  # the same first step (weight 1.0), then the decay shows
