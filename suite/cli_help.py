@@ -110,7 +110,6 @@ tokenizer files with the chat template, task/ (a built-in task's train/eval rows
 Examples:
   suite finetune model.init_from=runs/gpt-tiny
   suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny
-  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny-int4
   suite finetune model.init_from=runs/gpt-tiny finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' run.dir=runs/sft-chat""",
     "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
 
@@ -207,12 +206,14 @@ Keys: compress.group_size  compress.skip (module-name patterns kept in full prec
 Writes: <run.dir>/checkpoints/step_<N>/ (model.safetensors with torchao's quantized tensors,
 quantized.json), config.yaml (with compress), the tokenizer, report.json (parameters, bytes on disk,
 held-out perplexity, task exact match for a finetuned run, decode tokens/s, before and after).
-`suite generate` and `suite eval` take the folder as ckpt=. See docs/compression.md.
+`suite generate` and `suite eval` take the folder as ckpt=, `suite finetune finetune.method=lora` as
+model.init_from= (LoRA over the int weights: int8, int4, gptq). See docs/compression.md.
 
 Examples:
   suite quantize ckpt=runs/gpt-tiny compress=int8
   suite quantize ckpt=runs/gpt-tiny compress=int4 compress.group_size=64 run.dir=runs/gpt-tiny-int4-g64
-  suite quantize ckpt=runs/gpt-tiny compress=gptq run.dir=runs/gpt-tiny-gptq""",
+  suite quantize ckpt=runs/gpt-tiny compress=gptq run.dir=runs/gpt-tiny-gptq
+  suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny-gptq run.dir=runs/qlora""",
     "plan": """usage: suite plan [recipe=NAME|PATH.yaml] [cluster={clusters}] [cluster.nodes=N] [key=value ...]
        [--json] [--explain LAYOUT]
 
