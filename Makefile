@@ -10,10 +10,10 @@ help: ## list the targets
 
 $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,deploy,harness]"
 	@mkdir -p .cache && touch $(STAMP)
 
-install: $(STAMP) ## install torch (CPU build) first, then the suite with dev extras (editable)
+install: $(STAMP) ## install torch (CPU build) first, then the suite with its dev, deploy and harness extras (editable)
 
 demo: $(STAMP) ## train gpt-tiny on the embedded corpus on this machine, then sample from it
 	suite pretrain

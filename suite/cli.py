@@ -30,6 +30,8 @@ SHORTCUTS = {
     "out": "export.out",
     "merge_lora": "export.merge_lora",
     "task": "eval.task",
+    "metric": "eval.metric",
+    "harness": "eval.harness",
 }
 
 

@@ -242,11 +242,21 @@ class GenerateConfig:
     top_k: Optional[int] = 50
     top_p: Optional[float] = 0.95
     seed: int = 0
+    prompts_file: Optional[str] = (
+        None  # a batch of prompts: a text file (one per line) or JSONL ({"prompt": ...})
+    )
+    batch_size: int = 8  # prompts decoded together (prompts_file)
+    stop: list[str] = field(default_factory=list)  # stop sequences: generation ends where one appears
+    chat: bool = False  # render the prompt as a user turn with the model's chat template
+    stream: bool = True  # print tokens as they are decoded (one prompt, console)
 
 
 @dataclass
 class ExportConfig:
-    format: str = "hf"  # hf: a save_pretrained folder (safetensors + config + tokenizer)
+    # hf: a save_pretrained folder (safetensors + config + tokenizer); torch_export: prefill and decode .pt2
+    # programs with an explicit KV cache; onnx: the same two graphs for onnxruntime; gguf: llama.cpp's file
+    format: str = "hf"
+    quantize: Optional[str] = None  # onnx: int8 | int4 (onnxruntime); gguf: f16 | q8_0 | q4_0 (None: f16)
     out: Optional[str] = None  # None: <run.dir>/export-<format>
     dtype: str = "fp32"  # fp32 | bf16 | fp16
     merge_lora: bool = False  # a LoRA run: fold the adapters into the weights (needed for format=hf)
@@ -310,11 +320,22 @@ class FinetuneConfig:
 
 @dataclass
 class EvalConfig:
-    """`suite eval task=<name> ckpt=<run>`: held-out exact match by greedy generation."""
+    """`suite eval ckpt=<run>`: held-out exact match by greedy generation (metric=accuracy), sliding-window
+    perplexity (metric=perplexity), or lm-evaluation-harness tasks (harness=<task,...>)."""
 
+    metric: str = "accuracy"  # accuracy (a built-in task) | perplexity
     task: Optional[str] = None  # None: the task the checkpoint was finetuned on
     num_samples: Optional[int] = None  # None: the run's finetune.data.num_eval
     max_new_tokens: Optional[int] = None  # None: the task's answer length + 2
+    data: Optional[str] = (
+        None  # perplexity text: None = the recipe's validation shards; a .txt/.jsonl file; hf:<dataset>
+    )
+    seq_len: Optional[int] = None  # perplexity window (None: model.max_seq_len)
+    stride: Optional[int] = None  # perplexity window step (None: seq_len, no overlap)
+    max_tokens: Optional[int] = None  # perplexity: score at most this many tokens (None: all)
+    harness: Optional[str] = None  # lm-evaluation-harness task names, comma-separated
+    limit: Optional[int] = None  # harness: samples per task (None: all)
+    batch_size: int = 8
 
 
 @dataclass
