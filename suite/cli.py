@@ -328,10 +328,13 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    fmt = cfg.export.format
+    validate(cfg, needs_data=False, writes_run=False)
+    if fmt in ("torch_export", "onnx"):
+        return _export_graphs(cfg, source, flags)
     from suite.compress.checks import refuse_quantized
 
     refuse_quantized(cfg.ckpt, "ckpt", "exporting")
-    validate(cfg, needs_data=False, writes_run=False)
     from suite.export.checks import check_default_out, check_export_out, check_hf_exportable
 
     check_export_out(cfg.export.out)
@@ -364,6 +367,46 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
         source,
     )
+
+
+def _export_out(cfg, source) -> Path:
+    """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=)."""
+    from suite.export.checks import check_default_out, check_export_out
+
+    check_export_out(cfg.export.out)
+    if cfg.export.out:
+        return Path(cfg.export.out)
+    if source.run_dir is None:
+        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
+    out = source.run_dir / f"export-{cfg.export.format}"
+    check_default_out(out)
+    return out
+
+
+def _export_graphs(cfg, source, flags: set[str]) -> int:
+    """format=torch_export|onnx: prefill + decode graphs with an explicit KV cache (suite.export.programs)."""
+    from suite.export.programs import check_graph_export, export_graphs
+
+    fmt = cfg.export.format
+    check_graph_export(fmt, cfg.export.quantize, cfg.export.dtype, source)
+    if source.lora is not None and not cfg.export.merge_lora:
+        raise ConfigError(
+            f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
+            "exported weights (the adapters alone are in <run.dir>/lora/)"
+        )
+    out = _export_out(cfg, source)
+    _say(f"exporting {fmt} prefill and decode graphs to {out} ...")
+    manifest = export_graphs(source, out, fmt, cfg.export.dtype, cfg.export.quantize)
+    check = manifest["verification"]
+    runner = {"torch_export": "torch.export.load(...).module()", "onnx": "onnxruntime.InferenceSession"}[fmt]
+    text = (
+        f"exported {source.folder} to {out} as {fmt} ({manifest['precision']}; {', '.join(manifest['files'])}; "
+        f"run with {runner} or suite generate ckpt={out})\n"
+        f"self-check against the suite model: prefill logits max |error| {check['prefill_max_abs_error']:.2e}, "
+        f"{check['decode_steps']} decode steps {check['decode_max_abs_error']:.2e}, greedy tokens "
+        f"{'equal' if check['greedy_tokens_equal'] else 'DIFFER'} (recorded in {out}/export_manifest.json)"
+    )
+    return _report(flags, {"out": str(out), **manifest}, text, source)
 
 
 def _report_compression(report: dict, what: str, flags: set[str]) -> int:

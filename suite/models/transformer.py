@@ -102,7 +102,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class KVCache:
-    """Per-layer key/value buffers for incremental decoding."""
+    """Per-layer key/value buffers of a fixed length for incremental decoding (suite generate)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -114,6 +114,32 @@ class KVCache:
         shape = (batch, model.num_kv_heads, max_len, model.head_dim)
         n = len(model.layers)
         return cls([p.new_zeros(shape) for _ in range(n)], [p.new_zeros(shape) for _ in range(n)])
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        """Write k, v [b, kv heads, s, d] at `start`; the keys and values of positions 0 .. start + s."""
+        end = start + k.shape[2]
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+@dataclass
+class GrowingKVCache:
+    """Past keys/values that each call extends by concatenation: the cache of the exported prefill and
+    decode graphs (suite.export.graphs), whose length is a tensor dimension rather than a Python int,
+    so one program serves every past length; no in-place writes, which torch.export and ONNX want."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int | torch.SymInt = 0
+
+    def __post_init__(self) -> None:
+        self.length = self.keys[0].shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+        self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
 
 
 def explicit_attention(
@@ -163,7 +189,8 @@ class CoreAttention(nn.Module):
         if self.explicit and q.shape[2] > 1:
             return explicit_attention(q, k, v, mask)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=self.gqa)
+            causal = bool(q.shape[2] > 1)  # bool(): under torch.export the length is symbolic
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
 
 
@@ -260,8 +287,9 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | Documents | None = None,
-        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+        cache: tuple[KVCache | GrowingKVCache, int, int] | None = None,
     ) -> torch.Tensor:
+        """cache: (the model's cache, this layer's number, the position of x's first token)."""
         b, s, _ = x.shape
         if hasattr(self, "wqkv"):  # [b, s, kv groups (local under tp), r + 2, head_dim]
             qkv = self.wqkv(x).view(b, s, -1, self.q_per_kv + 2, self.head_dim)
@@ -275,10 +303,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
-            k_buf, v_buf, start = cache
-            k_buf[:, :, start : start + s] = k
-            v_buf[:, :, start : start + s] = v
-            k, v = k_buf[:, :, : start + s], v_buf[:, :, : start + s]
+            kv_cache, layer, start = cache
+            k, v = kv_cache.extend(layer, k, v, start)
             if s > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, all of the prefix
                 mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
         out = self.core(q, k, v, mask)
@@ -373,7 +399,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor | None,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | GrowingKVCache | None = None,
         hidden: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         doc_ids: torch.Tensor | None = None,
@@ -408,7 +434,7 @@ class Transformer(nn.Module):
                 raise ValueError("pass either mask or doc_ids, not both")
             mask = Documents(doc_ids, dense=self.cfg.document_attention == "dense")
         for i, layer in enumerate(self.layers.values()):
-            cache = (kv_cache.keys[i], kv_cache.values[i], start) if kv_cache is not None else None
+            cache = (kv_cache, i, start) if kv_cache is not None else None
             h = layer(h, rope, mask, cache)
         if kv_cache is not None:
             kv_cache.length = start + h.shape[1]
