@@ -15,42 +15,21 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from suite.checks import validate
+from suite.cli_common import _compose, _compose_with_ckpt, _expand, _report, _say
 from suite.cli_help import USAGE, verb_help
+from suite.cli_infer import cmd_chat, cmd_export, cmd_generate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
 from suite.outputs import check_new_file
-from suite.runtime import DTYPES, resolve_auto
+from suite.runtime import resolve_auto
 
 BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
-
-SHORTCUTS = {
-    "prompt": "generate.prompt",
-    "format": "export.format",
-    "out": "export.out",
-    "merge_lora": "export.merge_lora",
-    "task": "eval.task",
-    "metric": "eval.metric",
-    "harness": "eval.harness",
-}
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
     flags = {a for a in args if a.startswith("--")}
     return [a for a in args if not a.startswith("--")], flags
-
-
-def _expand(overrides: list[str]) -> list[str]:
-    out = []
-    for text in overrides:
-        key, sep, value = text.partition("=")
-        out.append(f"{SHORTCUTS.get(key, key)}{sep}{value}")
-    return out
-
-
-def _compose(overrides: list[str]):
-    raw = resolve_auto(compose_config(_expand(overrides)))
-    return raw, to_object(raw)
 
 
 def cmd_pretrain(overrides: list[str], flags: set[str]) -> int:
@@ -243,34 +222,6 @@ def _convert_qat(cfg, code: int, flags: set[str]) -> int:
     return _report_compression(run_quantize(qcfg, True), f"quantization-aware {method}", flags)
 
 
-def _say(text: str) -> None:
-    """A note for the user on stderr (stdout holds the verb's result, one JSON line with --json)."""
-    print(text, file=sys.stderr, flush=True)
-
-
-def _compose_with_ckpt(overrides: list[str], example: str):
-    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required.
-    Returns (config, the verified model source); the verb says which step it read once it has
-    succeeded (`_report`), so that a failure stays one line."""
-    _, cfg = _compose(overrides)
-    if not cfg.ckpt:
-        raise ConfigError(
-            f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
-        )
-    from suite.sources import ModelSource
-
-    return cfg, ModelSource.parse(cfg.ckpt, "ckpt")
-
-
-def _report(flags: set[str], result: dict, text: str, source=None) -> int:
-    """The verb's result: one JSON line with --json, else the human-readable text; first, on stderr,
-    which checkpoint `source` (a ModelSource) was read, and at which step."""
-    if source is not None:
-        _say(source.describe())
-    print(json.dumps(result) if "--json" in flags else text)
-    return 0
-
-
 def cmd_eval(overrides: list[str], flags: set[str]) -> int:
     cfg, source = _compose_with_ckpt(overrides, "runs/sft-tiny")
     from suite.infer.checks import check_eval
@@ -309,104 +260,6 @@ def cmd_prepare(overrides: list[str], flags: set[str]) -> int:
         f"prepared {out}: vocab {meta['vocab_size']}, {meta['num_train_tokens']:,} train tokens, "
         f"{meta['num_val_tokens']:,} validation tokens",
     )
-
-
-def cmd_generate(overrides: list[str], flags: set[str]) -> int:
-    from suite.infer.checks import check_generate, take_prompt
-
-    overrides, prompt = take_prompt(overrides)  # verbatim: never through the override grammar
-    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
-    if prompt is not None:
-        cfg.generate.prompt = prompt
-    check_generate(cfg)
-    from suite.infer.generate import generate_from_checkpoint
-
-    text = generate_from_checkpoint(source, cfg.generate, device=cfg.train.device)
-    result = {"prompt": cfg.generate.prompt, "text": text}
-    return _report(flags, result, cfg.generate.prompt + text, source)
-
-
-def cmd_export(overrides: list[str], flags: set[str]) -> int:
-    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
-    fmt = cfg.export.format
-    validate(cfg, needs_data=False, writes_run=False)
-    if fmt in ("torch_export", "onnx"):
-        return _export_graphs(cfg, source, flags)
-    from suite.compress.checks import refuse_quantized
-
-    refuse_quantized(cfg.ckpt, "ckpt", "exporting")
-    from suite.export.checks import check_default_out, check_export_out, check_hf_exportable
-
-    check_export_out(cfg.export.out)
-    check_hf_exportable(source.model_config())
-    from suite.export.hf import export_checkpoint_hf
-
-    if source.lora is not None and not cfg.export.merge_lora:
-        raise ConfigError(
-            f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
-            "exported weights (the adapters alone are in <run.dir>/lora/)"
-        )
-    if cfg.export.out:
-        out = Path(cfg.export.out)
-    elif source.run_dir is None:
-        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
-    else:
-        out = source.run_dir / f"export-{cfg.export.format}"
-        check_default_out(out)
-    dtype = DTYPES[cfg.export.dtype]
-    if cfg.export.max_shard_mb <= 0:
-        raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
-    shard_bytes = int(cfg.export.max_shard_mb * 2**20)
-    # streamed tensor by tensor from the checkpoint files: never the whole model in memory
-    folder, notes = export_checkpoint_hf(source, out, dtype, shard_bytes)
-    for note in notes:  # an id the model cannot embed is left out rather than written
-        _say(f"note: {note}")
-    return _report(
-        flags,
-        {"out": str(out), "format": cfg.export.format},
-        f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
-        source,
-    )
-
-
-def _export_out(cfg, source) -> Path:
-    """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=)."""
-    from suite.export.checks import check_default_out, check_export_out
-
-    check_export_out(cfg.export.out)
-    if cfg.export.out:
-        return Path(cfg.export.out)
-    if source.run_dir is None:
-        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
-    out = source.run_dir / f"export-{cfg.export.format}"
-    check_default_out(out)
-    return out
-
-
-def _export_graphs(cfg, source, flags: set[str]) -> int:
-    """format=torch_export|onnx: prefill + decode graphs with an explicit KV cache (suite.export.programs)."""
-    from suite.export.programs import check_graph_export, export_graphs
-
-    fmt = cfg.export.format
-    check_graph_export(fmt, cfg.export.quantize, cfg.export.dtype, source)
-    if source.lora is not None and not cfg.export.merge_lora:
-        raise ConfigError(
-            f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
-            "exported weights (the adapters alone are in <run.dir>/lora/)"
-        )
-    out = _export_out(cfg, source)
-    _say(f"exporting {fmt} prefill and decode graphs to {out} ...")
-    manifest = export_graphs(source, out, fmt, cfg.export.dtype, cfg.export.quantize)
-    check = manifest["verification"]
-    runner = {"torch_export": "torch.export.load(...).module()", "onnx": "onnxruntime.InferenceSession"}[fmt]
-    text = (
-        f"exported {source.folder} to {out} as {fmt} ({manifest['precision']}; {', '.join(manifest['files'])}; "
-        f"run with {runner} or suite generate ckpt={out})\n"
-        f"self-check against the suite model: prefill logits max |error| {check['prefill_max_abs_error']:.2e}, "
-        f"{check['decode_steps']} decode steps {check['decode_max_abs_error']:.2e}, greedy tokens "
-        f"{'equal' if check['greedy_tokens_equal'] else 'DIFFER'} (recorded in {out}/export_manifest.json)"
-    )
-    return _report(flags, {"out": str(out), **manifest}, text, source)
 
 
 def _report_compression(report: dict, what: str, flags: set[str]) -> int:
@@ -524,6 +377,7 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "prepare": cmd_prepare,
     "generate": cmd_generate,
     "export": cmd_export,
+    "chat": cmd_chat,
     "quantize": cmd_quantize,
     "config": cmd_config,
     "plan": cmd_plan,

@@ -14,8 +14,9 @@ verbs:
   prune      remove MLP channels and layers by activation importance: suite prune ckpt=runs/gpt-tiny prune.ffn=0.25
   eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
   prepare    build a tokenizer and packed token shards from text
-  generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
-  export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
+  generate   sample text from a trained model or an export: suite generate ckpt=<run.dir> prompt="..."
+  chat       talk to a finetuned model on the console: suite chat ckpt=runs/sft-tiny
+  export     write a Hugging Face folder, torch.export or ONNX graphs: suite export ckpt=<run.dir> format=onnx
   quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
   config     show / list / cp recipes: suite config show recipe=gpt13b
   plan       rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
@@ -134,28 +135,54 @@ Examples:
   suite prepare
   suite prepare 'data.sources=[{path: "corpus/*.jsonl"}]' data.path=data/prepared data.vocab_size=8192
   suite pretrain data.path=data/prepared run.dir=runs/prepared-8k""",
-    "generate": """usage: suite generate ckpt=<run.dir|checkpoint dir> prompt="..." [generate.KEY=VALUE ...] [--json]
+    "generate": """usage: suite generate ckpt=<run.dir|checkpoint dir|hf:folder|export folder> prompt="..." [generate.KEY=VALUE ...] [--json]
 
-Samples text with a KV cache. `prompt=` (or generate.prompt=) is taken exactly as typed: no override
-grammar, no ${...} interpolation; prompt_file=PATH reads it from a file, prompt_file=- from stdin.
-A prompt longer than the model's context is refused; generation stops at the context length (said).
+Samples text with a KV cache, streaming it to the console. ckpt= is a suite run or checkpoint, an HF
+folder (hf:DIR), a `suite quantize` checkpoint, or a `suite export format=torch_export|onnx` folder
+(its .pt2 programs or onnxruntime). `prompt=` (or generate.prompt=) is taken exactly as typed: no
+override grammar, no ${...} interpolation; prompt_file=PATH reads one prompt from a file, prompt_file=-
+from stdin. generate.prompts_file=PATH decodes a batch: one prompt per line, or JSONL {"prompt": ...},
+generate.batch_size at a time (left-padded into one static-cache batch; an export folder batches prompts
+of equal length). generate.stop='["\\n\\n"]' ends a continuation where a stop sequence appears;
+generate.chat=true renders the prompt as a user turn with the model's chat template (`suite chat` is the
+interactive form). A prompt longer than the model's context is refused; generation stops at the context
+length (said).
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
-      generate.seed
+      generate.seed  generate.prompts_file  generate.batch_size  generate.stop  generate.chat
+      generate.stream  generate.compile (torch.compile the decode step)
 
 Examples:
   suite generate ckpt=runs/gpt-tiny prompt="The module"
   suite generate ckpt=runs/gpt-tiny prompt="It's a test (1, 2)" generate.temperature=0 --json
-  suite generate ckpt=runs/gpt-tiny prompt_file=data/prompt.txt generate.max_new_tokens=20""",
-    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
-       [export.max_shard_mb=2048]
+  suite generate ckpt=runs/gpt-tiny prompt_file=data/prompt.txt generate.max_new_tokens=20
+  suite generate ckpt=runs/gpt-tiny generate.prompts_file=data/prompts.txt generate.temperature=0 --json""",
+    "chat": """usage: suite chat ckpt=<finetuned run|hf:folder|export folder> [generate.KEY=VALUE ...]
 
-Writes a Hugging Face folder (safetensors, config.json, generation_config.json, tokenizer files)
-that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no custom code:
-gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias).
-`format=` and `out=` are short for export.format and export.out (default <run.dir>/export-hf).
+An interactive conversation on the console: each line you type is a user turn, rendered with the
+model's chat template (the tokenizer's own, else the one finetuning used by default) together with the
+conversation so far; the reply streams. /exit or end of input (Ctrl-D) ends. The oldest turns are
+dropped when the conversation outgrows the model's context. Keys: those of `suite generate`.
+
+Examples:
+  suite chat ckpt=runs/sft-tiny generate.temperature=0""",
+    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf|torch_export|onnx] [out=DIR]
+       [export.dtype=fp32|bf16|fp16] [export.quantize=int8|int4] [merge_lora=true] [export.max_shard_mb=2048]
+
+format=hf (default) writes a Hugging Face folder (safetensors, config.json, generation_config.json,
+tokenizer files) that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no
+custom code: gpt models as GPT-2, llama-family models as Llama (Qwen2 when they use qkv bias).
+format=torch_export writes prefill.pt2 and decode.pt2 (torch.export programs); format=onnx the same two
+graphs as prefill.onnx / decode.onnx for onnxruntime, fp32, or with export.quantize=int8 (onnxruntime
+dynamic quantization) or int4 (block-wise MatMulNBits, blocks of 32). Both graphs carry the KV cache
+explicitly ([layers, batch, kv heads, length, head_dim]; dynamic batch, prompt and past lengths):
+prefill(tokens) -> logits, keys, values; decode(tokens [b, 1], past_keys, past_values) -> the same.
+`suite generate ckpt=<that folder>` runs them. Every export writes export_manifest.json (format,
+precision, files, tokenizer, source checkpoint and step, config hash) with its self-check: the
+artifact's logits against the suite model's, printed and recorded.
+`format=` and `out=` are short for export.format and export.out (default <run.dir>/export-<format>).
 A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
 weights. A run finetuned with a chat template exports it (chat_template.jinja).
-The checkpoint (any parallel layout wrote it) is read one tensor at a time, never the whole model;
+format=hf reads the checkpoint (any parallel layout wrote it) one tensor at a time, never the whole model;
 export.max_shard_mb=N splits the weights into safetensors files of at most N MB (+ an index).
 `out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
 Special-token ids are the source's (an hf: folder's config.json); one outside the vocabulary is left
@@ -163,7 +190,9 @@ out with a note. The written folder is checked: transformers loads it.
 
 Examples:
   suite export ckpt=runs/gpt-tiny
-  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
+  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1
+  suite export ckpt=runs/gpt-tiny format=onnx export.quantize=int8
+  suite generate ckpt=runs/gpt-tiny/export-onnx prompt="The module" generate.temperature=0""",
     "prune": """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] [prune.heads=FRACTION]
        [prune.hidden=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
 

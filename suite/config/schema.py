@@ -249,6 +249,7 @@ class GenerateConfig:
     stop: list[str] = field(default_factory=list)  # stop sequences: generation ends where one appears
     chat: bool = False  # render the prompt as a user turn with the model's chat template
     stream: bool = True  # print tokens as they are decoded (one prompt, console)
+    compile: bool = False  # torch.compile the decode step (static shapes: compiled once per batch size)
 
 
 @dataclass

@@ -6,6 +6,7 @@ is checked by the same loop that uses it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -125,21 +126,25 @@ def decode_steps(runner: GraphRunner, tokens: torch.Tensor, steps: int) -> list[
     return seen
 
 
-def greedy(
-    runner: GraphRunner, tokens: torch.Tensor, max_new_tokens: int, eos_id: int | None = None
-) -> torch.Tensor:
-    """Greedy continuation [b, n] of equal-length prompts [b, s] (rows stop at eos; the others go on)."""
+def graph_steps(
+    runner: GraphRunner,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    pick: Callable[[torch.Tensor], torch.Tensor],
+) -> Iterator[torch.Tensor]:
+    """Each step's next tokens [b] for equal-length prompts [b, s] (pick(logits [b, V]) -> [b, 1]);
+    the caller stops early (eos, stop sequences). The graphs take no padding mask: callers group
+    prompts by length."""
     budget = min(max_new_tokens, runner.max_seq_len - tokens.shape[1])
     logits, keys, values = runner.prefill(tokens)
-    out = []
-    done = torch.zeros(tokens.shape[0], dtype=torch.bool)
     for step in range(budget):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(token)
-        if eos_id is not None:
-            done |= token[:, 0].cpu() == eos_id
-            if bool(done.all()):
-                break
+        token = pick(logits[:, -1].float())
+        yield token[:, 0]
         if step + 1 < budget:
             logits, keys, values = runner.decode(token, keys, values)
-    return torch.cat(out, dim=1) if out else tokens.new_zeros(tokens.shape[0], 0)
+
+
+def greedy(runner: GraphRunner, tokens: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy continuation [b, n] of equal-length prompts [b, s]."""
+    steps = list(graph_steps(runner, tokens, max_new_tokens, lambda logits: logits.argmax(-1, keepdim=True)))
+    return torch.stack(steps, dim=1) if steps else tokens.new_zeros(tokens.shape[0], 0)

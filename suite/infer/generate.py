@@ -87,15 +87,137 @@ def fit_context(prompt_len: int, max_new_tokens: int, limit: int) -> int:
     return min(max_new_tokens, room)
 
 
-def generate_from_checkpoint(ckpt: str, cfg: GenerateConfig, device: str = "auto") -> str:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, _ = load_for_inference(ckpt, device)
-    prompt_ids = tokenizer.encode(cfg.prompt, add_special_tokens=False)
-    if not prompt_ids:
-        raise ConfigError('generate.prompt is empty; pass prompt="some text"')
-    fit_context(len(prompt_ids), cfg.max_new_tokens, model.cfg.max_seq_len)
-    ids = generate_tokens(model, prompt_ids, cfg, tokenizer.eos_token_id)
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    return tokenizer.decode(ids)
+def read_prompts(value: str) -> list[str]:
+    """generate.prompts_file: a text file with one prompt per line (blank lines skipped), or JSONL
+    ({"prompt": ...} per line)."""
+    import json
+
+    path = Path(value).expanduser()
+    fix = 'give a text file with one prompt per line, or JSONL lines {"prompt": "..."}'
+    if not path.is_file():
+        raise ConfigError(f"generate.prompts_file='{value}' does not exist or is not a file; {fix}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"generate.prompts_file='{value}' is not UTF-8 text (byte {exc.start}); {fix}"
+        ) from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+                prompt = record["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(
+                    f"generate.prompts_file='{value}' line {number} is not a JSON object with a \"prompt\"; {fix}"
+                ) from None
+            if not isinstance(prompt, str) or not prompt:
+                raise ConfigError(
+                    f"generate.prompts_file='{value}' line {number}: the prompt is empty; {fix}"
+                )
+            prompts.append(prompt)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ConfigError(f"generate.prompts_file='{value}' holds no prompts; {fix}")
+    return prompts
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """The prompt's ids: as typed, or (generate.chat) as a user turn under the model's chat template
+    (the tokenizer's own, else the one finetuning uses by default), ready for the assistant's reply."""
+    if chat:
+        from suite.data.chat import prompt_ids, resolve_chat_template
+
+        return prompt_ids(tokenizer, [{"role": "user", "content": text}], resolve_chat_template(tokenizer))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class _Row:
+    """One prompt's continuation: its ids, and whether eos or a stop sequence ended it."""
+
+    def __init__(self, tokenizer, stop: list[str], eos_id: int | None):
+        self.tokenizer, self.stop, self.eos_id = tokenizer, stop, eos_id
+        self.ids: list[int] = []
+        self.text = ""
+        self.done = False
+
+    def add(self, token: int) -> None:
+        if self.done:
+            return
+        if token == self.eos_id:
+            self.done = True
+            return
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids)
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.done = self.text[:cut], True
+
+    def settled(self) -> str:
+        """The text that can no longer change: held back while it may be the start of a stop sequence
+        or ends inside a multi-byte character."""
+        if self.done:
+            return self.text
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        text = self.text[: len(self.text) - hold] if hold else self.text
+        return text.rstrip("\ufffd")
+
+
+def generate_texts(
+    engine,
+    tokenizer,
+    prompts: list[list[int]],
+    cfg: GenerateConfig,
+    on_text=None,
+) -> list[str]:
+    """Continuations of `prompts` (token ids), `cfg.batch_size` at a time (an engine that cannot pad
+    takes prompts of one length per batch). on_text(new text), for a single prompt: streaming."""
+    limit = engine.max_seq_len
+    for ids in prompts:
+        fit_context(len(ids), cfg.max_new_tokens, limit) if len(prompts) == 1 else _fits(len(ids), limit)
+    order = (
+        sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if not engine.pads else range(len(prompts))
+    )
+    order = list(order)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    results: dict[int, str] = {}
+    start = 0
+    while start < len(order):
+        group = [order[start]]
+        while (
+            len(group) < cfg.batch_size
+            and start + len(group) < len(order)
+            and (engine.pads or len(prompts[order[start + len(group)]]) == len(prompts[group[0]]))
+        ):
+            group.append(order[start + len(group)])
+        start += len(group)
+        batch = [prompts[i] for i in group]
+        budget = min(cfg.max_new_tokens, limit - max(len(p) for p in batch))
+        rows = [_Row(tokenizer, list(cfg.stop), tokenizer.eos_token_id) for _ in group]
+        shown = 0
+        for tokens in engine.steps(batch, budget, lambda logits: sample_next(logits, cfg, generator)):
+            for row, token in zip(rows, tokens.tolist()):
+                row.add(token)
+            if on_text is not None:
+                text = rows[0].settled()
+                if len(text) > shown:
+                    on_text(text[shown:])
+                    shown = len(text)
+            if all(row.done for row in rows):
+                break
+        if on_text is not None and len(rows[0].text) > shown:
+            on_text(rows[0].text[shown:])
+        results.update({i: row.text for i, row in zip(group, rows)})
+    return [results[i] for i in range(len(prompts))]
+
+
+def _fits(prompt_len: int, limit: int) -> None:
+    if prompt_len >= limit:
+        raise ConfigError(
+            f"a prompt of generate.prompts_file is {prompt_len} tokens; model.max_seq_len={limit} leaves room "
+            f"for at most {limit - 1}: shorten it"
+        )

@@ -122,6 +122,9 @@ class KVCache:
         self.values[layer][:, :, start:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
+    def advance(self, tokens: int) -> None:
+        self.length += tokens
+
 
 @dataclass
 class GrowingKVCache:
@@ -140,6 +143,9 @@ class GrowingKVCache:
         self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
         self.values[layer] = torch.cat([self.values[layer], v], dim=2)
         return self.keys[layer], self.values[layer]
+
+    def advance(self, tokens: int) -> None:
+        self.length = self.length + tokens
 
 
 def explicit_attention(
@@ -437,7 +443,7 @@ class Transformer(nn.Module):
             cache = (kv_cache, i, start) if kv_cache is not None else None
             h = layer(h, rope, mask, cache)
         if kv_cache is not None:
-            kv_cache.length = start + h.shape[1]
+            kv_cache.advance(h.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if head is not None and self.output is not None:

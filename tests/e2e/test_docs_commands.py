@@ -57,6 +57,7 @@ SHRINK = {
     "eval": ["eval.num_samples=2"],
     "prepare": DATA,
     "generate": ["generate.max_new_tokens=4"],
+    "chat": ["generate.max_new_tokens=4"],
     "quantize": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
     "prune": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
 }
@@ -87,6 +88,7 @@ def _help_commands() -> list[str]:
         "prune",
         "config",
         "plan",
+        "chat",
     ):
         text = verb_help(verb)
         assert "\nExamples:\n" in text, f"`suite {verb} --help` has no Examples: section"
@@ -118,6 +120,7 @@ def workdir(tmp_path_factory):
     ]
     (data / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (data / "prompt.txt").write_text("The module (from a file)\n")
+    (data / "prompts.txt").write_text("The module\nA longer prompt about the suite\n\nIt\n")
     cli = ForkedCLI(suite_env())
     yield cli, cwd
     cli.close()
@@ -136,6 +139,7 @@ def test_every_verb_shows_examples_and_every_recipe():
         "prune",
         "config",
         "plan",
+        "chat",
     }
     from suite.config.compose import known_options
 

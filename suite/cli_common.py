@@ -1,0 +1,61 @@
+"""What every verb shares: the short keys, composing the config once, reporting the result."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from suite.config.compose import compose_config, to_object
+from suite.config.errors import ConfigError
+from suite.runtime import resolve_auto
+
+SHORTCUTS = {
+    "prompt": "generate.prompt",
+    "format": "export.format",
+    "out": "export.out",
+    "merge_lora": "export.merge_lora",
+    "task": "eval.task",
+    "metric": "eval.metric",
+    "harness": "eval.harness",
+}
+
+
+def _expand(overrides: list[str]) -> list[str]:
+    out = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        out.append(f"{SHORTCUTS.get(key, key)}{sep}{value}")
+    return out
+
+
+def _compose(overrides: list[str]):
+    raw = resolve_auto(compose_config(_expand(overrides)))
+    return raw, to_object(raw)
+
+
+def _say(text: str) -> None:
+    """A note for the user on stderr (stdout holds the verb's result, one JSON line with --json)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _compose_with_ckpt(overrides: list[str], example: str):
+    """The config of a verb that reads a checkpoint (eval, generate, export): ckpt= is required.
+    Returns (config, the verified model source); the verb says which step it read once it has
+    succeeded (`_report`), so that a failure stays one line."""
+    _, cfg = _compose(overrides)
+    if not cfg.ckpt:
+        raise ConfigError(
+            f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
+        )
+    from suite.sources import ModelSource
+
+    return cfg, ModelSource.parse(cfg.ckpt, "ckpt")
+
+
+def _report(flags: set[str], result: dict, text: str, source=None) -> int:
+    """The verb's result: one JSON line with --json, else the human-readable text; first, on stderr,
+    which checkpoint `source` (a ModelSource) was read, and at which step."""
+    if source is not None:
+        _say(source.describe())
+    print(json.dumps(result) if "--json" in flags else text)
+    return 0

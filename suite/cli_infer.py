@@ -1,0 +1,180 @@
+"""The verbs that read a trained model to use or ship it: generate, chat, export (suite.cli dispatches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from suite.checks import validate
+from suite.cli_common import _compose, _compose_with_ckpt, _report, _say
+from suite.config.errors import ConfigError
+from suite.runtime import DTYPES
+
+
+def cmd_generate(overrides: list[str], flags: set[str]) -> int:
+    from suite.infer.checks import check_generate, take_prompt
+
+    overrides, prompt = take_prompt(overrides)  # verbatim: never through the override grammar
+    _, cfg = _compose(overrides)
+    if not cfg.ckpt:
+        raise ConfigError(
+            "ckpt is missing; pass ckpt=<run.dir, checkpoint, hf:<folder>, or a suite export folder>, "
+            "e.g. ckpt=runs/gpt-tiny"
+        )
+    if prompt is not None:
+        cfg.generate.prompt = prompt
+    check_generate(cfg)
+    from suite.infer.engines import load_engine
+    from suite.infer.generate import encode_prompt, generate_texts, read_prompts
+
+    g = cfg.generate
+    texts = read_prompts(g.prompts_file) if g.prompts_file else [g.prompt]
+    engine, tokenizer, described = load_engine(cfg.ckpt, _device(cfg.train.device), compile=g.compile)
+    prompts = [encode_prompt(tokenizer, text, g.chat) for text in texts]
+    if not all(prompts):
+        raise ConfigError('generate.prompt is empty; pass prompt="some text"')
+    _say(described)
+    stream = g.stream and len(texts) == 1 and "--json" not in flags
+    if stream:
+        print(texts[0] if not g.chat else "", end="", flush=True)
+    outputs = generate_texts(
+        engine, tokenizer, prompts, g, on_text=(lambda t: print(t, end="", flush=True)) if stream else None
+    )
+    if stream:
+        print()
+        return 0
+    results = [{"prompt": p, "text": t} for p, t in zip(texts, outputs)]
+    if len(results) == 1:
+        shown = results[0]["text"] if g.chat else texts[0] + outputs[0]
+        return _report(flags, results[0], shown)
+    shown = "\n".join(f"### {r['prompt']}\n{r['text']}" for r in results)
+    return _report(flags, {"results": results}, shown)
+
+
+def cmd_chat(overrides: list[str], flags: set[str]) -> int:
+    """An interactive conversation on the console: each line is a user turn, rendered with the
+    model's chat template together with the history; the reply streams. /exit or end of input stops."""
+    _, cfg = _compose(overrides)
+    if not cfg.ckpt:
+        raise ConfigError("ckpt is missing; pass ckpt=<a finetuned run, hf:<folder> or export folder>")
+    from suite.infer.checks import check_generate
+    from suite.infer.engines import load_engine
+    from suite.infer.generate import generate_texts
+
+    check_generate(cfg)
+    engine, tokenizer, described = load_engine(
+        cfg.ckpt, _device(cfg.train.device), compile=cfg.generate.compile
+    )
+    _say(f"{described}\nchat: type a message; /exit or Ctrl-D ends")
+    from suite.data.chat import prompt_ids, resolve_chat_template
+
+    template = resolve_chat_template(tokenizer)
+    history: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = prompt_ids(tokenizer, history, template)
+        if len(ids) >= engine.max_seq_len - 1:  # the oldest turns go first
+            history = history[-1:]
+            ids = prompt_ids(tokenizer, history, template)
+        reply = generate_texts(
+            engine, tokenizer, [ids], cfg.generate, on_text=lambda t: print(t, end="", flush=True)
+        )[0]
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def _device(device: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def cmd_export(overrides: list[str], flags: set[str]) -> int:
+    cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    fmt = cfg.export.format
+    validate(cfg, needs_data=False, writes_run=False)
+    if fmt in ("torch_export", "onnx"):
+        return _export_graphs(cfg, source, flags)
+    from suite.compress.checks import refuse_quantized
+
+    refuse_quantized(cfg.ckpt, "ckpt", "exporting")
+    from suite.export.checks import check_default_out, check_export_out, check_hf_exportable
+
+    check_export_out(cfg.export.out)
+    check_hf_exportable(source.model_config())
+    from suite.export.hf import export_checkpoint_hf
+
+    if source.lora is not None and not cfg.export.merge_lora:
+        raise ConfigError(
+            f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
+            "exported weights (the adapters alone are in <run.dir>/lora/)"
+        )
+    if cfg.export.out:
+        out = Path(cfg.export.out)
+    elif source.run_dir is None:
+        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
+    else:
+        out = source.run_dir / f"export-{cfg.export.format}"
+        check_default_out(out)
+    dtype = DTYPES[cfg.export.dtype]
+    if cfg.export.max_shard_mb <= 0:
+        raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
+    shard_bytes = int(cfg.export.max_shard_mb * 2**20)
+    # streamed tensor by tensor from the checkpoint files: never the whole model in memory
+    folder, notes = export_checkpoint_hf(source, out, dtype, shard_bytes)
+    for note in notes:  # an id the model cannot embed is left out rather than written
+        _say(f"note: {note}")
+    return _report(
+        flags,
+        {"out": str(out), "format": cfg.export.format},
+        f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
+        source,
+    )
+
+
+def _export_out(cfg, source) -> Path:
+    """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=)."""
+    from suite.export.checks import check_default_out, check_export_out
+
+    check_export_out(cfg.export.out)
+    if cfg.export.out:
+        return Path(cfg.export.out)
+    if source.run_dir is None:
+        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
+    out = source.run_dir / f"export-{cfg.export.format}"
+    check_default_out(out)
+    return out
+
+
+def _export_graphs(cfg, source, flags: set[str]) -> int:
+    """format=torch_export|onnx: prefill + decode graphs with an explicit KV cache (suite.export.programs)."""
+    from suite.export.programs import check_graph_export, export_graphs
+
+    fmt = cfg.export.format
+    check_graph_export(fmt, cfg.export.quantize, cfg.export.dtype, source)
+    if source.lora is not None and not cfg.export.merge_lora:
+        raise ConfigError(
+            f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
+            "exported weights (the adapters alone are in <run.dir>/lora/)"
+        )
+    out = _export_out(cfg, source)
+    _say(f"exporting {fmt} prefill and decode graphs to {out} ...")
+    manifest = export_graphs(source, out, fmt, cfg.export.dtype, cfg.export.quantize)
+    check = manifest["verification"]
+    runner = {"torch_export": "torch.export.load(...).module()", "onnx": "onnxruntime.InferenceSession"}[fmt]
+    text = (
+        f"exported {source.folder} to {out} as {fmt} ({manifest['precision']}; {', '.join(manifest['files'])}; "
+        f"run with {runner} or suite generate ckpt={out})\n"
+        f"self-check against the suite model: prefill logits max |error| {check['prefill_max_abs_error']:.2e}, "
+        f"{check['decode_steps']} decode steps {check['decode_max_abs_error']:.2e}, greedy tokens "
+        f"{'equal' if check['greedy_tokens_equal'] else 'DIFFER'} (recorded in {out}/export_manifest.json)"
+    )
+    return _report(flags, {"out": str(out), **manifest}, text, source)

@@ -1,0 +1,90 @@
+"""Batched decoding with a static KV cache: what `suite generate` runs on suite models.
+
+Prompts of different lengths are left-padded into one batch. The cache holds [batch, kv heads,
+max_len, head_dim] per layer; step t writes column t for every row and attends the whole buffer
+under a mask (a row's padding and the columns not written yet are masked out), so every decode
+step has the same shapes and one compiled step (`torch.compile`, generate.compile) serves the whole
+generation. Positions are per row (the padding is not counted), so a padded row decodes exactly as it
+would alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from suite.models.transformer import Transformer
+
+
+class StaticKVCache:
+    """Fixed-size per-layer buffers written at `slot` (a tensor of columns, not a Python count, so a
+    compiled step does not specialise on the position)."""
+
+    length = 0  # the model's `start`: positions and masks come from the decoder, not from a count
+
+    def __init__(self, model: Transformer, batch: int, max_len: int):
+        p = next(model.parameters())
+        shape = (batch, model.num_kv_heads, max_len, model.head_dim)
+        self.keys = [p.new_zeros(shape) for _ in model.layers]
+        self.values = [p.new_zeros(shape) for _ in model.layers]
+        self.slot = torch.zeros(1, dtype=torch.long, device=p.device)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        self.keys[layer].index_copy_(2, self.slot, k)
+        self.values[layer].index_copy_(2, self.slot, v)
+        return self.keys[layer], self.values[layer]
+
+    def advance(self, tokens: int) -> None:
+        pass  # the decoder moves `slot`
+
+
+def _decode_step(
+    model: Transformer,
+    cache: StaticKVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    return model(tokens, positions=positions, mask=mask, kv_cache=cache)[:, -1].float()
+
+
+class BatchDecoder:
+    """Prefill a left-padded batch once, then one token per row per step from the static cache."""
+
+    def __init__(self, model: Transformer, compile: bool = False):
+        self.model = model.eval()
+        self.step_fn: Callable = torch.compile(_decode_step, fullgraph=True) if compile else _decode_step
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, pick: Callable
+    ) -> Iterator[torch.Tensor]:
+        """Yield each step's next tokens [b] (pick(logits [b, vocab]) -> [b, 1]); the caller stops it."""
+        model, device = self.model, next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        total = width + max_new_tokens
+        batch = len(prompts)
+        pad = torch.tensor([width - len(p) for p in prompts], device=device)
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for row, ids in enumerate(prompts):
+            tokens[row, width - len(ids) :] = torch.tensor(ids, device=device)
+        cache = StaticKVCache(model, batch, total)
+        columns = torch.arange(total, device=device)
+        key_valid = columns[None, :] >= pad[:, None]  # [b, total]: a row's padding is never attended
+
+        # prefill: columns 0 .. width-1; a padding query attends to itself only (no empty softmax row)
+        query = columns[:width]
+        causal = columns[None, :] <= query[:, None]  # [width, total]
+        mask = causal[None] & (key_valid[:, None, :] | (columns[None, None, :] == query[None, :, None]))
+        positions = (query[None, :] - pad[:, None]).clamp(min=0)
+        cache.slot = query
+        logits = model(tokens, positions=positions, mask=mask[:, None], kv_cache=cache)[:, -1].float()
+        for t in range(width, total):
+            token = pick(logits)
+            yield token[:, 0]
+            if t == total - 1:
+                return
+            cache.slot = columns[t : t + 1]
+            step_mask = (key_valid & (columns[None, :] <= t))[:, None, None, :]
+            logits = self.step_fn(model, cache, token, (t - pad)[:, None], step_mask)

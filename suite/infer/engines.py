@@ -1,0 +1,74 @@
+"""What `suite generate` / `suite chat` decode with, from any artifact ckpt= names: a suite run or
+checkpoint, an HF folder, a `suite quantize` checkpoint (all: the suite model, suite.infer.decoder),
+or a `suite export format=torch_export|onnx` folder (its prefill/decode graphs, suite.export.runners).
+
+An engine yields each step's next tokens for a batch of prompts; suite.infer.generate turns them
+into text (stop sequences, eos, streaming)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from suite.infer.decoder import BatchDecoder
+
+Pick = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ModelEngine:
+    """The suite model with the static-cache batch decoder: prompts of any lengths in one batch."""
+
+    pads = True
+
+    def __init__(self, model: torch.nn.Module, compile: bool = False):
+        self.decoder = BatchDecoder(model, compile=compile)
+        self.max_seq_len = model.cfg.max_seq_len
+
+    def steps(self, prompts: list[list[int]], max_new_tokens: int, pick: Pick) -> Iterator[torch.Tensor]:
+        return self.decoder.generate(prompts, max_new_tokens, pick)
+
+
+class GraphEngine:
+    """An exported prefill/decode pair: one batch holds prompts of one length (no padding input)."""
+
+    pads = False
+
+    def __init__(self, folder: Path, threads: int | None = None):
+        from suite.export.runners import load_runner
+
+        self.runner, self.manifest = load_runner(folder, threads)
+        self.max_seq_len = self.runner.max_seq_len
+
+    def steps(self, prompts: list[list[int]], max_new_tokens: int, pick: Pick) -> Iterator[torch.Tensor]:
+        from suite.export.runners import graph_steps
+
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("GraphEngine.steps: group prompts by length first")
+        return graph_steps(self.runner, torch.tensor(prompts), max_new_tokens, pick)
+
+
+def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[Any, Any, str]:
+    """(engine, tokenizer, one line naming what was read) for ckpt= as typed."""
+    from suite.export.runners import is_graph_export
+
+    folder = Path(str(ckpt)).expanduser()
+    if is_graph_export(folder):
+        from transformers import AutoTokenizer
+
+        engine = GraphEngine(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        fmt, precision = engine.manifest["format"], engine.manifest["precision"]
+        return (
+            engine,
+            tokenizer,
+            f"ckpt='{ckpt}': {fmt} export ({precision}) of {engine.manifest['source']['ckpt']}",
+        )
+    from suite.infer.generate import load_for_inference
+    from suite.sources import ModelSource
+
+    source = ModelSource.parse(ckpt, "ckpt")
+    model, tokenizer, _ = load_for_inference(source, device)
+    return ModelEngine(model, compile=compile), tokenizer, source.describe()
