@@ -1,7 +1,6 @@
 """`suite eval harness=<task,...>`: lm-evaluation-harness tasks on any model source.
 
-`SuiteLM` is an lm_eval model (registered as "suite": `lm_eval --model suite --model_args
-ckpt=<run>` works too) over what `suite.infer.generate.load_for_inference` reads: a suite run or
+`SuiteLM` is an lm_eval model (registered as "suite" once this module is imported) over what `suite.infer.generate.load_for_inference` reads: a suite run or
 checkpoint, an hf:<folder>, a `suite quantize` output. Its tokenization and scoring follow lm_eval's
 own `hf` model (HFLM) so the two give the same per-sample log-likelihoods on the same weights:
 context and continuation encoded together then split (TemplateLM._encode_pair), the tokenizer's
