@@ -281,6 +281,12 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
 
         result = run_harness(source, cfg.eval, device=cfg.train.device)
         return _report(flags, result, harness_text(result), source)
+    if world_size(cfg) > 1:  # tensor parallel perplexity: the workers each read their shard
+        from suite.infer.parallel_eval import launch_perplexity
+        from suite.infer.perplexity import perplexity_text
+
+        result = launch_perplexity(_compose(overrides)[0], source)
+        return _report(flags, result, perplexity_text(result), source)
     if cfg.eval.metric == "perplexity":
         from suite.infer.perplexity import evaluate_perplexity, perplexity_text
 

@@ -122,7 +122,7 @@ Three evaluations of any model source:
                      each scoring the tokens the previous one did not; eval.data = unset (the run's validation
                      shards; for hf: give data.path) | FILE.txt | FILE.jsonl ("text" per line, documents joined
                      with eos) | hf:<dataset>[:<config>][:<split>]; eval.max_tokens caps the tokens scored;
-                     eval.batch_size windows per forward
+                     eval.batch_size windows per forward; launch.nproc_per_node=N parallel.tp=N: tensor parallel
   harness=TASK,...   lm-evaluation-harness tasks through the `suite` lm_eval model (pip install 'suite[harness]'):
                      the shipped offline task suite_tiny_mc, or lm_eval's own task names; eval.limit samples per
                      task, eval.batch_size

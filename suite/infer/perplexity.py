@@ -76,7 +76,10 @@ def sliding_window_nll(
             group = spans[i : i + batch_size]
             for same in _same_length(group):
                 ids = torch.stack([tokens[b:e] for b, e, _ in same]).to(device=device, dtype=torch.long)
-                logp = model(ids).float().log_softmax(-1)
+                logits = model(ids)
+                if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded over the vocabulary
+                    logits = logits.full_tensor()
+                logp = logits.float().log_softmax(-1)
                 for row, (b, e, first) in enumerate(same):
                     targets = ids[row, first - b :]
                     picked = logp[row, first - b - 1 : e - b - 1].gather(-1, targets[:, None])
@@ -258,13 +261,20 @@ def _validation_tokens(tokenizer: Any, source: Any, cfg: Any) -> tuple[torch.Ten
 
 
 def evaluate_perplexity(source: Any, cfg: Any, device: str = "auto") -> dict[str, Any]:
-    """`suite eval metric=perplexity`: load the model once, build the stream, score the windows."""
+    """`suite eval metric=perplexity` in this process: load the model once, score the stream."""
     from suite.infer.generate import load_for_inference
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    e = cfg.eval
     model, tokenizer, folder = load_for_inference(source, device)
+    return score_model(model, tokenizer, source, cfg, folder, cfg.log.progress)
+
+
+def score_model(
+    model: torch.nn.Module, tokenizer: Any, source: Any, cfg: Any, folder: Any, progress: bool
+) -> dict[str, Any]:
+    """The result of `suite eval metric=perplexity` for a loaded (possibly tensor-parallel) model."""
+    e = cfg.eval
     max_seq_len = model.cfg.max_seq_len
     check_window(e.seq_len, e.stride, max_seq_len)
     seq_len = e.seq_len or max_seq_len
@@ -273,7 +283,7 @@ def evaluate_perplexity(source: Any, cfg: Any, device: str = "auto") -> dict[str
     tokens, data = token_stream(e.data, tokenizer, source, cfg)
     if e.max_tokens is not None:
         tokens = tokens[: e.max_tokens + 1]  # the first token is context only
-    out = sliding_window_nll(model, tokens, seq_len, stride, e.batch_size, progress=cfg.log.progress)
+    out = sliding_window_nll(model, tokens, seq_len, stride, e.batch_size, progress=progress)
     loss = out["nll"] / out["tokens"]
     return {
         "perplexity": math.exp(min(loss, 700.0)),
