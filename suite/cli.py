@@ -227,6 +227,22 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
     from suite.infer.checks import check_eval
 
     check_eval(cfg)
+    if cfg.eval.harness is not None:  # lm_eval is optional: imported on this path only
+        from suite.infer.harness import harness_text, run_harness  # one line when lm_eval is missing
+
+        result = run_harness(source, cfg.eval, device=cfg.train.device)
+        return _report(flags, result, harness_text(result), source)
+    if world_size(cfg) > 1:  # tensor parallel perplexity: the workers each read their shard
+        from suite.infer.parallel_eval import launch_perplexity
+        from suite.infer.perplexity import perplexity_text
+
+        result = launch_perplexity(_compose(overrides)[0], source)
+        return _report(flags, result, perplexity_text(result), source)
+    if cfg.eval.metric == "perplexity":
+        from suite.infer.perplexity import evaluate_perplexity, perplexity_text
+
+        result = evaluate_perplexity(source, cfg, device=cfg.train.device)
+        return _report(flags, result, perplexity_text(result), source)
     from suite.infer.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(source, cfg.eval, device=cfg.train.device)

@@ -12,7 +12,7 @@ verbs:
   finetune   supervised finetuning (full or LoRA) of a suite or HF checkpoint: suite finetune model.init_from=runs/gpt-tiny
   distill    train a smaller student against a frozen teacher: suite distill recipe=distill-gpt-tiny
   prune      remove MLP channels and layers by activation importance: suite prune ckpt=runs/gpt-tiny prune.ffn=0.25
-  eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
+  eval       task accuracy, perplexity (metric=perplexity), lm-eval tasks (harness=suite_tiny_mc)
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model or an export: suite generate ckpt=<run.dir> prompt="..."
   chat       talk to a finetuned model on the console: suite chat ckpt=runs/sft-tiny
@@ -112,15 +112,27 @@ Examples:
   suite finetune model.init_from=runs/gpt-tiny
   suite finetune recipe=sft-tiny-lora model.init_from=runs/gpt-tiny
   suite finetune model.init_from=runs/gpt-tiny finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' run.dir=runs/sft-chat""",
-    "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder> [task=NAME] [eval.num_samples=N] [--json]
+    "eval": """usage: suite eval ckpt=<run.dir|checkpoint dir|hf:folder|quantized dir> [task=NAME | metric=perplexity | harness=TASK,...] [--json]
 
-Greedy exact-match accuracy on a built-in task's held-out questions (the ones finetuning held out:
-same finetune.data.task_seed, the first eval.num_samples of them). `task=` is short for eval.task;
-without it, the task the checkpoint was finetuned on.
+Three evaluations of any model source:
+  (default)          greedy exact-match accuracy on a built-in task's held-out questions (the ones finetuning
+                     held out: same finetune.data.task_seed, the first eval.num_samples); `task=` (eval.task),
+                     default the task the checkpoint was finetuned on
+  metric=perplexity  sliding-window perplexity (the windows of Hugging Face's perplexity guide): windows of
+                     eval.seq_len tokens (default model.max_seq_len) every eval.stride tokens (default seq_len),
+                     each scoring the tokens the previous one did not; eval.data = unset (the run's validation
+                     shards; for hf: give data.path) | FILE.txt | FILE.jsonl ("text" per line, documents joined
+                     with eos) | hf:<dataset>[:<config>][:<split>]; eval.max_tokens caps the tokens scored;
+                     eval.batch_size windows per forward; launch.nproc_per_node=N parallel.tp=N: tensor parallel
+  harness=TASK,...   lm-evaluation-harness tasks through the `suite` lm_eval model (pip install 'suite[harness]'):
+                     the shipped offline task suite_tiny_mc, or lm_eval's own task names; eval.limit samples per
+                     task, eval.batch_size
 
 Examples:
   suite eval ckpt=runs/sft-tiny
-  suite eval ckpt=runs/sft-tiny task=reverse-6 eval.num_samples=50 --json""",
+  suite eval ckpt=runs/sft-tiny task=reverse-6 eval.num_samples=50 --json
+  suite eval ckpt=runs/gpt-tiny metric=perplexity eval.seq_len=128 eval.stride=64 eval.max_tokens=4000
+  suite eval ckpt=runs/gpt-tiny harness=suite_tiny_mc eval.limit=10 --json""",
     "prepare": """usage: suite prepare [data=OPTION] [data.path=OUT] ['data.sources=[{path: GLOB_OR_DATASET, weight: W}]']
 
 Trains a byte-level BPE tokenizer (data.vocab_size) and writes packed, memory-mapped token shards

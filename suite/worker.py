@@ -65,6 +65,10 @@ def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
         else:
             DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
         return 0
+    if verb == "eval":  # metric=perplexity under tensor parallelism (suite.infer.parallel_eval)
+        from suite.infer.parallel_eval import run_worker
+
+        return run_worker(cfg, dims)
     raise ConfigError(f"verb {verb!r} does not run under the launcher")
 
 

@@ -20,7 +20,7 @@ CHOICES = {
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
     "export.format": ("hf", "torch_export", "onnx"),
-    "eval.metric": ("accuracy",),
+    "eval.metric": ("accuracy", "perplexity"),
     "export.dtype": ("fp32", "bf16", "fp16"),
     "cluster.device_type": ("cuda", "cpu"),
 }

@@ -10,7 +10,7 @@ the checkpoint cases read must stay byte-for-byte unchanged.
 Placeholders in a case: {run} a trained tiny run folder, {data} a prepared tiny data folder,
 {cwd} the case's working directory, {file} an existing regular file there, {bad_yaml} a recipe with
 a YAML syntax error (line 3), {no_package} a recipe without `# @package _global_`, {nonempty} a
-folder holding an unrelated file, {chat} a chat .jsonl file.
+folder holding an unrelated file, {empty} an empty file, {chat} a chat .jsonl file.
 """
 
 from __future__ import annotations
@@ -128,6 +128,22 @@ CASES: list[tuple[list[str], str]] = [
     (["eval", "ckpt={run}", "task=reverse-6", "eval.num_samples=0"], "eval.num_samples=0"),
     (["eval", "ckpt={run}", "task=reverse-6", "eval.num_samples=-3"], "eval.num_samples=-3"),
     (["eval", "ckpt={run}", "task=reverse-6", "eval.max_new_tokens=0"], "eval.max_new_tokens=0"),
+    (["eval", "ckpt={run}", "metric=bleu"], "eval.metric='bleu' is not supported"),
+    (["eval", "ckpt={run}", "metric=perplexity", "harness=suite_tiny_mc"], "pick one"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.stride=0"], "eval.stride=0 must be a positive"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.stride=-2"], "eval.stride=-2 must be a positive"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.seq_len=16", "eval.stride=32"], "is larger than"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.seq_len=0"], "eval.seq_len=0 must be at least 2"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.seq_len=128"], "longer than the model's context"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.max_tokens=0"], "eval.max_tokens=0"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.data={cwd}/missing.txt"], "does not exist"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.data={empty}"], "holds 0 token(s)"),
+    (["eval", "ckpt={run}", "metric=perplexity", "eval.data={cwd}"], "is a folder"),
+    (
+        ["eval", "ckpt={run}", "harness=no_such_task"],
+        "harness task 'no_such_task' is unknown; shipped with suite",
+    ),
+    (["eval", "ckpt={run}", "harness=suite_tiny_mc", "eval.limit=0"], "eval.limit=0"),
     # --- prepare
     (["prepare", "data.vocab_size=0"], "data.vocab_size=0"),
     (["prepare", "data.val_fraction=-0.1"], "data.val_fraction=-0.1"),
@@ -229,12 +245,14 @@ def _prepare_cwd(cwd: Path) -> dict[str, str]:
     (cwd / "nopkg.yaml").write_text("train:\n  max_steps: 5\n")
     (cwd / "nonempty").mkdir()
     (cwd / "nonempty" / "notes.txt").write_text("unrelated\n")
+    (cwd / "empty.txt").write_text("")
     return {
         "cwd": str(cwd),
         "file": str(cwd / "existing.txt"),
         "bad_yaml": str(cwd / "bad.yaml"),
         "no_package": str(cwd / "nopkg.yaml"),
         "nonempty": str(cwd / "nonempty"),
+        "empty": str(cwd / "empty.txt"),
     }
 
 
