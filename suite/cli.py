@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from suite.checks import validate
 from suite.cli_common import _compose, _compose_with_ckpt, _expand, _report, _say
 from suite.cli_help import USAGE, verb_help
-from suite.cli_infer import cmd_chat, cmd_export, cmd_generate
+from suite.cli_infer import cmd_chat, cmd_eval, cmd_export, cmd_generate
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
@@ -220,42 +220,6 @@ def _convert_qat(cfg, code: int, flags: set[str]) -> int:
         cfg, ckpt=cfg.run.dir, compress=replace(cfg.compress, method=method), run=replace(cfg.run, dir=out)
     )
     return _report_compression(run_quantize(qcfg, True), f"quantization-aware {method}", flags)
-
-
-def cmd_eval(overrides: list[str], flags: set[str]) -> int:
-    cfg, source = _compose_with_ckpt(overrides, "runs/sft-tiny")
-    from suite.infer.checks import check_eval
-
-    check_eval(cfg)
-    if cfg.eval.harness is not None:  # lm_eval is optional: imported on this path only
-        from suite.infer.harness import harness_text, run_harness  # one line when lm_eval is missing
-
-        result = run_harness(source, cfg.eval, device=cfg.train.device)
-        return _report(flags, result, harness_text(result), source)
-    if world_size(cfg) > 1:  # tensor parallel perplexity: the workers each read their shard
-        from suite.infer.parallel_eval import launch_perplexity
-        from suite.infer.perplexity import perplexity_text
-
-        result = launch_perplexity(_compose(overrides)[0], source)
-        return _report(flags, result, perplexity_text(result), source)
-    if cfg.eval.metric == "perplexity":
-        from suite.infer.perplexity import evaluate_perplexity, perplexity_text
-
-        result = evaluate_perplexity(source, cfg, device=cfg.train.device)
-        return _report(flags, result, perplexity_text(result), source)
-    from suite.infer.evaluate import evaluate_checkpoint
-
-    result = evaluate_checkpoint(source, cfg.eval, device=cfg.train.device)
-    lines = [
-        f"  {'ok ' if ex['correct'] else 'err'} {ex['prompt']!r} -> {ex['prediction']!r} "
-        f"(reference {ex['reference']!r})"
-        for ex in result["examples"]
-    ]
-    lines.append(
-        f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
-        f"held-out questions), {result['ckpt']}"
-    )
-    return _report(flags, result, "\n".join(lines), source)
 
 
 def cmd_prepare(overrides: list[str], flags: set[str]) -> int:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
 
 from suite.checks import validate
 from suite.cli_common import _compose, _compose_with_ckpt, _report, _say
 from suite.config.errors import ConfigError
+from suite.config.validate import world_size
+from suite.infer.parallel_eval import RESULT
 from suite.runtime import DTYPES
 
 
@@ -178,3 +187,87 @@ def _export_graphs(cfg, source, flags: set[str]) -> int:
         f"{'equal' if check['greedy_tokens_equal'] else 'DIFFER'} (recorded in {out}/export_manifest.json)"
     )
     return _report(flags, {"out": str(out), **manifest}, text, source)
+
+
+def cmd_eval(overrides: list[str], flags: set[str]) -> int:
+    cfg, source = _compose_with_ckpt(overrides, "runs/sft-tiny")
+    from suite.infer.checks import check_eval
+
+    check_eval(cfg)
+    if cfg.eval.harness is not None:  # lm_eval is optional: imported on this path only
+        from suite.infer.harness import harness_text, run_harness  # one line when lm_eval is missing
+
+        result = run_harness(source, cfg.eval, device=cfg.train.device)
+        return _report(flags, result, harness_text(result), source)
+    if world_size(cfg) > 1:  # tensor parallel perplexity: the workers each read their shard
+        from suite.infer.perplexity import perplexity_text
+
+        result = _launch_perplexity(_compose(overrides)[0], source)
+        return _report(flags, result, perplexity_text(result), source)
+    if cfg.eval.metric == "perplexity":
+        from suite.infer.perplexity import evaluate_perplexity, perplexity_text
+
+        result = evaluate_perplexity(source, cfg, device=cfg.train.device)
+        return _report(flags, result, perplexity_text(result), source)
+    from suite.infer.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(source, cfg.eval, device=cfg.train.device)
+    lines = [
+        f"  {'ok ' if ex['correct'] else 'err'} {ex['prompt']!r} -> {ex['prediction']!r} "
+        f"(reference {ex['reference']!r})"
+        for ex in result["examples"]
+    ]
+    lines.append(
+        f"{result['task']}: exact match {result['accuracy']:.1%} ({result['correct']}/{result['total']} "
+        f"held-out questions), {result['ckpt']}"
+    )
+    return _report(flags, result, "\n".join(lines), source)
+
+
+def _launch_perplexity(raw: Any, source: Any) -> dict[str, Any]:
+    """In the parent: check, launch the workers, return rank 0's result."""
+    from suite.config.compose import to_object
+    from suite.parallel.launcher import launch
+
+    cfg = to_object(raw)
+    e = cfg.eval
+    if e.harness is not None or e.metric != "perplexity":
+        raise ConfigError(
+            f"launch.nproc_per_node={cfg.launch.nproc_per_node} runs metric=perplexity only; "
+            "run task accuracy and harness tasks in one process (launch.nproc_per_node=1)"
+        )
+    if source.quantized or source.lora is not None:
+        raise ConfigError(
+            f"{source.named} is a {'quantized' if source.quantized else 'LoRA'} checkpoint; eval under tensor "
+            "parallelism reads plain weights: export it (merge_lora=true for LoRA) and pass ckpt=hf:<folder>, "
+            "or run in one process"
+        )
+    model = dataclasses.asdict(source.model_config())
+    model.update(dropout=0.0, init_from=None)
+    for key, value in model.items():
+        raw.model[key] = value
+    raw.train.precision = "fp32"  # as the single-process figure (load_for_inference: fp32)
+    raw.data.seq_len = e.seq_len or model["max_seq_len"]  # training's window: no part of eval, kept valid
+    cfg = to_object(raw)
+    dims = validate(cfg, needs_data=False, writes_run=False)
+    others = {
+        axis: getattr(dims, axis)
+        for axis in ("dp", "sharding", "pp", "cp", "ep")
+        if getattr(dims, axis, 1) > 1
+    }
+    if others or dims.tp != dims.world_size:
+        raise ConfigError(
+            f"suite eval runs under tensor parallelism only; got {others or dims.world_size} — set "
+            f"parallel.tp=launch.nproc_per_node (e.g. parallel.tp={dims.world_size}) and no other degree"
+        )
+    from suite.infer.perplexity import check_window
+
+    check_window(e.seq_len, e.stride, cfg.model.max_seq_len)
+    folder = Path(tempfile.mkdtemp(prefix="suite-eval-"))
+    try:
+        raw.run.dir = str(folder)  # where rank 0 writes the result
+        launch("eval", OmegaConf.to_yaml(raw), cfg.launch, folder)
+        result = json.loads((folder / RESULT).read_text())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result
