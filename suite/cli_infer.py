@@ -33,7 +33,7 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
         cfg.generate.prompt = prompt
     check_generate(cfg)
     from suite.infer.engines import load_engine
-    from suite.infer.generate import encode_prompt, generate_texts, read_prompts
+    from suite.infer.generate import check_prompts, encode_prompt, generate_texts, read_prompts
 
     g = cfg.generate
     texts = read_prompts(g.prompts_file) if g.prompts_file else [g.prompt]
@@ -41,6 +41,7 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
     prompts = [encode_prompt(tokenizer, text, g.chat) for text in texts]
     if not all(prompts):
         raise ConfigError('generate.prompt is empty; pass prompt="some text"')
+    check_prompts(prompts, g.max_new_tokens, engine.max_seq_len)
     _say(described)
     stream = g.stream and len(texts) == 1 and "--json" not in flags
     if stream:

@@ -215,6 +215,15 @@ def generate_texts(
     return [results[i] for i in range(len(prompts))]
 
 
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, limit: int) -> None:
+    """Every prompt leaves room for a token (one prompt: the budget is cut to the context, said)."""
+    for ids in prompts:
+        if len(prompts) == 1:
+            fit_context(len(ids), max_new_tokens, limit)
+        else:
+            _fits(len(ids), limit)
+
+
 def _fits(prompt_len: int, limit: int) -> None:
     if prompt_len >= limit:
         raise ConfigError(

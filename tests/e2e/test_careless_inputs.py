@@ -171,7 +171,7 @@ CASES: list[tuple[list[str], str]] = [
     # --- export
     (["export"], "ckpt is missing"),
     (["export", "ckpt=/nowhere"], "ckpt='/nowhere': neither a run folder"),
-    ([*EXP, "format=onnx"], "export.format='onnx' is not supported"),
+    ([*EXP, "format=tflite"], "export.format='tflite' is not supported"),
     ([*EXP, "export.dtype=int8"], "export.dtype='int8' is not supported"),
     ([*EXP, "export.max_shard_mb=0"], "export.max_shard_mb=0"),
     ([*EXP, "out={file}"], "is a file"),
