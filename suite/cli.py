@@ -328,10 +328,15 @@ def cmd_generate(overrides: list[str], flags: set[str]) -> int:
 
 def cmd_export(overrides: list[str], flags: set[str]) -> int:
     cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
+    validate(cfg, needs_data=False, writes_run=False)
+    from suite.export.gguf_cli import export_issue20
+
+    exported = export_issue20(cfg, source)  # format=gguf; format=hf of a `suite quantize` checkpoint
+    if exported is not None:
+        return _report(flags, *exported, source)
     from suite.compress.checks import refuse_quantized
 
     refuse_quantized(cfg.ckpt, "ckpt", "exporting")
-    validate(cfg, needs_data=False, writes_run=False)
     from suite.export.checks import check_default_out, check_export_out, check_hf_exportable
 
     check_export_out(cfg.export.out)
@@ -358,12 +363,16 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     folder, notes = export_checkpoint_hf(source, out, dtype, shard_bytes)
     for note in notes:  # an id the model cannot embed is left out rather than written
         _say(f"note: {note}")
-    return _report(
-        flags,
-        {"out": str(out), "format": cfg.export.format},
-        f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
-        source,
-    )
+    from suite.export.gguf_cli import hf_manifest
+
+    check = hf_manifest(source, out, dtype, shard_bytes)  # export_manifest.json, with the logits self-check
+    lines = [f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)"]
+    if check["max_abs_logits_error"] is not None:
+        lines.append(
+            f"self-check: max |logits - suite| = {check['max_abs_logits_error']:.3g} on {check['inputs']}"
+        )
+    lines.append(f"manifest: {out / 'export_manifest.json'}")
+    return _report(flags, {"out": str(out), "format": cfg.export.format, **check}, "\n".join(lines), source)
 
 
 def _report_compression(report: dict, what: str, flags: set[str]) -> int:

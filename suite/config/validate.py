@@ -19,7 +19,7 @@ CHOICES = {
     "sched.name": ("cosine", "linear", "constant"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
-    "export.format": ("hf",),
+    "export.format": ("hf", "gguf"),
     "eval.metric": ("accuracy",),
     "export.dtype": ("fp32", "bf16", "fp16"),
     "cluster.device_type": ("cuda", "cpu"),
