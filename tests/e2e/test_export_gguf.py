@@ -8,6 +8,12 @@ Tolerances are the issue's (f16 1e-3, q8_0 2e-2, max |logit difference| on 2 x 3
 has none in the issue: measured 0.10 (GPT) and 0.15 (Llama) on these models, whose logits spread
 over about +-10; 0.3 is twice the worst. A packing mistake (nibble order, a scale per wrong block,
 an unpermuted q/k) moves logits by whole units, far above it.
+
+These are the rounding of the format on these models, not of the export: against the suite model
+with its weights rounded as the file stores them, every precision agrees to fp32 noise
+(test_gguf_computes_what_its_precision_allows). On the recipe-size gpt-tiny / llama-tiny (hidden
+256, 60 steps; docs/export.md) the same rounding gives f16 1.9e-3 / 3.4e-3 and q8_0 4.1e-2 /
+7.4e-2, above the issue's figures, with the as-stored agreement still <= 4e-6.
 """
 
 from __future__ import annotations
@@ -175,3 +181,42 @@ def test_refusals_are_one_line_and_write_nothing(runs, refusal_sources, tmp_path
             assert not out.exists(), args
     finally:
         cli.close()
+
+
+def _as_stored(model, precision: str) -> None:
+    """Round the suite model's matrices the way the file stores them (F16, or quantized and back
+    with gguf's own Q8_0 / Q4_0 code; the output head of a q4_0 file Q8_0, the learned positions
+    F32), in place. Rows are the input dimension in both layouts, so the blocks are the same."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    head = "tok_embeddings.weight" if model.cfg.tie_embeddings else "output.weight"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim < 2 or name == "pos_embeddings.weight":
+                continue
+            if precision == "f16":
+                param.copy_(param.half().float())
+                continue
+            qtype = T.Q8_0 if precision == "q8_0" or name == head else T.Q4_0
+            array = param.detach().numpy()
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("precision", LIMITS)
+def test_gguf_computes_what_its_precision_allows(runs, tmp_path, family, precision):
+    """Against the suite model with its weights rounded as the file stores them, every precision is
+    exact to fp32 noise (measured <= 4e-6, here and at recipe size): whatever error remains above is the format's rounding,
+    none is the export's (a wrong permutation, transpose or block would show in whole units)."""
+    from suite.infer.generate import load_for_inference
+
+    path = _export(runs[family], tmp_path / "out", precision)
+    kwargs = json.loads((path.parent / "export_manifest.json").read_text())["transformers_load_kwargs"]
+    hf = _load(path, kwargs)
+    ours, _, _ = load_for_inference(runs[family])
+    _as_stored(ours, precision)
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        error = float((hf(ids).logits - ours(ids)).abs().max())
+    assert error <= 1e-4, (family, precision, error)
