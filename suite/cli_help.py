@@ -15,7 +15,7 @@ verbs:
   eval       held-out task accuracy: suite eval task=reverse-6 ckpt=runs/sft-tiny
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model: suite generate ckpt=<run.dir> prompt="..."
-  export     write a Hugging Face folder: suite export ckpt=<run.dir> format=hf out=<dir>
+  export     write a Hugging Face folder or a GGUF file: suite export ckpt=<run.dir> format=gguf export.quantize=q8_0
   quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
   config     show / list / cp recipes: suite config show recipe=gpt13b
   plan       rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
@@ -146,8 +146,8 @@ Examples:
   suite generate ckpt=runs/gpt-tiny prompt="The module"
   suite generate ckpt=runs/gpt-tiny prompt="It's a test (1, 2)" generate.temperature=0 --json
   suite generate ckpt=runs/gpt-tiny prompt_file=data/prompt.txt generate.max_new_tokens=20""",
-    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
-       [export.max_shard_mb=2048]
+    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf|gguf] [out=DIR] [export.dtype=fp32|bf16|fp16] [merge_lora=true]
+       [export.max_shard_mb=2048] [export.quantize=f16|q8_0|q4_0 (gguf)]
 
 Writes a Hugging Face folder (safetensors, config.json, generation_config.json, tokenizer files)
 that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no custom code:
@@ -160,10 +160,18 @@ export.max_shard_mb=N splits the weights into safetensors files of at most N MB 
 `out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
 Special-token ids are the source's (an hf: folder's config.json); one outside the vocabulary is left
 out with a note. The written folder is checked: transformers loads it.
+format=gguf writes one llama.cpp file (gpt2 / llama architecture, byte-level BPE tokenizer) at
+export.quantize=f16 (default), q8_0 or q4_0; norms and biases stay F32.
+A `suite quantize` checkpoint (llama family) exports as an HF folder that transformers loads
+quantized (TorchAoConfig in config.json, the checkpoint's own torchao tensors).
+Every export writes export_manifest.json (source step, config hash, precision, tensor types) and
+prints its self-check: the largest |logits - suite| of the artifact loaded in transformers.
+See docs/export.md.
 
 Examples:
   suite export ckpt=runs/gpt-tiny
-  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1""",
+  suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1
+  suite export ckpt=runs/gpt-tiny format=gguf export.quantize=q8_0 out=exports/gpt-tiny-gguf""",
     "prune": """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] [prune.heads=FRACTION]
        [prune.hidden=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
 

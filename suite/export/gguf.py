@@ -67,6 +67,20 @@ def check_gguf_exportable(cfg: ModelConfig, where: str) -> None:
         raise ConfigError(f"{where} cannot be exported as GGUF: {problem}; use format=hf")
 
 
+def refuse_quantized_source(source: Any) -> None:
+    """A `suite quantize` checkpoint: its torchao integers are not GGUF's blocks; name its source."""
+    if not source.quantized:
+        return
+    from suite.models.quantized import quantized_info
+
+    info = quantized_info(source.folder)
+    method, base = info.get("method", "?"), info.get("source", "<the full-precision run>")
+    raise ConfigError(
+        f"{source.named} is a `suite quantize` checkpoint ({method}); GGUF quantizes from full precision: "
+        f"export ckpt={base} format=gguf export.quantize=q8_0 (or q4_0), or format=hf of this one"
+    )
+
+
 def gguf_tensor_type(name: str, array: np.ndarray, precision: str, head: str) -> tuple[Any, str | None]:
     """(GGML type, note) for one tensor: float where llama.cpp keeps it float, F16 where the row
     length is not a multiple of the block (the note says so)."""
@@ -152,6 +166,8 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     special = in_vocabulary(ids, ids, cfg.vocab_size)
     arch = "gpt2" if cfg.family == "gpt" else "llama"
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.gguf"):  # an earlier export into this folder (out= reuses one)
+        stale.unlink()
     path = out / f"{cfg.name}-{precision}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     add_hparams(writer, cfg)
@@ -225,15 +241,7 @@ def export_gguf(source: Any, out: Path, quantize: str | None) -> tuple[Path, dic
     from suite.export.manifest import write_manifest
 
     precision = gguf_precision(quantize)
-    if source.quantized:
-        from suite.models.quantized import quantized_info
-
-        method = quantized_info(source.folder).get("method", "?")
-        base = quantized_info(source.folder).get("source", "the full-precision checkpoint")
-        raise ConfigError(
-            f"{source.named} is a `suite quantize` checkpoint ({method}); GGUF quantizes from full precision: "
-            f"export ckpt={base} format=gguf export.quantize=q8_0 (or q4_0), or format=hf of this one"
-        )
+    refuse_quantized_source(source)
     path, extra = write_gguf(source, out, precision)
     verification = verify_gguf(path, source.load_model(), source.model_config())
     write_manifest(

@@ -47,11 +47,11 @@ def export_issue20(cfg: Any, source: Any) -> tuple[dict, str] | None:
 
 def _gguf(cfg: Any, source: Any) -> tuple[dict, str]:
     from suite.compress.checks import refuse_quantized
-    from suite.export.gguf import check_gguf_exportable, export_gguf, gguf_precision
+    from suite.export.gguf import check_gguf_exportable, export_gguf, gguf_precision, refuse_quantized_source
 
     precision = gguf_precision(cfg.export.quantize)
-    if not source.quantized:  # a quantized checkpoint: export_gguf names its full-precision source
-        refuse_quantized(cfg.ckpt, "ckpt", "exporting to GGUF")
+    refuse_quantized_source(source)  # names the full-precision checkpoint it came from
+    refuse_quantized(cfg.ckpt, "ckpt", "exporting to GGUF")  # LoRA over a quantized base (QLoRA)
     check_gguf_exportable(source.model_config(), source.named)
     if source.lora is not None and not cfg.export.merge_lora:
         raise ConfigError(
