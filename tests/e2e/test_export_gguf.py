@@ -125,6 +125,20 @@ def test_gguf_metadata_and_tokenizer(runs, tmp_path, family):
     assert theirs.eos_token_id == ours.eos_token_id
 
 
+def test_the_hf_folder_gets_a_manifest_too(runs, tmp_path):
+    """format=hf (the plain folder): export_manifest.json with the same fields and its self-check."""
+    from suite.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["export", f"ckpt={runs['llama']}", f"out={out}", "export.dtype=bf16"]) == 0
+    manifest = json.loads((out / "export_manifest.json").read_text())
+    assert manifest["format"] == "hf" and manifest["precision"] == "bf16"
+    assert manifest["source"]["step"] == 20 and manifest["model"]["num_kv_heads"] == 2
+    assert {"model.safetensors", "config.json"} <= set(manifest["files"])
+    assert "tokenizer.json" in manifest["tokenizer_files"]
+    assert 0 < manifest["verification"]["max_abs_logits_error"] < 0.1  # bf16 weights
+
+
 def test_cli_prints_the_self_check(runs, tmp_path):
     out = tmp_path / "cli"
     proc = run_suite("export", f"ckpt={runs['gpt']}", "format=gguf", f"out={out}", "--json", check=True)
@@ -136,8 +150,9 @@ def test_cli_prints_the_self_check(runs, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def refusal_sources(runs, tmp_path_factory) -> dict[str, Path]:
-    """A quantized checkpoint, an HF folder without a tokenizer, a Qwen2 (qkv bias) HF folder."""
+def refusal_sources(runs, tmp_path_factory, tiny_data) -> dict[str, Path]:
+    """A quantized checkpoint, an HF folder without a tokenizer, a Qwen2 (qkv bias) HF folder, a GPT
+    whose MLP is not 4 x hidden."""
     from suite.cli import main
     from tests.unit.test_hf_roundtrip import _hf_folder
 
@@ -154,7 +169,20 @@ def refusal_sources(runs, tmp_path_factory) -> dict[str, Path]:
     for file in bare.glob("tokenizer*"):
         file.unlink()
     qwen = _hf_folder(root / "qwen2", "qwen2", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None})
-    return {"quantized": q, "bare": bare, "qwen2": qwen}
+    wide = root / "gpt-ffn2x"  # an MLP of 2 x hidden: GPT-2's GGUF reader builds 4 x
+    run_suite(
+        "pretrain",
+        *TINY_MODEL,
+        "model.ffn_hidden_size=128",
+        f"data.path={tiny_data}",
+        f"run.dir={wide}",
+        "train.max_steps=1",
+        "train.eval_every=1",
+        "train.eval_batches=1",
+        *BATCH,
+        check=True,
+    )
+    return {"quantized": q, "bare": bare, "qwen2": qwen, "ffn2x": wide}
 
 
 REFUSALS = [
@@ -163,6 +191,7 @@ REFUSALS = [
     (["ckpt={quantized}", "format=gguf"], "GGUF quantizes from full precision"),
     (["ckpt=hf:{bare}", "format=gguf"], "has no tokenizer files"),
     (["ckpt=hf:{qwen2}", "format=gguf"], "model.qkv_bias=true is GGUF's qwen2"),
+    (["ckpt={ffn2x}", "format=gguf"], "model.ffn_hidden_size=128 is not 4 x hidden_size"),
     (["ckpt={gpt}", "format=ggml"], "export.format"),
 ]
 
