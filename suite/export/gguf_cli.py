@@ -10,13 +10,25 @@ from typing import Any
 from suite.config.errors import ConfigError
 
 
-def check_export_quantize(cfg: Any) -> None:
-    """export.quantize is a GGUF (and onnx) setting: format=hf writes the checkpoint's own precision."""
-    if cfg.export.format == "hf" and cfg.export.quantize is not None:
+def check_export_quantize(cfg: Any, source: Any) -> None:
+    """export.quantize is a GGUF (and onnx) setting: format=hf writes the checkpoint's own precision;
+    export.dtype is the plain HF folder's, so it is refused where it would be ignored."""
+    e = cfg.export
+    if e.format == "hf" and e.quantize is not None:
         raise ConfigError(
-            f"export.quantize={cfg.export.quantize} with format=hf: an HF folder holds the checkpoint as it is; "
+            f"export.quantize={e.quantize} with format=hf: an HF folder holds the checkpoint as it is; "
             "quantize first (suite quantize ckpt=<run> compress=int8), then export that checkpoint with "
             "format=hf, or write format=gguf export.quantize=q8_0"
+        )
+    if e.dtype != "fp32" and e.format == "gguf":
+        raise ConfigError(
+            f"export.dtype={e.dtype} with format=gguf: a GGUF file's precision is export.quantize (f16, q8_0 "
+            "or q4_0); leave export.dtype at fp32"
+        )
+    if e.dtype != "fp32" and e.format == "hf" and source.quantized:
+        raise ConfigError(
+            f"export.dtype={e.dtype} with the quantized ckpt='{cfg.ckpt}': its export keeps the checkpoint's own "
+            "tensors; leave export.dtype at fp32"
         )
 
 
@@ -37,7 +49,7 @@ def export_out(cfg: Any, source: Any) -> Path:
 def export_issue20(cfg: Any, source: Any) -> tuple[dict, str] | None:
     """format=gguf, or format=hf of a `suite quantize` checkpoint: (--json result, text); None when
     the plain format=hf path applies."""
-    check_export_quantize(cfg)
+    check_export_quantize(cfg, source)
     if cfg.export.format == "gguf":
         return _gguf(cfg, source)
     if cfg.export.format == "hf" and source.quantized:

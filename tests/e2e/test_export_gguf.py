@@ -193,6 +193,8 @@ REFUSALS = [
     (["ckpt=hf:{qwen2}", "format=gguf"], "model.qkv_bias=true is GGUF's qwen2"),
     (["ckpt={ffn2x}", "format=gguf"], "model.ffn_hidden_size=128 is not 4 x hidden_size"),
     (["ckpt={gpt}", "format=ggml"], "export.format"),
+    (["ckpt={gpt}", "format=gguf", "export.dtype=bf16"], "export.dtype=bf16 with format=gguf"),
+    (["ckpt={quantized}", "export.dtype=bf16"], "keeps the checkpoint's own tensors"),
 ]
 
 
