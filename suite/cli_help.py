@@ -16,7 +16,7 @@ verbs:
   prepare    build a tokenizer and packed token shards from text
   generate   sample text from a trained model or an export: suite generate ckpt=<run.dir> prompt="..."
   chat       talk to a finetuned model on the console: suite chat ckpt=runs/sft-tiny
-  export     write a Hugging Face folder, torch.export or ONNX graphs: suite export ckpt=<run.dir> format=onnx
+  export     write a Hugging Face folder, torch.export/ONNX graphs or GGUF: suite export ckpt=<run.dir> format=onnx
   quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
   config     show / list / cp recipes: suite config show recipe=gpt13b
   plan       rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
@@ -177,8 +177,9 @@ dropped when the conversation outgrows the model's context. Keys: those of `suit
 
 Examples:
   suite chat ckpt=runs/sft-tiny generate.temperature=0""",
-    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf|torch_export|onnx] [out=DIR]
-       [export.dtype=fp32|bf16|fp16] [export.quantize=int8|int4] [merge_lora=true] [export.max_shard_mb=2048]
+    "export": """usage: suite export ckpt=<run.dir|checkpoint dir|hf:folder> [format=hf|torch_export|onnx|gguf] [out=DIR]
+       [export.dtype=fp32|bf16|fp16] [export.quantize=int8|int4 (onnx)|f16|q8_0|q4_0 (gguf)] [merge_lora=true]
+       [export.max_shard_mb=2048]
 
 format=hf (default) writes a Hugging Face folder (safetensors, config.json, generation_config.json,
 tokenizer files) that transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained load with no
@@ -188,9 +189,7 @@ graphs as prefill.onnx / decode.onnx for onnxruntime, fp32, or with export.quant
 dynamic quantization) or int4 (block-wise MatMulNBits, blocks of 32). Both graphs carry the KV cache
 explicitly ([layers, batch, kv heads, length, head_dim]; dynamic batch, prompt and past lengths):
 prefill(tokens) -> logits, keys, values; decode(tokens [b, 1], past_keys, past_values) -> the same.
-`suite generate ckpt=<that folder>` runs them. Every export writes export_manifest.json (format,
-precision, files, tokenizer, source checkpoint and step, config hash) with its self-check: the
-artifact's logits against the suite model's, printed and recorded.
+`suite generate ckpt=<that folder>` runs them.
 `format=` and `out=` are short for export.format and export.out (default <run.dir>/export-<format>).
 A LoRA finetuning run needs merge_lora=true (export.merge_lora): the adapters are folded into the
 weights. A run finetuned with a chat template exports it (chat_template.jinja).
@@ -199,12 +198,20 @@ export.max_shard_mb=N splits the weights into safetensors files of at most N MB 
 `out=` must be a new or empty folder, or an earlier export (it is never mixed into other files).
 Special-token ids are the source's (an hf: folder's config.json); one outside the vocabulary is left
 out with a note. The written folder is checked: transformers loads it.
+format=gguf writes one llama.cpp file (gpt2 / llama architecture, byte-level BPE tokenizer) at
+export.quantize=f16 (default), q8_0 or q4_0; norms and biases stay F32.
+A `suite quantize` checkpoint (llama family) exports as an HF folder that transformers loads
+quantized (TorchAoConfig in config.json, the checkpoint's own torchao tensors).
+Every export writes export_manifest.json (format, precision, files, tokenizer, source checkpoint and
+step, config hash) and prints its self-check: the largest |logits - suite| of the artifact as a user
+runs it (transformers, torch.export, onnxruntime), also recorded there. See docs/export.md.
 
 Examples:
   suite export ckpt=runs/gpt-tiny
   suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1
   suite export ckpt=runs/gpt-tiny format=onnx export.quantize=int8
-  suite generate ckpt=runs/gpt-tiny/export-onnx prompt="The module" generate.temperature=0""",
+  suite generate ckpt=runs/gpt-tiny/export-onnx prompt="The module" generate.temperature=0
+  suite export ckpt=runs/gpt-tiny format=gguf export.quantize=q8_0 out=exports/gpt-tiny-gguf""",
     "prune": """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] [prune.heads=FRACTION]
        [prune.hidden=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
 

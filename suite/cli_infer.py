@@ -113,6 +113,11 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     validate(cfg, needs_data=False, writes_run=False)
     if fmt in ("torch_export", "onnx"):
         return _export_graphs(cfg, source, flags)
+    from suite.export.gguf_cli import export_gguf_or_quantized_hf
+
+    exported = export_gguf_or_quantized_hf(cfg, source)  # format=gguf; format=hf of a `suite quantize` checkpoint
+    if exported is not None:
+        return _report(flags, *exported, source)
     from suite.compress.checks import refuse_quantized
 
     refuse_quantized(cfg.ckpt, "ckpt", "exporting")
@@ -142,12 +147,16 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     folder, notes = export_checkpoint_hf(source, out, dtype, shard_bytes)
     for note in notes:  # an id the model cannot embed is left out rather than written
         _say(f"note: {note}")
-    return _report(
-        flags,
-        {"out": str(out), "format": cfg.export.format},
-        f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)",
-        source,
-    )
+    from suite.export.gguf_cli import hf_manifest
+
+    check = hf_manifest(source, out, dtype, shard_bytes)  # export_manifest.json, with the logits self-check
+    lines = [f"exported {folder} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)"]
+    if check["max_abs_logits_error"] is not None:
+        lines.append(
+            f"self-check: max |logits - suite| = {check['max_abs_logits_error']:.3g} on {check['inputs']}"
+        )
+    lines.append(f"manifest: {out / 'export_manifest.json'}")
+    return _report(flags, {"out": str(out), "format": cfg.export.format, **check}, "\n".join(lines), source)
 
 
 def _export_out(cfg, source) -> Path:

@@ -19,7 +19,7 @@ CHOICES = {
     "sched.name": ("cosine", "linear", "constant"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
-    "export.format": ("hf", "torch_export", "onnx"),
+    "export.format": ("hf", "torch_export", "onnx", "gguf"),
     "eval.metric": ("accuracy", "perplexity"),
     "export.dtype": ("fp32", "bf16", "fp16"),
     "cluster.device_type": ("cuda", "cpu"),

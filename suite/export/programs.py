@@ -1,4 +1,4 @@
-"""`suite export format=torch_export|onnx`: the prefill and decode graphs (suite.export.graphs) as
+"""`suite export format=torch_export|onnx`: the prefill and decode graphs (suite.infer.graphs) as
 `.pt2` programs or ONNX models, the tokenizer beside them, a manifest, and a self-check.
 
 ONNX variants: `export.quantize=int8` runs onnxruntime's dynamic quantization (int8 weights, int8
@@ -19,7 +19,7 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.export.checks import MARKER
-from suite.export.graphs import (
+from suite.infer.graphs import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     dynamic_shapes,
@@ -28,7 +28,7 @@ from suite.export.graphs import (
     graph_modules,
     prepare_for_export,
 )
-from suite.export.runners import SuiteRunner, decode_steps, load_runner
+from suite.infer.runners import SuiteRunner, decode_steps, load_runner
 from suite.models.transformer import Transformer
 from suite.sources import ModelSource
 
@@ -163,13 +163,14 @@ def export_graphs(
     for stale in [*out.glob("*.pt2"), *out.glob("*.onnx"), *out.glob("*.onnx.data")]:
         stale.unlink()
     files = save_torch_export(model, out) if fmt == "torch_export" else save_onnx(model, out, quantize)
-    tokenizer.save_pretrained(out)
+    files += [Path(name).name for name in tokenizer.save_pretrained(out)]
     marker = {"family": model.cfg.family, "name": model.cfg.name, "format": fmt}
     (out / MARKER).write_text(json.dumps(marker, indent=1))  # the folder may be exported into again
     fields = {"format": fmt, "precision": quantize or dtype, "source": source, "files": files}
-    extra = {"graphs": GRAPH_SIGNATURES, "model": model_summary(model)}
+    extra = {"graphs": GRAPH_SIGNATURES}
     write_manifest(out, **fields, verification={}, extra=extra)  # the runner reads it
-    return write_manifest(out, **fields, verification=verify_graphs(model, out), extra=extra)
+    path = write_manifest(out, **fields, verification=verify_graphs(model, out), extra=extra)
+    return json.loads(path.read_text())
 
 
 GRAPH_SIGNATURES = {
@@ -177,15 +178,3 @@ GRAPH_SIGNATURES = {
     "decode": "tokens [batch, 1], past_keys, past_values -> logits [batch, 1, vocab], keys, values",
     "cache": "keys/values [layers, batch, kv_heads, length, head_dim]; decode returns length + 1",
 }
-
-
-def model_summary(model: Transformer) -> dict:
-    cfg = model.cfg
-    return {
-        "family": cfg.family,
-        "max_seq_len": cfg.max_seq_len,
-        "vocab_size": cfg.vocab_size,
-        "layers": len(model.layers),
-        "kv_heads": model.num_kv_heads,
-        "head_dim": model.head_dim,
-    }

@@ -1,6 +1,6 @@
 """What `suite generate` / `suite chat` decode with, from any artifact ckpt= names: a suite run or
 checkpoint, an HF folder, a `suite quantize` checkpoint (all: the suite model, suite.infer.decoder),
-or a `suite export format=torch_export|onnx` folder (its prefill/decode graphs, suite.export.runners).
+or a `suite export format=torch_export|onnx` folder (its prefill/decode graphs, suite.infer.runners).
 
 An engine yields each step's next tokens for a batch of prompts; suite.infer.generate turns them
 into text (stop sequences, eos, streaming)."""
@@ -37,13 +37,13 @@ class GraphEngine:
     pads = False
 
     def __init__(self, folder: Path, threads: int | None = None):
-        from suite.export.runners import load_runner
+        from suite.infer.runners import load_runner
 
         self.runner, self.manifest = load_runner(folder, threads)
         self.max_seq_len = self.runner.max_seq_len
 
     def steps(self, prompts: list[list[int]], max_new_tokens: int, pick: Pick) -> Iterator[torch.Tensor]:
-        from suite.export.runners import graph_steps
+        from suite.infer.runners import graph_steps
 
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("GraphEngine.steps: group prompts by length first")
@@ -52,7 +52,7 @@ class GraphEngine:
 
 def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[Any, Any, str]:
     """(engine, tokenizer, one line naming what was read) for ckpt= as typed."""
-    from suite.export.runners import is_graph_export
+    from suite.infer.runners import is_graph_export
 
     folder = Path(str(ckpt)).expanduser()
     if is_graph_export(folder):

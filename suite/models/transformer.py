@@ -129,7 +129,7 @@ class KVCache:
 @dataclass
 class GrowingKVCache:
     """Past keys/values that each call extends by concatenation: the cache of the exported prefill and
-    decode graphs (suite.export.graphs), whose length is a tensor dimension rather than a Python int,
+    decode graphs (suite.infer.graphs), whose length is a tensor dimension rather than a Python int,
     so one program serves every past length; no in-place writes, which torch.export and ONNX want."""
 
     keys: list[torch.Tensor]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from suite.config.schema import GenerateConfig
-from suite.export.runners import SuiteRunner, decode_steps, greedy, load_runner
 from suite.infer.generate import generate_tokens
+from suite.infer.runners import SuiteRunner, decode_steps, greedy, load_runner
 from suite.sources import ModelSource
 from tests.helpers import TINY_MODEL, run_suite
 

@@ -1,4 +1,4 @@
-"""One interface over every way to run the prefill/decode graphs (suite.export.graphs): the suite model
+"""One interface over every way to run the prefill/decode graphs (suite.infer.graphs): the suite model
 itself, a torch.export `.pt2` pair, an ONNX pair in onnxruntime. `suite generate`, the exports'
 self-verification and bench/generate.py drive them through `greedy` / `decode_steps`, so an artifact
 is checked by the same loop that uses it."""
@@ -13,10 +13,11 @@ from typing import Protocol
 import torch
 
 from suite.config.errors import ConfigError
-from suite.export.graphs import graph_modules, prepare_for_export
-from suite.export.manifest import MANIFEST
+from suite.infer.graphs import graph_modules, prepare_for_export
+
 from suite.models.transformer import Transformer
 
+MANIFEST = "export_manifest.json"  # written by suite.export.manifest
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logits, keys, values
 
 

@@ -1,0 +1,256 @@
+"""`suite export format=gguf`: one llama.cpp GGUF file (f16, q8_0 or q4_0) + export_manifest.json.
+
+The tensors start from the Hugging Face names and layout (suite.models.hf's to_hf_state_dict, as
+llama.cpp's convert_hf_to_gguf.py starts from an HF folder) and are renamed with gguf's own tensor
+name map. Two layout changes are llama.cpp's: GPT-2's Conv1D weights ([in, out]) are stored as
+[out, in], and Llama's q/k rows are permuted from HF's rotate-half RoPE order to llama.cpp's
+interleaved pairs (transformers' GGUF loader undoes both).
+
+Which tensors stay float follows llama.cpp: 1-D tensors (norms, biases) and the learned position
+embedding F32; the output head of a q4_0 file Q8_0 (llama-quantize raises it to Q6_K, which the
+gguf package cannot write for small rows); a matrix whose rows are not a multiple of the 32-value
+quantization block F16, named in the manifest. What GGUF or transformers' GGUF reader cannot
+express is refused in one line (check_gguf_exportable). GGUFWriter holds the (quantized) tensors
+until the file is written: the model once, at the file's precision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig
+
+PRECISIONS = ("f16", "q8_0", "q4_0")
+BLOCK = 32  # values per Q8_0 / Q4_0 block
+GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+KEEP_F32 = ("position_embd.weight",)  # llama.cpp keeps the learned positions in F32
+
+
+def gguf_precision(quantize: str | None) -> str:
+    """export.quantize for format=gguf (None: f16); a ConfigError for what GGUF cannot hold here."""
+    value = "f16" if quantize is None else str(quantize).lower()
+    if value not in PRECISIONS:
+        raise ConfigError(
+            f"export.quantize={quantize} cannot be written as GGUF: format=gguf holds {', '.join(PRECISIONS)} "
+            "(e.g. export.quantize=q8_0); torchao int8/int4 are format=hf of a `suite quantize` checkpoint"
+        )
+    return value
+
+
+def check_gguf_exportable(cfg: ModelConfig, where: str) -> None:
+    """What llama.cpp's gpt2/llama architectures and transformers' GGUF reader can express."""
+    from suite.export.checks import check_hf_exportable
+    from suite.models.transformer import ffn_size
+
+    check_hf_exportable(cfg)
+    problem = None
+    if cfg.family == "gpt" and ffn_size(cfg) != 4 * cfg.hidden_size:
+        problem = (
+            f"model.ffn_hidden_size={ffn_size(cfg)} is not 4 x hidden_size: transformers' GGUF reader builds "
+            "GPT-2 with the default 4 x n_embd MLP"
+        )
+    elif cfg.family == "llama" and cfg.num_experts:
+        problem = "a mixture of experts is not read back by transformers' GGUF loader for llama"
+    elif cfg.family == "llama" and cfg.qkv_bias:
+        problem = (
+            "model.qkv_bias=true is GGUF's qwen2 architecture, which transformers' GGUF reader does not "
+            "rebuild faithfully"
+        )
+    elif cfg.family == "llama" and cfg.rope_scaling:
+        problem = "model.rope_scaling is not read back by transformers' GGUF loader for llama"
+    if problem:
+        raise ConfigError(f"{where} cannot be exported as GGUF: {problem}; use format=hf")
+
+
+def refuse_quantized_source(source: Any) -> None:
+    """A `suite quantize` checkpoint: its torchao integers are not GGUF's blocks; name its source."""
+    if not source.quantized:
+        return
+    from suite.models.quantized import quantized_info
+
+    info = quantized_info(source.folder)
+    method, base = info.get("method", "?"), info.get("source", "<the full-precision run>")
+    raise ConfigError(
+        f"{source.named} is a `suite quantize` checkpoint ({method}); GGUF quantizes from full precision: "
+        f"export ckpt={base} format=gguf export.quantize=q8_0 (or q4_0), or format=hf of this one"
+    )
+
+
+def gguf_tensor_type(name: str, array: np.ndarray, precision: str, head: str) -> tuple[Any, str | None]:
+    """(GGML type, note) for one tensor: float where llama.cpp keeps it float, F16 where the row
+    length is not a multiple of the block (the note says so)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if array.ndim <= 1 or name.endswith("_norm.weight") or name in KEEP_F32:
+        return T.F32, None
+    if precision == "f16":
+        return T.F16, None
+    qtype = T.Q8_0 if precision == "q8_0" or name == head else T.Q4_0
+    if array.shape[-1] % BLOCK:
+        return T.F16, f"{name}: rows of {array.shape[-1]} values are not a multiple of {BLOCK}; kept F16"
+    return qtype, None
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved rotary pairs, per head."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(cfg: ModelConfig, hf_sd: dict[str, Any]):
+    """(gguf name, float32 array) per tensor, read one at a time from (lazy) HF-named tensors."""
+    import gguf
+
+    from suite.models.lazy import as_lazy
+    from suite.models.transformer import kv_heads
+
+    arch = gguf.MODEL_ARCH.GPT2 if cfg.family == "gpt" else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+    for hf_name, value in hf_sd.items():
+        if hf_name == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # tied: the reader uses token_embd (no output tensor means tied)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise RuntimeError(f"no GGUF name for {hf_name}")
+        tensor = as_lazy(value).read().float()
+        if cfg.family == "gpt" and hf_name.endswith(GPT2_TRANSPOSED):
+            tensor = tensor.t()
+        elif hf_name.endswith("self_attn.q_proj.weight"):
+            tensor = _permute(tensor, cfg.num_heads)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            tensor = _permute(tensor, kv_heads(cfg))
+        yield name, tensor.contiguous().numpy()
+
+
+def add_hparams(writer: Any, cfg: ModelConfig) -> None:
+    """The architecture keys llama.cpp reads (and transformers maps onto its config)."""
+    from suite.models.transformer import ffn_size, head_size, kv_heads
+
+    writer.add_name(cfg.name)
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(ffn_size(cfg))
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(kv_heads(cfg))
+    if cfg.family == "gpt":
+        writer.add_layer_norm_eps(cfg.norm_eps)
+        return
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(head_size(cfg))
+    writer.add_rope_freq_base(float(cfg.rope_theta))
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    if head_size(cfg) * cfg.num_heads != cfg.hidden_size:
+        writer.add_key_length(head_size(cfg))
+        writer.add_value_length(head_size(cfg))
+
+
+def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, Any]]:
+    """Write <out>/<name>-<precision>.gguf from a model source; returns (file, manifest extras)."""
+    import gguf
+
+    from suite.export.gguf_vocab import add_vocab, gguf_vocab
+    from suite.export.special import hf_folder_ids, in_vocabulary, tokenizer_ids
+    from suite.models.hf import to_hf_state_dict
+
+    cfg = source.model_config()
+    check_gguf_exportable(cfg, source.named)
+    tokenizer = source.tokenizer(required=True)
+    vocab = gguf_vocab(tokenizer, cfg.vocab_size, source.named)
+    ids = hf_folder_ids(source.folder)[0] if source.is_hf else tokenizer_ids(tokenizer)
+    special = in_vocabulary(ids, ids, cfg.vocab_size)
+    arch = "gpt2" if cfg.family == "gpt" else "llama"
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.gguf"):  # an earlier export into this folder (out= reuses one)
+        stale.unlink()
+    path = out / f"{cfg.name}-{precision}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_hparams(writer, cfg)
+    file_type = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}[precision]
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_vocab(writer, vocab, special.config)
+    head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
+    types: dict[str, str] = {}
+    notes = list(vocab.notes) + list(special.notes)
+    with source.weights() as weights:
+        for name, array in gguf_tensors(cfg, to_hf_state_dict(cfg, dict(weights))):
+            qtype, note = gguf_tensor_type(name, array, precision, head)
+            if note:
+                notes.append(note)
+            if qtype == gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(name, array.astype(np.float32))
+            elif qtype == gguf.GGMLQuantizationType.F16:
+                writer.add_tensor(name, array.astype(np.float16))
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            types[name] = f"{qtype.name} {list(array.shape)}"
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    extra = {
+        "architecture": arch,
+        "tensors": types,
+        "tokenizer": {"model": "gpt2", "pre": vocab.pre, "tokens": len(vocab.tokens), "padded": vocab.padded},
+        "notes": notes,
+        "transformers_load_kwargs": {"gguf_file": path.name, **load_kwargs(cfg)},
+    }
+    return path, extra
+
+
+def load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """What `from_pretrained(out, gguf_file=...)` needs beside the file: transformers' GGUF mapping
+    reads GPT-2's context_length into n_ctx, not n_positions, so a GPT-2 whose context is not the
+    default 1024 is built with 1024 positions (a size mismatch) unless n_positions is passed. The
+    file itself is right for llama.cpp (position_embd has context_length rows)."""
+    if cfg.family == "gpt" and cfg.max_seq_len != 1024:
+        return {"n_positions": cfg.max_seq_len}
+    return {}
+
+
+def verify_gguf(path: Path, suite_model: Any, cfg: ModelConfig) -> dict[str, Any]:
+    """Load the file the way a user does (transformers dequantizes it to fp32) and compare logits."""
+    from transformers import AutoModelForCausalLM
+
+    from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens
+
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, **load_kwargs(cfg)
+        )
+    tokens = sample_tokens(cfg)
+    error = max_logits_error(suite_model, model.eval(), tokens)
+    return {
+        "max_abs_logits_error": error,
+        "inputs": f"{tokens.shape[0]} x {tokens.shape[1]} seeded random tokens",
+        "loaded_with": "transformers.AutoModelForCausalLM.from_pretrained(out, "
+        + ", ".join([f"gguf_file='{path.name}'", *(f"{k}={v}" for k, v in load_kwargs(cfg).items())])
+        + ")",
+    }
+
+
+def export_gguf(source: Any, out: Path, quantize: str | None) -> tuple[Path, dict[str, Any]]:
+    """`suite export format=gguf`: the file, its self-check and export_manifest.json; returns
+    (file, verification)."""
+    from suite.export.manifest import write_manifest
+
+    precision = gguf_precision(quantize)
+    refuse_quantized_source(source)
+    path, extra = write_gguf(source, out, precision)
+    verification = verify_gguf(path, source.load_model(), source.model_config())
+    write_manifest(
+        out,
+        format="gguf",
+        precision=precision,
+        source=source,
+        files=[path.name],
+        verification=verification,
+        extra=extra,
+    )
+    return path, verification
