@@ -115,7 +115,9 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         return _export_graphs(cfg, source, flags)
     from suite.export.gguf_cli import export_gguf_or_quantized_hf
 
-    exported = export_gguf_or_quantized_hf(cfg, source)  # format=gguf; format=hf of a `suite quantize` checkpoint
+    exported = export_gguf_or_quantized_hf(
+        cfg, source
+    )  # format=gguf; format=hf of a `suite quantize` checkpoint
     if exported is not None:
         return _report(flags, *exported, source)
     from suite.compress.checks import refuse_quantized

@@ -14,7 +14,6 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.infer.graphs import graph_modules, prepare_for_export
-
 from suite.models.transformer import Transformer
 
 MANIFEST = "export_manifest.json"  # written by suite.export.manifest
