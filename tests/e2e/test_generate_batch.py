@@ -146,3 +146,14 @@ def test_bad_prompt_files_are_one_line(runs, tmp_path, content, expected):
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and expected in lines[0], proc.stderr
+
+
+def test_the_compiled_decode_step_decodes_the_same_tokens(runs):
+    """generate.compile=true: torch.compile (inductor, weights frozen) of the static-shape decode step."""
+    source = ModelSource.parse(str(runs["llama"]))
+    model, tokenizer = source.load_model("cpu"), source.tokenizer()
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    pick = lambda logits: logits.argmax(-1, keepdim=True)  # noqa: E731
+    eager = torch.stack(list(ModelEngine(model).steps(prompts, 10, pick)), 1)
+    compiled = torch.stack(list(ModelEngine(model, compile=True).steps(prompts, 10, pick)), 1)
+    assert torch.equal(eager, compiled)
