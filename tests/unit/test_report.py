@@ -91,3 +91,26 @@ def test_tensorboard_resume_drops_the_steps_past_the_checkpoint(tmp_path):
     got = [(e.step, e.value) for e in events.Scalars("loss")]
     assert got == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
     assert events.Tags()["scalars"] == ["loss"]  # None and text values are not scalars
+
+
+def test_runs_compared_without_out_go_to_a_reports_folder_of_their_own(tmp_path, monkeypatch):
+    from suite.report import compare_runs
+
+    write_run(tmp_path / "a")
+    write_run(tmp_path / "b", steps=4)
+    monkeypatch.chdir(tmp_path)
+    report, (figure,) = compare_runs(["a", "b"])
+    assert report.parent.parent == Path("reports") and report.parent.name.startswith("compare-")
+    assert figure == report.parent / "loss_comparison.png" and figure.is_file()
+    table = [line for line in report.read_text().splitlines() if line.startswith("| `")]
+    assert [row.split(" | ")[2] for row in table] == ["8", "4"]  # steps of a, then b
+
+
+def test_the_verb_takes_run_folders_and_out_only():
+    from suite.cli_report import _parse
+
+    assert _parse(["runs/a", "report.out=x", "runs/b"]) == (["runs/a", "runs/b"], "x")
+    with pytest.raises(ConfigError, match="not 'train.max_steps=3'"):
+        _parse(["runs/a", "train.max_steps=3"])
+    with pytest.raises(ConfigError, match="at least one run folder"):
+        _parse(["out=x"])
