@@ -18,6 +18,7 @@ from suite.checks import validate
 from suite.cli_common import _compose, _compose_with_ckpt, _expand, _report, _say
 from suite.cli_help import USAGE, verb_help
 from suite.cli_infer import cmd_chat, cmd_eval, cmd_export, cmd_generate
+from suite.cli_report import cmd_report
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
@@ -361,6 +362,7 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "quantize": cmd_quantize,
     "config": cmd_config,
     "plan": cmd_plan,
+    "report": cmd_report,
 }
 VALUED_FLAGS = {"plan": ("--explain",), "pretrain": ("--rank",)}
 VALUE_EXAMPLES = {"--explain": "--explain dp4-tp8sp-pp12-mb1-full", "--rank": "--rank 0 (or --rank worst)"}

@@ -20,6 +20,7 @@ verbs:
   quantize   post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8
   config     show / list / cp recipes: suite config show recipe=gpt13b
   plan       rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
+  report     report.md + plots of a run, or one figure comparing runs: suite report runs/a runs/b out=reports/a-vs-b
 
 Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
 `suite config list` shows them, `suite config show` prints a resolved config."""
@@ -41,8 +42,9 @@ Common keys:
   parallel.dp/sharding/tp/pp=N  data.path=DIR  data.seq_len=N  model.num_layers=N  model.hidden_size=N
   model.num_heads=N  model.vocab_size=N  optim.lr=X  launch.nproc_per_node=N  log.wandb=false
 
-Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json
-(+ plan.json with parallel=auto)
+Writes: <run.dir>/config.yaml, metrics.jsonl, checkpoints/step_<N>/, tokenizer.json, summary.json,
+report.md + plots/*.png (suite report --help) (+ plan.json with parallel=auto; tensorboard/ with
+log=tensorboard, the same scalars as metrics.jsonl, instead of wandb's offline run in wandb/)
 
 --dry-run [--rank N|worst]: build one rank of the job as written (any world size: launch.nnodes x
 launch.nproc_per_node) on the meta device under torch's fake process group, place it with the real
@@ -285,6 +287,25 @@ Examples:
   suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
   suite plan recipe=gpt175b cluster=a100-80g cluster.nodes=16 --json
   suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4 --explain sh2z1-tp8sp-pp2-mb1-full""",
+    "report": """usage: suite report <run.dir> [<run.dir> ...] [out=DIR] [--json]
+
+Reads each run folder's metrics.jsonl (and config.yaml) and draws PNG plots with matplotlib.
+Every training run (pretrain, finetune, distill) writes its report when it ends (log.report=true);
+`suite report` draws it again, e.g. for a run that was stopped or resumed.
+
+One run: <run.dir>/report.md (final and best losses, median tokens/s and MFU, peak memory, the
+settings that shaped the run) and <run.dir>/plots/: loss.png (loss and val_loss), lr.png,
+tokens_per_s.png, mfu.png (where a peak FLOP/s applies), memory.png. out=DIR writes them to DIR.
+
+Several runs: one figure, loss_comparison.png (training loss and validation loss, a line per run,
+by step), and a report.md with a table comparing the runs, in out=DIR (default
+reports/compare-<timestamp>/). A folder that is not a training run, or has no metrics yet, is
+refused in one line before anything is written.
+
+Examples:
+  suite report runs/gpt-tiny
+  suite pretrain recipe=llama-tiny
+  suite report runs/gpt-tiny runs/llama-tiny out=reports/gpt-vs-llama""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:

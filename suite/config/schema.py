@@ -173,6 +173,8 @@ class LogConfig:
     wandb: bool = True
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "suite"
+    tensorboard: bool = False  # scalars under <run.dir>/tensorboard/ (log=tensorboard)
+    report: bool = True  # report.md + plots/*.png in the run folder when training ends (suite.report)
 
 
 @dataclass

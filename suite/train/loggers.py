@@ -1,4 +1,5 @@
-"""Where metrics go: the console (rich progress bar), metrics.jsonl, and wandb (offline by default)."""
+"""Where metrics go: the console (rich progress bar), metrics.jsonl, wandb (offline by default) or
+TensorBoard (log=tensorboard); at the end, report.md and its plots (suite.report)."""
 
 from __future__ import annotations
 
@@ -110,12 +111,13 @@ def scrub_yaml(text: str) -> str:
 
 
 class MetricsLogger:
-    """Rank 0's view of training: progress bar, one console line per log step, JSONL, wandb."""
+    """Rank 0's view of training: progress bar, one console line per log step, JSONL, wandb, TensorBoard."""
 
     def __init__(
         self, run_dir: Path, config: dict[str, Any], log_cfg, total_steps: int, start_step: int, resumed: bool
     ):
         self.console = Console(stderr=False)
+        self.run_dir, self.log_cfg = run_dir, log_cfg
         self.jsonl = JsonlWriter(run_dir / "metrics.jsonl", start_step if resumed else None)
         self.progress = None
         if log_cfg.progress:
@@ -145,6 +147,9 @@ class MetricsLogger:
                 resume="allow",
                 id=_wandb_id(run_dir),
             )
+        self.tensorboard = None
+        if log_cfg.tensorboard:
+            self.tensorboard = TensorBoardWriter(run_dir / "tensorboard", start_step if resumed else None)
 
     def print(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
@@ -155,10 +160,14 @@ class MetricsLogger:
         if self.wandb_run is not None:
             metrics = {k: v for k, v in record.items() if k != "step" and v is not None}
             self.wandb_run.log(metrics, step=record["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         self.print(" | ".join(_fmt(k, v) for k, v in record.items()))
 
     def rewind(self, step: int) -> None:
         self.jsonl.rewind(step)
+        if self.tensorboard is not None:
+            self.tensorboard.rewind(step)
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
 
@@ -167,12 +176,69 @@ class MetricsLogger:
             status = f"loss {loss:.4f}" if loss is not None else ""
             self.progress.update(self.task, completed=step, status=status)
 
+    def finish(self) -> None:
+        """The run reached its last step: report.md + plots in the run folder (log.report), kept by
+        wandb as an artifact. Never raises: a report that fails is one warning line."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        if not self.log_cfg.report:
+            return
+        from suite.report import report_at_end
+
+        written = report_at_end(self.run_dir, self.print)
+        if written is not None and self.wandb_run is not None:
+            _wandb_artifact(self.wandb_run, *written, self.print)
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
         self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+class TensorBoardWriter:
+    """The numeric metrics of each record as TensorBoard scalars (torch's SummaryWriter), same names as
+    metrics.jsonl. A resume or a rollback to step N drops the events logged past N (purge_step)."""
+
+    def __init__(self, folder: Path, resume_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = folder
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=record["step"])
+        self.writer.flush()
+
+    def rewind(self, step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=step + 1)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _wandb_artifact(run, report: Path, plots: list[Path], say) -> None:
+    """report.md and its plots as one wandb artifact of type `report` (logged offline too, synced later)."""
+    try:
+        import wandb
+
+        artifact = wandb.Artifact(f"report-{run.id}", type="report")
+        artifact.add_file(str(report), name=report.name)
+        for plot in plots:
+            artifact.add_file(str(plot), name=f"plots/{plot.name}")
+        run.log_artifact(artifact)
+    except Exception as exc:  # noqa: BLE001 (the report is on disk; wandb keeping a copy is a bonus)
+        say(f"warning: wandb did not take the report as an artifact ({type(exc).__name__}: {exc})")
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -1,8 +1,6 @@
-"""The training loop shared by pretraining (and, later, finetuning).
-
-recipe -> validated config -> mesh -> model on meta -> parallelize -> materialise -> loader ->
-micro-batches -> loss -> clip -> optimizer -> metrics -> loggers -> atomic checkpoint.
-"""
+"""The training loop shared by pretraining, finetuning and distillation: recipe -> validated config
+-> mesh -> model on meta -> parallelize -> materialise -> loader -> micro-batches -> loss -> clip ->
+optimizer -> metrics -> loggers -> atomic checkpoint; at the end, report.md and plots (suite.report)."""
 
 from __future__ import annotations
 
@@ -563,6 +561,8 @@ class Trainer:
                     raise SystemExit(SIGTERM_EXIT)
             self._read_step_flags(logger)
             self.finish_pending()  # the last save, when asynchronous
+            if logger:
+                logger.finish()  # report.md + plots (rank 0; a failure is a warning, never the run's)
         except KeyboardInterrupt:
             self.saver.finish_quietly()
             if logger:

@@ -89,6 +89,7 @@ def _help_commands() -> list[str]:
         "config",
         "plan",
         "chat",
+        "report",
     ):
         text = verb_help(verb)
         assert "\nExamples:\n" in text, f"`suite {verb} --help` has no Examples: section"
@@ -140,6 +141,7 @@ def test_every_verb_shows_examples_and_every_recipe():
         "config",
         "plan",
         "chat",
+        "report",
     }
     from suite.config.compose import known_options
 

@@ -1,0 +1,10 @@
+"""Reports people look at: report.md and PNG plots of a run's metrics.jsonl (suite report, and the end
+of every training run), and one figure comparing several runs' loss curves.
+
+runs.py reads a run folder, plots.py draws (matplotlib, Agg), markdown.py writes the text, build.py
+puts them in a folder. Imports nothing of suite but suite.config (its errors)."""
+
+from suite.report.build import compare_runs, report_at_end, report_run
+from suite.report.runs import RunMetrics, load_run
+
+__all__ = ["RunMetrics", "compare_runs", "load_run", "report_at_end", "report_run"]
