@@ -123,7 +123,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     from suite.compress.checks import refuse_quantized
 
     refuse_quantized(cfg.ckpt, "ckpt", "exporting")
-    from suite.export.checks import check_default_out, check_export_out, check_hf_exportable
+    from suite.export.checks import check_export_out, check_hf_exportable, export_out
 
     check_export_out(cfg.export.out)
     check_hf_exportable(source.model_config())
@@ -134,13 +134,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
             "exported weights (the adapters alone are in <run.dir>/lora/)"
         )
-    if cfg.export.out:
-        out = Path(cfg.export.out)
-    elif source.run_dir is None:
-        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
-    else:
-        out = source.run_dir / f"export-{cfg.export.format}"
-        check_default_out(out)
+    out = export_out(cfg, source)
     dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
@@ -161,22 +155,9 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
     return _report(flags, {"out": str(out), "format": cfg.export.format, **check}, "\n".join(lines), source)
 
 
-def _export_out(cfg, source) -> Path:
-    """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=)."""
-    from suite.export.checks import check_default_out, check_export_out
-
-    check_export_out(cfg.export.out)
-    if cfg.export.out:
-        return Path(cfg.export.out)
-    if source.run_dir is None:
-        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
-    out = source.run_dir / f"export-{cfg.export.format}"
-    check_default_out(out)
-    return out
-
-
 def _export_graphs(cfg, source, flags: set[str]) -> int:
     """format=torch_export|onnx: prefill + decode graphs with an explicit KV cache (suite.export.programs)."""
+    from suite.export.checks import export_out
     from suite.export.programs import check_graph_export, export_graphs
 
     fmt = cfg.export.format
@@ -186,7 +167,7 @@ def _export_graphs(cfg, source, flags: set[str]) -> int:
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
             "exported weights (the adapters alone are in <run.dir>/lora/)"
         )
-    out = _export_out(cfg, source)
+    out = export_out(cfg, source)
     _say(f"exporting {fmt} prefill and decode graphs to {out} ...")
     manifest = export_graphs(source, out, fmt, cfg.export.dtype, cfg.export.quantize)
     check = manifest["verification"]

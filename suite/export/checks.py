@@ -56,3 +56,16 @@ def check_hf_exportable(cfg: ModelConfig) -> None:
             "(it runs in the suite: generate, eval, finetune, distill); prune the hidden channels with the "
             f"heads (e.g. prune.hidden = prune.heads: hidden {heads * size} for {heads} heads of {size})"
         )
+
+
+def export_out(cfg, source) -> Path:
+    """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=); both
+    checked: a new or empty folder, or an earlier export."""
+    check_export_out(cfg.export.out)
+    if cfg.export.out:
+        return Path(cfg.export.out)
+    if source.run_dir is None:
+        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
+    out = source.run_dir / f"export-{cfg.export.format}"
+    check_default_out(out)
+    return out

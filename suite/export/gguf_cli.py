@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from suite.config.errors import ConfigError
+from suite.export.checks import export_out
 
 
 def check_export_quantize(cfg: Any, source: Any) -> None:
@@ -30,20 +31,6 @@ def check_export_quantize(cfg: Any, source: Any) -> None:
             f"export.dtype={e.dtype} with the quantized ckpt='{cfg.ckpt}': its export keeps the checkpoint's own "
             "tensors; leave export.dtype at fp32"
         )
-
-
-def export_out(cfg: Any, source: Any) -> Path:
-    """export.out, or <run.dir>/export-<format>; both checked (new, empty, or an earlier export)."""
-    from suite.export.checks import check_default_out, check_export_out
-
-    check_export_out(cfg.export.out)
-    if cfg.export.out:
-        return Path(cfg.export.out)
-    if source.run_dir is None:
-        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
-    out = source.run_dir / f"export-{cfg.export.format}"
-    check_default_out(out)
-    return out
 
 
 def export_gguf_or_quantized_hf(cfg: Any, source: Any) -> tuple[dict, str] | None:

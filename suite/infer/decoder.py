@@ -67,7 +67,9 @@ class BatchDecoder:
         self.model = model.eval()
         # freezing: the weights become constants, so inductor packs them for oneDNN's matmuls (on CPU
         # ~1.8x the eager decode step at batch 8, bench/generate.py); the model must not change after
-        self.step_fn: Callable = _frozen(torch.compile(_decode_step, fullgraph=True)) if compile else _decode_step
+        self.step_fn: Callable = (
+            _frozen(torch.compile(_decode_step, fullgraph=True)) if compile else _decode_step
+        )
 
     @torch.no_grad()
     def generate(

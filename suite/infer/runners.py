@@ -28,39 +28,32 @@ class GraphRunner(Protocol):
     def decode(self, tokens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Outputs: ...
 
 
-class SuiteRunner:
+class ModuleRunner:
+    """A prefill and a decode module run as PyTorch (no autograd)."""
+
+    def __init__(self, prefill: torch.nn.Module, decode: torch.nn.Module, max_seq_len: int):
+        self._prefill, self._decode, self.max_seq_len = prefill, decode, max_seq_len
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor) -> Outputs:
+        return self._prefill(tokens)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Outputs:
+        return self._decode(tokens, keys, values)
+
+
+def SuiteRunner(model: Transformer) -> ModuleRunner:  # noqa: N802 (reads as the runner it builds)
     """The suite model through the same graph modules that were exported (eager PyTorch)."""
-
-    def __init__(self, model: Transformer):
-        prepare_for_export(model)
-        graphs = graph_modules(model)
-        self._prefill, self._decode = graphs["prefill"], graphs["decode"]
-        self.max_seq_len = model.cfg.max_seq_len
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor) -> Outputs:
-        return self._prefill(tokens)
-
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Outputs:
-        return self._decode(tokens, keys, values)
+    prepare_for_export(model)
+    graphs = graph_modules(model)
+    return ModuleRunner(graphs["prefill"], graphs["decode"], model.cfg.max_seq_len)
 
 
-class ProgramRunner:
+def ProgramRunner(folder: Path, max_seq_len: int) -> ModuleRunner:  # noqa: N802
     """prefill.pt2 and decode.pt2 (torch.export programs), run as PyTorch modules."""
-
-    def __init__(self, folder: Path, max_seq_len: int):
-        self._prefill = torch.export.load(str(folder / "prefill.pt2")).module()
-        self._decode = torch.export.load(str(folder / "decode.pt2")).module()
-        self.max_seq_len = max_seq_len
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor) -> Outputs:
-        return self._prefill(tokens)
-
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Outputs:
-        return self._decode(tokens, keys, values)
+    load = lambda name: torch.export.load(str(folder / f"{name}.pt2")).module()  # noqa: E731
+    return ModuleRunner(load("prefill"), load("decode"), max_seq_len)
 
 
 class OnnxRunner:
