@@ -36,7 +36,7 @@ from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train import run_folder
-from suite.train.flops import memory_gb, peak_flops
+from suite.train.flops import memory_gb, memory_metrics, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.optim import optimizer_for
@@ -524,7 +524,7 @@ class Trainer:
                         "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size)
                         if self.peak
                         else None,  # no peak applies (suite.train.flops.peak_flops)
-                        "mem_gb": memory_gb(self.device),
+                        **memory_metrics(self.device),
                         "bad_steps": self.bad_steps,
                     }
                     if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window
