@@ -199,7 +199,9 @@ class TrainConfig:
     resume: bool = True
     # start clean in a run.dir that holds a run: move that run aside to <run.dir>.old-<N> first
     overwrite: bool = False
-    peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs (unknown GPU: no MFU), measured on CPU
+    peak_flops: Optional[float] = (
+        None  # per device; None: tabled for known GPUs (unknown GPU: no MFU), measured on CPU
+    )
     compile: Any = (
         "auto"  # torch.compile each block: auto (where it pays, docs/performance.md) | true | false
     )
