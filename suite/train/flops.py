@@ -122,6 +122,8 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
     so an MFU against the emulated ceiling came out above 1; it is not reported (said once)."""
     if override:
         return float(override)
+    if precision == "fp8":  # against the bf16 peak, so an fp8 run's MFU compares with a bf16 run's
+        precision = "bf16"
     if emulates_low_precision(device, precision):
         if int(os.environ.get("RANK", "0")) == 0:
             print(

@@ -1,8 +1,7 @@
 """The training loop shared by pretraining (and, later, finetuning).
 
 recipe -> validated config -> mesh -> model on meta -> parallelize -> materialise -> loader ->
-micro-batches -> loss -> clip -> optimizer -> metrics -> loggers -> atomic checkpoint.
-"""
+micro-batches -> loss -> clip -> optimizer -> metrics -> loggers -> atomic checkpoint."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from suite.data import TokenBatches, ensure_prepared
 from suite.data.batch import Batch
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
+from suite.models.float8 import prepare_float8
 from suite.models.qat import prepare_qat
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
@@ -139,8 +139,7 @@ class Trainer:
         self.rollbacks_in_a_row = 0
         self.spiked = False
         self.batch_number = 0
-        # asynchronous saves: a gloo group of their own, so the background write's collectives
-        # never interleave with training's (None: single process; False: saves are synchronous)
+        # async saves' own gloo group (not interleaved with training's); None: single process; False: sync
         self.async_group = False
         if cfg.train.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -191,6 +190,7 @@ class Trainer:
     def _adapt_model(self, model: torch.nn.Module) -> None:
         """Change the meta-device model before parallelize: fake quantization (compress=qat-*; LoRA too)."""
         prepare_qat(model, self.cfg.compress)
+        prepare_float8(model, self.precision)  # train.precision=fp8: torchao Float8Linear
 
     def _load_initial_weights(self) -> None:
         """Replace the seeded initialisation with model.init_from's weights, when it is set."""
