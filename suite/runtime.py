@@ -111,6 +111,11 @@ def check_precision(cfg, dims) -> None:
     t = cfg.train
     if t.precision == "fp8":
         check_fp8(cfg.train.device)
+        if dims.tp > 1 or dims.pp > 1:
+            raise ConfigError(
+                f"train.precision=fp8 with parallel.tp={dims.tp} parallel.pp={dims.pp} is not supported yet (float8 "
+                "linears are placed by data parallelism and FSDP only); use parallel.tp=1 parallel.pp=1, or bf16"
+            )
     if t.param_dtype == "fp32":
         return
     if t.precision != "bf16":

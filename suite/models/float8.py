@@ -1,6 +1,7 @@
 """fp8 training (`train.precision=fp8`): torchao's float8 training recipe on the meta-device model.
 
-Before the model is placed, torchao.float8.convert_to_float8_training swaps each eligible nn.Linear
+Before the model is placed (first thing in suite.parallel.parallelize, so the trainer and the
+benchmarks' standalone step both get it), torchao.float8.convert_to_float8_training swaps each eligible nn.Linear
 for a Float8Linear: its matmuls (forward and both backward products) cast their inputs to float8
 with dynamic per-tensor scales and run on the fp8 tensor cores; everything else (attention,
 norms, the loss) runs in bf16 autocast, as with train.precision=bf16. Parameters, optimizer state

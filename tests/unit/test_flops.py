@@ -140,7 +140,7 @@ def test_data_sheet_peaks_by_device_name(monkeypatch):
     cases = {
         ("NVIDIA H100 80GB HBM3", "bf16"): 989e12,
         ("NVIDIA H100 PCIe", "bf16"): 756e12,
-        ("NVIDIA H100 NVL", "fp8"): 1671e12,
+        ("NVIDIA H100 NVL", "bf16"): 835e12,
         ("NVIDIA H200", "bf16"): 989e12,
         ("NVIDIA A100-SXM4-40GB", "bf16"): 312e12,
         ("NVIDIA A100 80GB PCIe", "bf16"): 312e12,
@@ -154,6 +154,9 @@ def test_data_sheet_peaks_by_device_name(monkeypatch):
     }
     for (name, precision), peak in cases.items():
         assert flops.peak_flops(_on_gpu(monkeypatch, name), precision) == peak, (name, precision)
+    assert flops.tabled_peak("NVIDIA H100 NVL", "fp8") == 1671e12
+    # an fp8 run's MFU is against the bf16 peak, comparable with a bf16 run's
+    assert flops.peak_flops(_on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3"), "fp8") == 989e12
 
 
 def test_an_unknown_gpu_reports_no_mfu_unless_given_a_peak(monkeypatch, capsys):

@@ -85,3 +85,18 @@ def test_offload_trains_on_gpus(tmp_path, tiny_data):
     assert plain.keys() == off.keys()
     for step in plain:
         assert off[step] == pytest.approx(plain[step], rel=1e-4), step
+
+
+def test_fp8_with_tensor_or_pipeline_parallelism_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from suite import runtime
+    from suite.config.schema import SuiteConfig
+
+    monkeypatch.setattr(runtime, "check_fp8", lambda device: None)  # as on a Hopper GPU
+    cfg = SuiteConfig(train=TrainConfig(precision="fp8"))
+    runtime.check_precision(cfg, SimpleNamespace(tp=1, pp=1))
+    with pytest.raises(
+        ConfigError, match="train.precision=fp8 with parallel.tp=2 parallel.pp=1 is not supported"
+    ):
+        runtime.check_precision(cfg, SimpleNamespace(tp=2, pp=1))
