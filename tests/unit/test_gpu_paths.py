@@ -100,3 +100,21 @@ def test_fp8_with_tensor_or_pipeline_parallelism_is_refused(monkeypatch):
         ConfigError, match="train.precision=fp8 with parallel.tp=2 parallel.pp=1 is not supported"
     ):
         runtime.check_precision(cfg, SimpleNamespace(tp=2, pp=1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a machine without CUDA")
+def test_the_gpu_benchmark_says_it_needs_a_gpu():
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, suite_env
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py")],
+        capture_output=True,
+        text=True,
+        env=suite_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr, proc.stderr
