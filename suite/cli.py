@@ -374,7 +374,11 @@ BOOL_FLAGS = {
 def _print_launch(verb: str, overrides: list[str]) -> int:
     """`--print-launch`: the exact command every node of a launch.nnodes job runs (node ranks and the
     rendezvous endpoint filled in); runs nothing. scripts/slurm/suite.sbatch runs these under srun."""
-    _, cfg = _compose(overrides)
+    default = {"finetune": "recipe=sft-tiny", "distill": "recipe=distill-gpt-tiny"}.get(verb)
+    typed_recipe = any(o.split("=", 1)[0] == "recipe" for o in overrides)
+    _, cfg = _compose(
+        overrides if typed_recipe or not default else [default, *overrides]
+    )  # as the verb composes
     launch = cfg.launch
     if launch.nnodes < 1:
         raise ConfigError(f"launch.nnodes={launch.nnodes} must be a positive integer")
