@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .cache/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: help install demo test test-fast lint format bench bench-parallel clean
+.PHONY: help install demo test test-fast lint format bench bench-gpu bench-parallel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -39,6 +39,9 @@ format: $(STAMP) ## apply ruff's formatting and safe fixes
 
 bench: $(STAMP) ## CPU benchmark against plain transformers; appends to docs/benchmarks.md
 	$(PYTHON) bench/throughput.py
+
+bench-gpu: $(STAMP) ## one CUDA GPU: tokens/s, MFU, memory of gpt345m/gpt1.3b/llama3-8b (fewer layers), each option on/off; appends to docs/benchmarks.md
+	$(PYTHON) bench/gpu.py --append
 
 bench-parallel: $(STAMP) ## parallel layouts at world size 4 on CPU: step time, per-rank memory; appends to docs/benchmarks.md
 	$(PYTHON) bench/parallel.py --append

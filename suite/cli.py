@@ -366,7 +366,34 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
 }
 VALUED_FLAGS = {"plan": ("--explain",), "pretrain": ("--rank",)}
 VALUE_EXAMPLES = {"--explain": "--explain dp4-tp8sp-pp12-mb1-full", "--rank": "--rank 0 (or --rank worst)"}
-BOOL_FLAGS = {"pretrain": ("--dry-run",)}
+BOOL_FLAGS = {
+    "pretrain": ("--dry-run", "--print-launch"),
+    "finetune": ("--print-launch",),
+    "distill": ("--print-launch",),
+}
+
+
+def _print_launch(verb: str, overrides: list[str]) -> int:
+    """`--print-launch`: the exact command every node of a launch.nnodes job runs (node ranks and the
+    rendezvous endpoint filled in); runs nothing. scripts/slurm/suite.sbatch runs these under srun."""
+    default = {"finetune": "recipe=sft-tiny", "distill": "recipe=distill-gpt-tiny"}.get(verb)
+    typed_recipe = any(o.split("=", 1)[0] == "recipe" for o in overrides)
+    _, cfg = _compose(
+        overrides if typed_recipe or not default else [default, *overrides]
+    )  # as the verb composes
+    launch = cfg.launch
+    if launch.nnodes < 1:
+        raise ConfigError(f"launch.nnodes={launch.nnodes} must be a positive integer")
+    from suite.parallel.launcher import node_commands
+
+    host = launch.rdzv_endpoint.rsplit(":", 1)[0]
+    if launch.nnodes > 1 and host.startswith(("127.", "localhost")):
+        _say(
+            f"note: launch.rdzv_endpoint={launch.rdzv_endpoint} is a loopback address, which the other nodes "
+            "cannot reach; pass launch.rdzv_endpoint=<node 0's address>:<port>"
+        )
+    print("\n".join(node_commands(verb, overrides, launch)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        if "--print-launch" in flags:
+            return _print_launch(verb, overrides)
         return VERBS[verb](overrides, flags)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

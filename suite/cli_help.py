@@ -52,6 +52,10 @@ parallelize, and print the parameters, gradient and optimizer-state bytes that r
 the cost model's count (suite plan); nothing is allocated, no data is read. Default: the worst rank.
 e.g. suite pretrain recipe=gpt175b parallel.tp=8 parallel.pp=16 parallel.sharding=8 launch.nnodes=128 --dry-run
 
+--print-launch: print the command each of the launch.nnodes nodes runs (its launch.node_rank, the
+launch.rdzv_endpoint on node 0) and run nothing; scripts/slurm/suite.sbatch runs them under srun
+(also for finetune and distill). e.g. suite pretrain launch.nnodes=4 launch.rdzv_endpoint=gpu01:29500 --print-launch
+
 parallel=auto (or parallel.auto=true): the planner (suite plan) searches the layouts of the world
 this run launches (launch.nnodes x launch.nproc_per_node) on the cluster group's devices (cluster=cpu
 here), keeps the recipe's global batch, and trains with the fastest that fits and that the trainer

@@ -85,11 +85,37 @@ def check_device(device: str) -> None:
         )
 
 
+FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (L4, L40S) and Hopper (H100, H200)
+
+
+def check_fp8(requested_device: str) -> None:
+    """train.precision=fp8 (torchao float8 training) needs a CUDA GPU with float8 tensor cores."""
+    if requested_device == "cpu" or not torch.cuda.is_available():
+        where = "train.device=cpu" if requested_device == "cpu" else "this machine has no CUDA device"
+        raise ConfigError(
+            f"train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (Hopper H100/H200, Ada L4/L40S) "
+            f"but {where}; use train.precision=bf16"
+        )
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_CAPABILITY:
+        raise ConfigError(
+            f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9+: Hopper H100/H200, Ada "
+            f"L4/L40S) but {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}; use train.precision=bf16"
+        )
+
+
 def check_precision(cfg, dims) -> None:
     """train.param_dtype=bf16: bf16 compute (precision=bf16); fp32 masters in one process (the
     optimizer's) or in FSDP2's sharded parameters (any layout with data parallelism).
     `cfg`: a SuiteConfig; `dims`: the resolved suite.parallel.dims.ParallelDims."""
     t = cfg.train
+    if t.precision == "fp8":
+        check_fp8(cfg.train.device)
+        if dims.tp > 1 or dims.pp > 1:
+            raise ConfigError(
+                f"train.precision=fp8 with parallel.tp={dims.tp} parallel.pp={dims.pp} is not supported yet (float8 "
+                "linears are placed by data parallelism and FSDP only); use parallel.tp=1 parallel.pp=1, or bf16"
+            )
     if t.param_dtype == "fp32":
         return
     if t.precision != "bf16":
@@ -125,6 +151,7 @@ class PrecisionPolicy:
     master_dtype: torch.dtype | None  # the optimizer's master copies of low-precision params; None: none
     grad_scaler: bool  # fp16: loss scaling (torch.amp.GradScaler)
     emulated: bool  # this device only emulates compute_dtype (a CPU without native bf16/fp16)
+    float8: bool = False  # fp8: bf16 autocast plus torchao Float8Linear matmuls (suite.models.float8)
 
     @property
     def low_precision(self) -> bool:
@@ -140,7 +167,7 @@ def resolve_precision(train, device: torch.device | None = None) -> PrecisionPol
     """The policy of a recipe's train section (suite.config.schema.TrainConfig) on `device`
     (a config that skipped resolve_auto gets its 'auto' settled here the same way)."""
     name = auto_precision(train.device) if train.precision == "auto" else train.precision
-    compute = DTYPES[name]
+    compute = DTYPES["bf16" if name == "fp8" else name]  # fp8: the Linear matmuls only, the rest bf16
     params = DTYPES[train.param_dtype]
     return PrecisionPolicy(
         name=name,
@@ -151,4 +178,5 @@ def resolve_precision(train, device: torch.device | None = None) -> PrecisionPol
         master_dtype=torch.float32 if params != torch.float32 else None,
         grad_scaler=name == "fp16",
         emulated=device is not None and emulates_low_precision(device, name),
+        float8=name == "fp8",
     )

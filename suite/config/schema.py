@@ -195,13 +195,17 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (bf16 where the device has native bf16, else fp32)
+    # fp32 | bf16 | fp16 | fp8 (CUDA 8.9+: torchao float8 Linear matmuls, bf16 elsewhere) | auto (bf16
+    # where the device has native bf16, else fp32)
+    precision: str = "fp32"
     # bf16: model params/grads in bf16, AdamW on fp32 master copies with fp32 state (docs/performance.md)
     param_dtype: str = "fp32"  # fp32 | bf16 (needs precision=bf16)
     resume: bool = True
     # start clean in a run.dir that holds a run: move that run aside to <run.dir>.old-<N> first
     overwrite: bool = False
-    peak_flops: Optional[float] = None  # per device; None: tabled for known GPUs, measured on CPU
+    peak_flops: Optional[float] = (
+        None  # per device; None: tabled for known GPUs (unknown GPU: no MFU), measured on CPU
+    )
     compile: Any = (
         "auto"  # torch.compile each block: auto (where it pays, docs/performance.md) | true | false
     )

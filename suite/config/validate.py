@@ -12,7 +12,7 @@ from suite.config.schema import SuiteConfig
 
 CHOICES = {
     "model.family": ("gpt", "llama"),
-    "train.precision": ("fp32", "bf16", "fp16", "auto"),
+    "train.precision": ("fp32", "bf16", "fp16", "fp8", "auto"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.param_dtype": ("fp32", "bf16"),
     "optim.name": ("adamw",),

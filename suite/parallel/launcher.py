@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -71,6 +72,31 @@ def run_id(launch_cfg: LaunchConfig, run_dir: Path) -> str:
         return os.environ["SUITE_RUN_ID"]
     key = f"{launch_cfg.rdzv_endpoint}|{launch_cfg.nnodes}|{run_dir}"
     return "suite-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+LAUNCH_KEYS = ("launch.nnodes", "launch.node_rank", "launch.nproc_per_node", "launch.rdzv_endpoint")
+
+
+def node_commands(verb: str, args: list[str], launch_cfg: LaunchConfig) -> list[str]:
+    """The command each of launch.nnodes nodes runs (`--print-launch`, scripts/slurm/suite.sbatch):
+    the arguments as typed, less the launch.* keys that differ per node, then those keys."""
+    kept = [a for a in args if a.split("=", 1)[0] not in LAUNCH_KEYS]
+    return [
+        shlex.join(
+            [
+                "python",
+                "-m",
+                "suite",
+                verb,
+                *kept,
+                f"launch.nnodes={launch_cfg.nnodes}",
+                f"launch.nproc_per_node={launch_cfg.nproc_per_node}",
+                f"launch.rdzv_endpoint={launch_cfg.rdzv_endpoint}",
+                f"launch.node_rank={rank}",
+            ]
+        )
+        for rank in range(launch_cfg.nnodes)
+    ]
 
 
 def _announce_waiting(launch_cfg: LaunchConfig, endpoint: str, started: Path) -> threading.Event:

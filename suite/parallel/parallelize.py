@@ -7,6 +7,7 @@ suite.train.step and reads the placement (torchtitan's split: parallelism applie
 
 Order of application (each step sees the previous one's result; the model starts on `meta`):
 
+    0. float8 linears (train.precision=fp8)    torchao Float8Linear, suite.models.float8
     1. tensor parallel (+ sequence parallel)   DTensor plans, suite.parallel.tensor_parallel
        context parallel                        cp-aware attention, suite.parallel.context_parallel
     2. activation recompute                    suite.parallel.recompute.apply_recompute
@@ -33,6 +34,7 @@ from torch import nn
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.models.float8 import prepare_float8
 from suite.parallel.dims import ParallelDims
 from suite.runtime import PrecisionPolicy
 
@@ -257,6 +259,7 @@ def parallelize(
     """Apply the recipe's parallelism to a meta-device model (see the module docstring for the order);
     `materialize=False` leaves the placed parameters on the meta device (a dry run)."""
     num_params = model.num_params()
+    prepare_float8(model, precision)  # train.precision=fp8: Float8Linear before any wrapping
     if dims.world_size == 1:
         _apply_recompute(model, cfg)
         if compile_enabled(cfg, dims, device, precision):

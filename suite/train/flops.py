@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,14 +14,37 @@ import torch
 
 from suite.runtime import DTYPES, emulates_low_precision
 
-# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets.
-GPU_PEAKS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-}
+# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets: tensor-core figures for
+# bf16/fp16/fp8, the plain (non-tensor-core) fp32 figure for fp32. Matched against
+# torch.cuda.get_device_name() in this order (the first pattern that matches wins, so "H100 PCIe"
+# before "H100", "L40S" before "L4"). A precision a device lacks (V100 bf16, A100 fp8) is absent.
+T = 1e12
+GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
+    # NVIDIA H100 data sheet (SXM5 / PCIe / NVL)
+    (r"H100.*PCIe", {"bf16": 756 * T, "fp16": 756 * T, "fp8": 1513 * T, "fp32": 51 * T}),
+    (r"H100.*NVL", {"bf16": 835 * T, "fp16": 835 * T, "fp8": 1671 * T, "fp32": 60 * T}),
+    (r"H100", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "fp32": 67 * T}),  # SXM ("H100 80GB HBM3")
+    (r"H200", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "fp32": 67 * T}),  # SXM
+    (r"GH200", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "fp32": 67 * T}),
+    # NVIDIA A100 data sheet: 40 GB and 80 GB, SXM and PCIe share the compute figures
+    (r"A100", {"bf16": 312 * T, "fp16": 312 * T, "fp32": 19.5 * T}),
+    (r"A10G", {"bf16": 70 * T, "fp16": 70 * T, "fp32": 31.2 * T}),  # AWS g5 (the A10's cloud variant)
+    (r"\bA10\b", {"bf16": 125 * T, "fp16": 125 * T, "fp32": 31.2 * T}),
+    (r"L40S", {"bf16": 362 * T, "fp16": 362 * T, "fp8": 733 * T, "fp32": 91.6 * T}),
+    (r"\bL40\b", {"bf16": 181 * T, "fp16": 181 * T, "fp8": 362 * T, "fp32": 90.5 * T}),
+    (r"\bL4\b", {"bf16": 121 * T, "fp16": 121 * T, "fp8": 242 * T, "fp32": 30.3 * T}),
+    (r"V100.*PCIE", {"fp16": 112 * T, "fp32": 14 * T}),  # no bf16 tensor cores
+    (r"V100", {"fp16": 125 * T, "fp32": 15.7 * T}),  # SXM2
+    (r"MI300X", {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "fp8": 2614.9 * T, "fp32": 163.4 * T}),  # AMD, ROCm
+]
+
+
+def tabled_peak(device_name: str, precision: str) -> float | None:
+    """The data-sheet peak of a device (by its torch.cuda.get_device_name()) in `precision`, or None."""
+    for pattern, peaks in GPU_PEAKS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return peaks.get(precision)
+    return None
 
 
 PROBE_SIZE = 256  # the first, cheap product that tells which sizes fit the time budget
@@ -98,6 +122,8 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
     so an MFU against the emulated ceiling came out above 1; it is not reported (said once)."""
     if override:
         return float(override)
+    if precision == "fp8":  # against the bf16 peak, so an fp8 run's MFU compares with a bf16 run's
+        precision = "bf16"
     if emulates_low_precision(device, precision):
         if int(os.environ.get("RANK", "0")) == 0:
             print(
@@ -106,11 +132,16 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
                 file=sys.stderr,
             )
         return None
-    if device.type == "cuda":
+    if device.type == "cuda":  # the data sheet, or nothing: a guess would make every MFU wrong
         name = torch.cuda.get_device_name(device)
-        for key, peaks in GPU_PEAKS.items():
-            if key in name:
-                return peaks[precision]
+        peak = tabled_peak(name, precision)
+        if peak is None and int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"note: MFU is not reported: no {precision} peak is tabled for {name} (suite/train/flops.py "
+                "GPU_PEAKS); train.peak_flops=<FLOP/s per device> sets one",
+                file=sys.stderr,
+            )
+        return peak
     key = peak_key(device, precision)
     try:
         cached = json.loads(_cache_file().read_text()).get(key)
@@ -121,6 +152,18 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
     return float(cached)
 
 
+def cuda_memory_stats(device: torch.device) -> dict[str, float]:
+    """The CUDA caching allocator's peaks in GiB (empty off CUDA): what tensors held at most
+    (`mem_allocated_gb`) and what the allocator kept from the driver (`mem_reserved_gb`; the gap is
+    fragmentation and cached blocks, what an out-of-memory error counts against)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "mem_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+        "mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
+
+
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process: allocator peak on GPU, peak resident set on CPU."""
     if device.type == "cuda":
@@ -128,3 +171,8 @@ def memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """The memory columns of a metrics record: `mem_gb`, and on CUDA the allocator's peaks."""
+    return {"mem_gb": memory_gb(device), **cuda_memory_stats(device)}

@@ -1,6 +1,5 @@
-"""The training loop shared by pretraining, finetuning and distillation: recipe -> validated config
--> mesh -> model on meta -> parallelize -> materialise -> loader -> micro-batches -> loss -> clip ->
-optimizer -> metrics -> loggers -> atomic checkpoint; at the end, report.md and plots (suite.report)."""
+"""The loop of pretraining, finetuning, distillation: config -> mesh -> meta model -> parallelize -> loader ->
+loss -> clip -> optimizer -> metrics -> loggers -> atomic checkpoint; at the end report.md (suite.report)."""
 
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ from suite.data import TokenBatches, ensure_prepared
 from suite.data.batch import Batch
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
+from suite.models.float8 import prepare_float8
 from suite.models.qat import prepare_qat
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
@@ -34,7 +34,7 @@ from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train import run_folder
-from suite.train.flops import memory_gb, peak_flops
+from suite.train.flops import memory_gb, memory_metrics, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.optim import optimizer_for
@@ -137,8 +137,7 @@ class Trainer:
         self.rollbacks_in_a_row = 0
         self.spiked = False
         self.batch_number = 0
-        # asynchronous saves: a gloo group of their own, so the background write's collectives
-        # never interleave with training's (None: single process; False: saves are synchronous)
+        # async saves' own gloo group (not interleaved with training's); None: single process; False: sync
         self.async_group = False
         if cfg.train.async_save:
             self.async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -189,6 +188,7 @@ class Trainer:
     def _adapt_model(self, model: torch.nn.Module) -> None:
         """Change the meta-device model before parallelize: fake quantization (compress=qat-*; LoRA too)."""
         prepare_qat(model, self.cfg.compress)
+        prepare_float8(model, self.precision)  # train.precision=fp8: torchao Float8Linear
 
     def _load_initial_weights(self) -> None:
         """Replace the seeded initialisation with model.init_from's weights, when it is set."""
@@ -522,7 +522,7 @@ class Trainer:
                         "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size)
                         if self.peak
                         else None,  # no peak applies (suite.train.flops.peak_flops)
-                        "mem_gb": memory_gb(self.device),
+                        **memory_metrics(self.device),
                         "bad_steps": self.bad_steps,
                     }
                     if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window

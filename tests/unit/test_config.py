@@ -88,7 +88,7 @@ BAD_INPUTS = [
         "not divisible by parallel.micro_batch_size",
     ),
     (["data.path=/does/not/exist"], "data.path='/does/not/exist' does not exist"),
-    (["train.precision=fp8"], "train.precision='fp8' is not supported"),
+    (["train.precision=fp4"], "train.precision='fp4' is not supported"),
     (["data.seq_len=4096"], "exceeds model.max_seq_len"),
     (["parallel.pp=8", "launch.nproc_per_node=8"], "exceed model.num_layers"),
     (["parallel.sp=true"], "parallel.sp=true needs parallel.tp > 1"),

@@ -128,3 +128,50 @@ def test_flops_per_token_counts_the_router_and_only_the_routed_experts():
         moe_ffn_hidden_size=48,
     )
     assert flops_per_token(cfg, seq) == 6 * macs
+
+
+def _on_gpu(monkeypatch, name: str) -> torch.device:
+    """peak_flops as on a CUDA device called `name` (torch.cuda.get_device_name monkeypatched)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return torch.device("cuda", 0)
+
+
+def test_data_sheet_peaks_by_device_name(monkeypatch):
+    cases = {
+        ("NVIDIA H100 80GB HBM3", "bf16"): 989e12,
+        ("NVIDIA H100 PCIe", "bf16"): 756e12,
+        ("NVIDIA H100 NVL", "bf16"): 835e12,
+        ("NVIDIA H200", "bf16"): 989e12,
+        ("NVIDIA A100-SXM4-40GB", "bf16"): 312e12,
+        ("NVIDIA A100 80GB PCIe", "bf16"): 312e12,
+        ("NVIDIA A10G", "bf16"): 70e12,
+        ("NVIDIA A10", "bf16"): 125e12,
+        ("NVIDIA L4", "bf16"): 121e12,
+        ("NVIDIA L40S", "bf16"): 362e12,
+        ("Tesla V100-SXM2-16GB", "fp16"): 125e12,
+        ("AMD Instinct MI300X", "bf16"): 1307.4e12,
+        ("NVIDIA H100 80GB HBM3", "fp32"): 67e12,
+    }
+    for (name, precision), peak in cases.items():
+        assert flops.peak_flops(_on_gpu(monkeypatch, name), precision) == peak, (name, precision)
+    assert flops.tabled_peak("NVIDIA H100 NVL", "fp8") == 1671e12
+    # an fp8 run's MFU is against the bf16 peak, comparable with a bf16 run's
+    assert flops.peak_flops(_on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3"), "fp8") == 989e12
+
+
+def test_an_unknown_gpu_reports_no_mfu_unless_given_a_peak(monkeypatch, capsys):
+    """A device the table lacks (or a precision it lacks) gets no peak, so no MFU rather than a wrong one."""
+    device = _on_gpu(monkeypatch, "NVIDIA Future GPU 9000")
+    assert flops.peak_flops(device, "bf16") is None
+    err = capsys.readouterr().err
+    assert "MFU is not reported" in err and "NVIDIA Future GPU 9000" in err and "train.peak_flops" in err
+    assert flops.peak_flops(device, "bf16", override=5e14) == 5e14
+    assert flops.peak_flops(_on_gpu(monkeypatch, "Tesla V100-SXM2-32GB"), "bf16") is None  # no bf16 cores
+
+
+def test_memory_metrics_add_the_cuda_allocator_peaks_on_cuda_only(monkeypatch):
+    assert set(flops.memory_metrics(torch.device("cpu"))) == {"mem_gb"}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
+    stats = flops.memory_metrics(torch.device("cuda", 0))
+    assert stats == {"mem_gb": 3.0, "mem_allocated_gb": 3.0, "mem_reserved_gb": 4.0}
