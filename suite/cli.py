@@ -368,7 +368,7 @@ VALUED_FLAGS = {"plan": ("--explain",), "pretrain": ("--rank",), "run": ("--from
 VALUE_EXAMPLES = {
     "--explain": "--explain dp4-tp8sp-pp12-mb1-full",
     "--rank": "--rank 0 (or --rank worst)",
-    "--from": "--from quantize (a stage name)",
+    "--from": "--from int8 (a stage name)",
     "--only": "--only eval-sft (a stage name)",
 }
 BOOL_FLAGS = {"pretrain": ("--dry-run",)}

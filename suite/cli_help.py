@@ -306,7 +306,7 @@ See docs/pipeline.md.
 Examples:
   suite run pipeline=embedded
   suite run pipeline=embedded --only eval-int8
-  suite run pipeline=embedded --from quantize""",
+  suite run pipeline=embedded --from int8""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
