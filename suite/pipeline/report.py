@@ -97,6 +97,8 @@ def _plot(figures: dict[str, dict[str, Any]], order: list[str], path: Path, titl
         ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
         ax.margins(y=0.15)
+        if metric == "accuracy":
+            ax.set_ylim(0, 1.1)
     fig.suptitle(f"pipeline {title}: every stage's model")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
