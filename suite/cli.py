@@ -23,6 +23,7 @@ from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
 from suite.outputs import check_new_file
+from suite.pipeline import cmd_run
 from suite.runtime import resolve_auto
 
 BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
@@ -285,7 +286,7 @@ def cmd_config(overrides: list[str], flags: set[str]) -> int:
     if sub == "list":
         if rest:
             raise ConfigError(f"config list takes no arguments (got '{rest[0]}'); use config show {rest[0]}")
-        table = {group: known_options(group) for group in GROUP_NAMES}
+        table = {group: known_options(group) for group in (*GROUP_NAMES, "pipeline")}
         if "--json" in flags:
             print(json.dumps(table, indent=1))
         else:
@@ -363,9 +364,15 @@ VERBS: dict[str, Callable[[list[str], set[str]], int]] = {
     "config": cmd_config,
     "plan": cmd_plan,
     "report": cmd_report,
+    "run": cmd_run,
 }
-VALUED_FLAGS = {"plan": ("--explain",), "pretrain": ("--rank",)}
-VALUE_EXAMPLES = {"--explain": "--explain dp4-tp8sp-pp12-mb1-full", "--rank": "--rank 0 (or --rank worst)"}
+VALUED_FLAGS = {"plan": ("--explain",), "pretrain": ("--rank",), "run": ("--from", "--only")}
+VALUE_EXAMPLES = {
+    "--explain": "--explain dp4-tp8sp-pp12-mb1-full",
+    "--rank": "--rank 0 (or --rank worst)",
+    "--from": "--from int8 (a stage name)",
+    "--only": "--only eval-sft (a stage name)",
+}
 BOOL_FLAGS = {
     "pretrain": ("--dry-run", "--print-launch"),
     "finetune": ("--print-launch",),

@@ -21,6 +21,7 @@ verbs:
   config     show / list / cp recipes: suite config show recipe=gpt13b
   plan       rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4
   report     report.md + plots of a run, or one figure comparing runs: suite report runs/a runs/b out=reports/a-vs-b
+  run        a whole lifecycle as one resumable job with a report: suite run pipeline=embedded
 
 Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
 `suite config list` shows them, `suite config show` prints a resolved config."""
@@ -310,6 +311,27 @@ Examples:
   suite report runs/gpt-tiny
   suite pretrain recipe=llama-tiny
   suite report runs/gpt-tiny runs/llama-tiny out=reports/gpt-vs-llama""",
+    "run": """usage: suite run pipeline=<name|PATH.yaml> [run.dir=DIR] [<stage>.<key>=<value> ...] [--from STAGE | --only STAGE]
+
+Runs a pipeline recipe (recipes/pipeline/<name>.yaml; shipped: {pipelines}): its stages in order, each
+as `suite <verb> <its args>` in a subprocess, into one folder (run.dir, default runs/pipeline-<name>)
+with one subfolder per stage. A stage reads an earlier one's output as ${stage:NAME} in its args.
+Rerunning the same command skips every stage that finished (its outputs verified: checkpoint manifest,
+file sha256) and goes on where it stopped: a killed training stage resumes from its last checkpoint.
+--from STAGE reruns that stage and every later one; --only STAGE reruns that stage alone.
+<stage>.<key>=<value> adds an override to that stage (it wins over the recipe's), e.g.
+pretrain.train.max_steps=100. A failing quality gate (gates: in the recipe) stops the pipeline with
+one line naming the gate and the figures, exit 3; a failing stage stops it with that stage's exit code.
+
+Writes: <run.dir>/<stage>/ (each stage's run folder, export or result.json), logs/<stage>.log,
+logs/<stage>.done.json (a finished stage's marker), pipeline.json (every stage's command, result
+and figures), report.md and report.png (accuracy, perplexity, size, decode tokens/s per stage).
+See docs/pipeline.md.
+
+Examples:
+  suite run pipeline=embedded
+  suite run pipeline=embedded --only eval-int8
+  suite run pipeline=embedded --from int8""",
     "config": """usage: suite config show [overrides...] [--json]   print the resolved config
        suite config list                         list recipes and every config-group option
        suite config cp recipe=NAME DEST.yaml     copy a shipped recipe for editing, then:
@@ -326,4 +348,5 @@ Examples:
 def verb_help(verb: str) -> str:
     """A verb's --help (the recipe list is the one `suite config list` shows, never a stale copy)."""
     text = VERB_HELP[verb].replace("{recipes}", "|".join(known_options("recipe")))
+    text = text.replace("{pipelines}", ", ".join(known_options("pipeline")))
     return text.replace("{clusters}", "|".join(known_options("cluster")))

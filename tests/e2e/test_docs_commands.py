@@ -61,6 +61,16 @@ SHRINK = {
     "quantize": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
     "prune": ["compress.eval_batches=1", "compress.decode_tokens=4", "compress.calib_samples=4"],
 }
+FT_DATA = ["finetune.data.num_train=64", "finetune.data.num_eval=8", "finetune.eval_samples=2"]
+SHRINK["run"] = [  # pipeline=embedded: <stage>.<key>=<value> shrinks each of its stages
+    *(f"pretrain.{a}" for a in [*TRAIN, *DATA, *MODEL]),
+    *(f"sft.{a}" for a in [*TRAIN, *DATA, *FT_DATA]),
+    *(f"student.{a}" for a in [*TRAIN, *DATA, *FT_DATA]),
+    *(f"int8.{a}" for a in [*SHRINK["quantize"], "compress.task_samples=2"]),
+    *(f"{s}.eval.num_samples=2" for s in ("eval-sft", "eval-int8", "eval-student", "eval-hf")),
+    *(f"{s}.eval.max_tokens=500" for s in ("perplexity-sft", "perplexity-int8")),
+    "generate-onnx.generate.max_new_tokens=4",
+]
 SKIPPED = {
     "suite pretrain recipe=./my13b.yaml": "the 13B recipe asks for 4 nodes x 8 GPUs (and a data.path)",
 }
@@ -90,6 +100,7 @@ def _help_commands() -> list[str]:
         "plan",
         "chat",
         "report",
+        "run",
     ):
         text = verb_help(verb)
         assert "\nExamples:\n" in text, f"`suite {verb} --help` has no Examples: section"
@@ -142,6 +153,7 @@ def test_every_verb_shows_examples_and_every_recipe():
         "plan",
         "chat",
         "report",
+        "run",
     }
     from suite.config.compose import known_options
 

@@ -1,0 +1,343 @@
+"""`suite run pipeline=<name>`: every stage as a subprocess of the same CLI, in order, resumable.
+
+A stage that finished left a marker (<dir>/logs/<stage>.done.json: the command it ran, a digest of
+that command and of the outputs it read, the fingerprint of its own outputs, its result). On a rerun
+a stage is skipped when its marker's digest is the one it would run with now and its outputs still
+verify; a stage without a marker runs again with the same command, so a training stage resumes from
+its newest checkpoint (its own train.resume) and any other stage starts its folder clean. `--from`
+and `--only` rerun stages from scratch (the old folder of a training stage is moved aside to
+<folder>.old-<N>). Quality gates are checked as soon as their stages have finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from suite.config.errors import ConfigError
+from suite.pipeline import outputs
+from suite.pipeline.recipe import TRAINING, Gate, Pipeline, Stage
+
+GATE_EXIT = 3  # a quality gate stopped the pipeline
+RECORD = "pipeline.json"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+class Run:
+    def __init__(self, pipeline: Pipeline, start: str | None, only: str | None):
+        self.p = pipeline
+        self.logs = pipeline.dir / "logs"
+        names = [s.name for s in pipeline.stages]
+        if start and only:
+            raise ConfigError("--from and --only do not go together; pass one of them")
+        if start:
+            chosen = pipeline.stage(start, "--from").name
+            self.selected = set(names[names.index(chosen) :])
+        elif only:
+            self.selected = {pipeline.stage(only, "--only").name}
+        else:
+            self.selected = set(names)
+        self.forced = self.selected if (start or only) else set()
+        self.figures: dict[str, dict[str, Any]] = {}
+        self.done: dict[str, dict[str, Any]] = {}  # stage name -> its marker
+        self.records: dict[str, dict[str, Any]] = {
+            s.name: {
+                "name": s.name,
+                "verb": s.verb,
+                "folder": str(s.folder),
+                "needs": s.needs,
+                "command": _shown(s),
+                "action": "not run",
+                "status": "pending",
+            }
+            for s in pipeline.stages
+        }
+        self.gates: list[dict[str, Any]] = []
+        self.status = "running"
+        self.exit_code: int | None = None
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def marker_path(self, stage: Stage) -> Path:
+        return self.logs / f"{stage.name}.done.json"
+
+    def digest(self, stage: Stage) -> str:
+        import hashlib
+
+        inputs = {n: self.done[n]["output"] for n in stage.needs if n in self.done}
+        text = json.dumps({"argv": stage.argv(), "inputs": inputs}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def save(self) -> None:
+        _write_json(
+            self.p.dir / RECORD,
+            {
+                "pipeline": self.p.name,
+                "recipe": str(self.p.recipe),
+                "dir": str(self.p.dir),
+                "status": self.status,
+                "exit_code": self.exit_code,
+                "stages": list(self.records.values()),
+                "figures": self.figures,
+                "gates": self.gates,
+            },
+        )
+
+    def finished(self, stage: Stage, marker: dict[str, Any], action: str) -> None:
+        self.done[stage.name] = marker
+        for name, row in marker["figures"].items():
+            outputs.merge(self.figures, {name: row}, stage)
+        self.records[stage.name].update(
+            action=action,
+            status="done",
+            seconds=marker.get("seconds"),
+            result=marker.get("result"),
+            figures=marker["figures"],
+            output=marker["output"],
+        )
+
+    def valid_marker(self, stage: Stage) -> tuple[dict[str, Any] | None, str]:
+        """(marker, '') when the stage finished and its outputs verify; else (None, why not)."""
+        path = self.marker_path(stage)
+        if not path.is_file():
+            return None, "not finished"
+        try:
+            marker = json.loads(path.read_text())
+            now = outputs.fingerprint(stage)
+        except (ConfigError, ValueError, OSError) as exc:
+            return None, f"its outputs do not verify ({exc})"
+        if now != marker.get("output"):
+            return None, "its outputs changed since it finished"
+        return marker, ""
+
+    # ---- one stage ---------------------------------------------------------------------------
+    def header(self, stage: Stage, text: str) -> None:
+        index = self.p.stages.index(stage) + 1
+        print(f"==> [{index}/{len(self.p.stages)}] {stage.name}: {text}", flush=True)
+
+    def clear(self, stage: Stage) -> None:
+        """Start a stage from scratch: its marker goes; a training folder is moved aside, other
+        folders (derived outputs) are removed."""
+        self.marker_path(stage).unlink(missing_ok=True)
+        folder = stage.folder
+        if not folder.exists():
+            return
+        if stage.verb in TRAINING:
+            n = 1
+            while folder.with_name(f"{folder.name}.old-{n}").exists():
+                n += 1
+            folder.rename(folder.with_name(f"{folder.name}.old-{n}"))
+            print(f"    moved the earlier {folder} aside to {folder.name}.old-{n}", flush=True)
+        else:
+            shutil.rmtree(folder)
+
+    def run_stage(self, stage: Stage) -> int:
+        forced = stage.name in self.forced
+        marker, why = self.valid_marker(stage)
+        if marker is not None and not forced and marker.get("digest") == self.digest(stage):
+            self.header(stage, f"finished earlier ({outputs.describe(marker['output'])}); skipped")
+            self.finished(stage, marker, "skipped")
+            return 0
+        resume = False
+        if forced:
+            self.clear(stage)
+        elif marker is not None:  # finished with another command or other inputs
+            print(
+                f"    {stage.name} changed since it finished (its command or its inputs); rerunning",
+                flush=True,
+            )
+            self.clear(stage)
+        elif self.marker_path(stage).is_file() or stage.verb not in TRAINING:
+            if self.marker_path(stage).is_file():
+                print(f"    {stage.name}: {why}; rerunning", flush=True)
+            self.clear(stage)
+        else:
+            resume = stage.folder.exists()
+        self.header(stage, ("resuming: " if resume else "") + _shown(stage))
+        self.records[stage.name].update(action="resumed" if resume else "ran", status="running")
+        self.save()
+        start = time.perf_counter()
+        code, printed = self.spawn(stage)
+        seconds = round(time.perf_counter() - start, 1)
+        if code != 0:
+            self.records[stage.name].update(status="failed", exit_code=code, seconds=seconds)
+            return code
+        if stage.verb in ("eval", "generate"):
+            stage.folder.mkdir(parents=True, exist_ok=True)
+            _write_json(stage.folder / outputs.RESULT, printed or {})
+        result = outputs.read_result(stage, printed)
+        marker = {
+            "stage": stage.name,
+            "command": _shown(stage),
+            "digest": self.digest(stage),
+            "output": outputs.fingerprint(stage),
+            "result": result,
+            "figures": outputs.figures(stage, result),
+            "seconds": seconds,
+        }
+        _write_json(self.marker_path(stage), marker)
+        self.finished(stage, marker, "resumed" if resume else "ran")
+        return 0
+
+    def spawn(self, stage: Stage) -> tuple[int, dict[str, Any] | None]:
+        """`python -m suite <verb> ...`, its stdout and stderr streamed here and into logs/<stage>.log;
+        returns the exit code and the last JSON object it printed on stdout."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.logs / f"{stage.name}.log", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+        log.write(f"$ {_shown(stage)}\n")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "suite", *stage.argv()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # the stage saves and stops
+
+        def pump_stderr() -> None:
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+                log.write(line)
+
+        thread = threading.Thread(target=pump_stderr, daemon=True)
+        thread.start()
+        printed = None
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                log.write(line)
+                if line.startswith("{"):
+                    with contextlib.suppress(ValueError):
+                        printed = json.loads(line)
+            code = proc.wait()
+        except KeyboardInterrupt:
+            code = proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            thread.join(timeout=5)
+            log.close()
+        return code, printed if isinstance(printed, dict) else None
+
+    # ---- gates -------------------------------------------------------------------------------
+    def model_of(self, name: str) -> str:
+        stage = self.p.stage(name, "gate")
+        return stage.measures or stage.name
+
+    def gate_ready(self, gate: Gate, index: int) -> bool:
+        """A gate is checked after the last stage that gives figures about its stages."""
+        models = {self.model_of(n) for n in gate.stages}
+        last = max(
+            i
+            for i, s in enumerate(self.p.stages)
+            if s.name in models or s.measures in models or s.name in gate.stages
+        )
+        return last == index
+
+    def check_gate(self, gate: Gate) -> str | None:
+        """None when the gate passes; else the one line that stops the pipeline."""
+        of, vs = self.model_of(gate.of), self.model_of(gate.vs) if gate.vs else None
+        for name in [of] + ([vs] if vs else []):
+            if gate.metric not in self.figures.get(name, {}):
+                raise ConfigError(
+                    f"gate '{gate.name}': stage {name} has no {gate.metric} figure; measure it with an eval "
+                    f'stage (e.g. verb: eval, args: ["ckpt=${{stage:{name}}}"])'
+                )
+        a = self.figures[of][gate.metric]
+        b = self.figures[vs][gate.metric] if vs else None
+        record = {
+            "name": gate.name,
+            "metric": gate.metric,
+            "of": of,
+            "vs": vs,
+            gate.limit: gate.value,
+            "value": a,
+        }
+        if vs:
+            record["reference"] = b
+        if gate.limit == "max_drop":
+            ok, says = b - a <= gate.value + 1e-12, f"{_fmt(a)}, {_fmt(b - a)} below {vs}'s {_fmt(b)}"
+        elif gate.limit == "max_rise":
+            ok, says = a - b <= gate.value + 1e-12, f"{_fmt(a)}, {_fmt(a - b)} above {vs}'s {_fmt(b)}"
+        elif gate.limit == "min":
+            ok, says = a >= gate.value, _fmt(a)
+        else:
+            ok, says = a <= gate.value, _fmt(a)
+        record["passed"] = ok
+        self.gates.append(record)
+        line = f"gate '{gate.name}': {gate.metric} of {of} is {says} ({gate.limit} {_fmt(gate.value)})"
+        print(f"    {line}: {'passed' if ok else 'FAILED'}", flush=True)
+        return None if ok else line
+
+    # ---- the whole run -----------------------------------------------------------------------
+    def run(self) -> int:
+        self.p.dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        print(f"suite run pipeline={self.p.name}: {len(self.p.stages)} stages in {self.p.dir}", flush=True)
+        try:
+            return self._run()
+        finally:
+            from suite.pipeline.report import write_report
+
+            self.save()
+            written = write_report(self.p, self.records, self.figures, self.gates, self.status)
+            print(f"wrote {self.p.dir / RECORD}, {', '.join(str(p) for p in written)}", flush=True)
+
+    def _run(self) -> int:
+        for index, stage in enumerate(self.p.stages):
+            if stage.name not in self.selected:
+                marker, why = self.valid_marker(stage)
+                if marker is not None:
+                    self.finished(stage, marker, "kept")
+                elif any(stage.name in s.needs for s in self.p.stages if s.name in self.selected):
+                    raise ConfigError(
+                        f"stage '{stage.name}' has not finished ({why}) and a stage you asked for reads it; "
+                        f"run `suite run pipeline={self.p.name} --from {stage.name}`"
+                    )
+            else:
+                code = self.run_stage(stage)
+                self.save()
+                if code != 0:
+                    self.status, self.exit_code = "failed", code
+                    print(
+                        f"error: stage '{stage.name}' (suite {stage.verb}) failed with exit code {code}; its log: "
+                        f"{self.logs / (stage.name + '.log')}; run the same command again to go on from it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return code
+            for gate in self.p.gates:
+                if self.gate_ready(gate, index) and all(self.model_of(n) in self.done for n in gate.stages):
+                    failed = self.check_gate(gate)
+                    if failed:
+                        self.status, self.exit_code = "stopped by a gate", GATE_EXIT
+                        later = [s.name for s in self.p.stages[index + 1 :]]
+                        stop = f"; not run: {', '.join(later)}" if later else ""
+                        print(f"error: {failed}{stop}", file=sys.stderr, flush=True)
+                        return GATE_EXIT
+        self.status, self.exit_code = "done", 0
+        return 0
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _shown(stage: Stage) -> str:
+    return "suite " + " ".join(shlex.quote(a) for a in stage.argv())
