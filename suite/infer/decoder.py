@@ -1,10 +1,10 @@
 """Batched decoding with a static KV cache: what `suite generate` runs on suite models.
 
 Prompts of different lengths are left-padded into one batch. The cache holds [batch, kv heads,
-max_len, head_dim] per layer; step t writes column t for every row and attends the whole buffer
-under a mask (a row's padding and the columns not written yet are masked out), so every decode
-step has the same shapes and one compiled step (`torch.compile`, generate.compile) serves the whole
-generation. Positions are per row (the padding is not counted), so a padded row decodes exactly as it
+max_len, head_dim] per layer; step t writes column t for every row. A compiled step
+(`torch.compile`, generate.compile) attends the whole buffer under a mask (a row's padding and the
+columns not written yet are masked out), so every step has the same shapes and one compiled step
+serves the whole generation; an eager step attends only the columns written so far (a view, no copy). Positions are per row (the padding is not counted), so a padded row decodes exactly as it
 would alone.
 """
 
@@ -22,6 +22,10 @@ class StaticKVCache:
     compiled step does not specialise on the position)."""
 
     length = 0  # the model's `start`: positions and masks come from the decoder, not from a count
+    # eager decoding attends only the columns written so far (`visible`), so a step costs what the
+    # sequence so far costs, not what the whole buffer does; a compiled step keeps the full buffer
+    # (None) so its shapes never change
+    visible: int | None = None
 
     def __init__(self, model: Transformer, batch: int, max_len: int):
         p = next(model.parameters())
@@ -33,7 +37,9 @@ class StaticKVCache:
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
         self.keys[layer].index_copy_(2, self.slot, k)
         self.values[layer].index_copy_(2, self.slot, v)
-        return self.keys[layer], self.values[layer]
+        if self.visible is None:
+            return self.keys[layer], self.values[layer]
+        return self.keys[layer][:, :, : self.visible], self.values[layer][:, :, : self.visible]
 
     def advance(self, tokens: int) -> None:
         pass  # the decoder moves `slot`
@@ -65,6 +71,7 @@ class BatchDecoder:
 
     def __init__(self, model: Transformer, compile: bool = False):
         self.model = model.eval()
+        self.grow = not compile
         # freezing: the weights become constants, so inductor packs them for oneDNN's matmuls (on CPU
         # ~1.8x the eager decode step at batch 8, bench/generate.py); the model must not change after
         self.step_fn: Callable = (
@@ -94,6 +101,8 @@ class BatchDecoder:
         mask = causal[None] & (key_valid[:, None, :] | (columns[None, None, :] == query[None, :, None]))
         positions = (query[None, :] - pad[:, None]).clamp(min=0)
         cache.slot = query
+        if self.grow:
+            cache.visible, mask = width, mask[..., :width]
         logits = model(tokens, positions=positions, mask=mask[:, None], kv_cache=cache)[:, -1].float()
         for t in range(width, total):
             token = pick(logits)
@@ -102,4 +111,6 @@ class BatchDecoder:
                 return
             cache.slot = columns[t : t + 1]
             step_mask = (key_valid & (columns[None, :] <= t))[:, None, None, :]
+            if self.grow:
+                cache.visible, step_mask = t + 1, step_mask[..., : t + 1]
             logits = self.step_fn(model, cache, token, (t - pad)[:, None], step_mask)
