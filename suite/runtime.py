@@ -105,8 +105,8 @@ def check_fp8(requested_device: str) -> None:
 
 
 def check_precision(cfg, dims) -> None:
-    """train.param_dtype=bf16: bf16 compute (precision=bf16); fp32 masters in one process (the
-    optimizer's) or in FSDP2's sharded parameters (any layout with data parallelism).
+    """train.param_dtype=bf16: bf16 compute (precision=bf16); fp32 masters in the optimizer (one process,
+    tp, pp: each rank's part) or in FSDP2's sharded parameters (any layout with data parallelism).
     `cfg`: a SuiteConfig; `dims`: the resolved suite.parallel.dims.ParallelDims."""
     t = cfg.train
     if t.precision == "fp8":
@@ -122,11 +122,6 @@ def check_precision(cfg, dims) -> None:
         raise ConfigError(
             f"train.param_dtype={t.param_dtype} needs train.precision=bf16 (got {t.precision}); "
             "set train.precision=bf16 or train.param_dtype=fp32"
-        )
-    if dims.world_size > 1 and dims.data_parallel_size * dims.cp == 1:
-        raise ConfigError(
-            f"train.param_dtype=bf16 with {', '.join(f'{k}={v}' for k, v in dims.enabled.items())} and no data "
-            "parallelism is not supported yet; add parallel.dp or parallel.sharding, or use train.param_dtype=fp32"
         )
     if cfg.finetune.method == "lora":
         raise ConfigError(

@@ -231,6 +231,15 @@ def _spec_key(t: torch.Tensor):
     return ("plain", t.device)
 
 
+def _fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of `grads`, accumulated in fp32 whatever their dtype: a bf16 norm (what torch's
+    foreach norm returns for bf16 gradients) is rounded to 8 bits, and so is every clipping coefficient."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
 def total_grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The global 2-norm of all gradients: each distinct gradient element counted once.
 
@@ -245,7 +254,7 @@ def total_grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> tor
     device = next(iter(groups))[-1] if groups else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        norm = _fp32_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq = total_sq + norm.float().to(device) ** 2

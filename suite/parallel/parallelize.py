@@ -278,7 +278,7 @@ def parallelize(
     if dims.pp > 1:
         from suite.parallel.pipeline import build_pipeline
 
-        return build_pipeline(model, cfg, dims, mesh, device, parallelize_part)
+        return build_pipeline(model, cfg, dims, mesh, device, parallelize_part, precision.param_dtype)
     model = parallelize_part(model)
     from suite.parallel.mesh import data_rank
 
@@ -291,6 +291,7 @@ def parallelize(
         num_params=num_params,
         mesh=mesh,
         loss_parallel=dims.tp > 1,
+        param_dtype=precision.param_dtype,
         dp_kind=info["dp_kind"],
         optim_device=info["optim_device"],
         compute_device=info["compute_device"],

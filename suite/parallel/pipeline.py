@@ -330,6 +330,7 @@ def build_pipeline(
     mesh: DeviceMesh,
     device: torch.device,
     parallelize_part: Callable[[nn.Module], nn.Module],
+    param_dtype: torch.dtype = torch.float32,
 ) -> Placement:
     """Split the meta-device `model` into this rank's stage parts, parallelise and materialise each
     with `parallelize_part`, and describe them as a Placement (`pipeline`: the stages).
@@ -366,6 +367,7 @@ def build_pipeline(
         num_params=model.num_params(),
         mesh=mesh,
         loss_parallel=dims.tp > 1,
+        param_dtype=param_dtype,
         dp_kind=dpar.data_parallel_kind(dims, cfg.parallel.sharding_stage),
         optim_device=torch.device("cpu") if cfg.parallel.offload else device,
         compute_device=device,

@@ -19,8 +19,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from suite.train.optim import WrappedOptimizer
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MasterWeightOptimizer(WrappedOptimizer):
@@ -71,7 +76,7 @@ class MasterWeightOptimizer(WrappedOptimizer):
         self.inner.step()
         for master in self.masters:
             master.grad = None
-        torch._foreach_copy_(self.params, self.masters)  # round the updated masters into the bf16 params
+        self._copy_masters()  # round the updated masters into the bf16 params
 
     # ---- checkpoints: the masters under the model's names ------------------------------------------
     def dcp_model_state_dict(self) -> dict[str, torch.Tensor]:
@@ -84,7 +89,12 @@ class MasterWeightOptimizer(WrappedOptimizer):
     def sync_params(self) -> None:
         """Copy the masters into the model's parameters (after loading the masters)."""
         with torch.no_grad():
-            torch._foreach_copy_(self.params, self.masters)
+            self._copy_masters()
+
+    def _copy_masters(self) -> None:
+        # DTensor (tensor-parallel) parameters and their masters share placements: copy the local shards
+        # (DTensor has no sharding rule for the foreach copy)
+        torch._foreach_copy_([_local(p) for p in self.params], [_local(m) for m in self.masters])
 
     def dcp_state_dict(self, for_loading: bool = False) -> dict:
         """FQN-keyed state like `get_optimizer_state_dict` (loaded in place by dcp.load)."""

@@ -169,7 +169,7 @@ class TrainStep:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.placement.mesh is None:
+        if self.placement.mesh is None and all(p.grad.dtype == torch.float32 for p in params):
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
             return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)

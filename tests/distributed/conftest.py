@@ -68,6 +68,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # train.param_dtype=bf16: the optimizer's fp32 masters (one process) vs FSDP2's MixedPrecisionPolicy
     "single-bf16-params": (1, ["train.precision=bf16", "train.param_dtype=bf16"]),
     "sharding2-bf16-params": (2, ["parallel.sharding=2", "train.precision=bf16", "train.param_dtype=bf16"]),
+    # no data parallelism: the fp32 masters live in the optimizer, as DTensor shards (tp) or per stage (pp)
+    "tp2-bf16-params": (2, ["parallel.tp=2", "train.precision=bf16", "train.param_dtype=bf16"]),
+    "pp2-bf16-params": (2, ["parallel.pp=2", "train.precision=bf16", "train.param_dtype=bf16"]),
     "llama-single": (1, LLAMA),
     "llama-tp2": (2, [*LLAMA, "parallel.tp=2"]),
     "llama-tp2-sp": (2, [*LLAMA, "parallel.tp=2", "parallel.sp=true"]),

@@ -125,10 +125,7 @@ def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path):
     [
         (["train.param_dtype=bf16"], "needs train.precision=bf16"),
         (["train.precision=bf16", "train.param_dtype=fp16"], "use one of: fp32, bf16"),
-        (
-            ["train.precision=bf16", "train.param_dtype=bf16", "parallel.tp=2", "launch.nproc_per_node=2"],
-            "no data parallelism",
-        ),
+        (["train.precision=bf16", "train.param_dtype=bf16", "finetune.method=lora"], "would be rounded"),
     ],
 )
 def test_bad_combinations_are_one_line_errors(overrides, words):
