@@ -161,3 +161,26 @@ def test_lora_sft_of_moe_at_ep2_matches_single_process(runs):
     # (layer 0's experts all get tokens in these 3 steps; one of layer 1's gets none and stays put)
     assert all(float(b[e].abs().max()) > 0 for e in range(8)), "an expert's adapter never trained"
     assert torch.equal(b, final_weights(ep2)["layers.0.feed_forward.experts.lora_b.w2"])
+
+
+def test_task_accuracy_under_ep_with_bf16_autocast(tmp_path, moe_base):
+    """The in-training greedy task evaluation runs at ep=2 under bf16 autocast too: the dense layers
+    compute in bf16 through the data-parallel policy while the experts, outside it, keep fp32
+    weights (the run used to stop there with a dtype mismatch)."""
+    from tests.helpers import read_metrics
+
+    run_dir = tmp_path / "bf16-ep2"
+    overrides = [*LORA, *EP2, "train.precision=bf16"]
+    run_suite(
+        "finetune",
+        f"model.init_from={moe_base}",
+        f"run.dir={run_dir}",
+        *merged(CHECKED, ["finetune.eval_samples=2", "train.max_steps=1", "train.eval_every=1"]),
+        *overrides,
+        "launch.nproc_per_node=2",
+        timeout=300,
+        check=True,
+    )
+    assert_layout(run_dir, 2, overrides)
+    evals = [r for r in read_metrics(run_dir) if "val_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1] and all(0.0 <= r["val_accuracy"] <= 1.0 for r in evals)

@@ -229,3 +229,16 @@ def test_expert_adapters_compute_like_the_per_expert_loop_and_merge_exactly(impl
         assert (plain(TOKENS) - out["loop"]).abs().max() <= 1e-5
         unadapted = materialize(build_model(moe_cfg(impl)), "cpu", seed=7)(TOKENS)
     assert (unadapted - out["loop"]).abs().max() > 1e-3  # the adapters did change the model
+
+
+def test_experts_target_needs_a_moe_base():
+    """`experts` in finetune.lora.target_modules on a dense base: one ConfigError before launch."""
+    from suite.config.compose import compose_config, to_object
+    from suite.finetune.checks import check_finetune_layout
+
+    targets = ["finetune.method=lora", "finetune.lora.target_modules=[wq,experts]"]
+    with pytest.raises(ConfigError, match="names experts, but .* is dense"):
+        check_finetune_layout(to_object(compose_config(["recipe=sft-tiny", *targets])), None)
+    moe = to_object(compose_config(["recipe=moe-tiny", *targets]))
+    assert moe.model.num_experts and "experts" in moe.finetune.lora.target_modules
+    check_finetune_layout(moe, None)
