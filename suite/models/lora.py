@@ -215,7 +215,7 @@ def _add_expert_adapters(
         lora_b[name] = nn.Parameter(torch.empty(num, out_features, rank, **factory))
     experts.lora_a, experts.lora_b = lora_a, lora_b
     experts.lora_scaling = alpha / rank
-    experts.lora_dropout = nn.Dropout(dropout) if dropout > 0 else None
+    experts.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
 
 @torch.no_grad()
@@ -225,8 +225,7 @@ def _merge_experts(experts: nn.Module) -> None:
         weight = getattr(experts, name)
         delta = torch.bmm(experts.lora_b[name].float(), a.float()) * experts.lora_scaling
         weight.copy_((weight.float() + delta).to(weight.dtype))
-    del experts.lora_a, experts.lora_b
-    experts.lora_a = experts.lora_b = experts.lora_dropout = None
+    del experts.lora_a, experts.lora_b, experts.lora_scaling, experts.lora_dropout
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -314,7 +313,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     Afterwards the state-dict keys are exactly a plain model's and every parameter is trainable
     again. Single-process (plain tensors); gather a parallel model first.
     """
-    for module in model.modules():
+    for module in list(model.modules()):
         if getattr(module, "lora_a", None) is not None and not isinstance(module, LoRALinear):
             _merge_experts(module)
     for name, module in list(model.named_modules()):

@@ -247,10 +247,6 @@ def run_experts(
     return _padded_experts(x, counts, w1, w2, w3, adapters)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class GroupedExperts(nn.Module):
     """E experts with stacked weights; forward takes tokens already sorted by expert."""
 
@@ -261,21 +257,18 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))  # down / proj
         self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if cfg.family == "llama" else None  # up
         self.impl = cfg.moe_impl
-        # LoRA (suite.models.lora.apply_lora): per-expert factors lora_a[name] [E, rank, in] and
-        # lora_b[name] [E, out, rank], stacked like the weights (so expert parallelism shards them too)
-        self.lora_a: nn.ParameterDict | None = None
-        self.lora_b: nn.ParameterDict | None = None
-        self.lora_scaling = 1.0
-        self.lora_dropout: nn.Module | None = None  # nn.Dropout when finetune.lora.dropout > 0
+        # LoRA (suite.models.lora.apply_lora adds them; absent otherwise): per-expert factors
+        # lora_a[name] [E, rank, in] and lora_b[name] [E, out, rank] (nn.ParameterDict), stacked like
+        # the weights so expert parallelism shards them too, lora_scaling and lora_dropout
 
     def adapters(self, local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Adapters | None:
         """The LoRA updates by weight name (None without LoRA); `local` maps a factor to this rank's part."""
-        if self.lora_a is None or self.lora_b is None:
+        lora_a, lora_b = getattr(self, "lora_a", None), getattr(self, "lora_b", None)
+        if lora_a is None or lora_b is None:
             return None
-        dropout = self.lora_dropout if self.lora_dropout is not None else _identity
         return {
-            name: ExpertAdapter(local(a), local(self.lora_b[name]), self.lora_scaling, dropout)
-            for name, a in self.lora_a.items()
+            name: ExpertAdapter(local(a), local(lora_b[name]), self.lora_scaling, self.lora_dropout)
+            for name, a in lora_a.items()
         }
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
