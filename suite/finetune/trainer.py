@@ -10,7 +10,8 @@ checkpoints and resume are the Trainer's):
     weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.sources) replaces
               the seeded initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
-              frozen (only adapters reach the optimizer); each checkpoint also holds lora/
+              frozen (only adapters reach the optimizer; on a MoE model per-expert adapters on the
+              stacked expert weights, sharded with them under ep); each checkpoint also holds lora/
               (adapters alone), and <run.dir>/lora/ the final ones
     eval      held-out loss at train.eval_every and, for a task, greedy exact-match accuracy
     run dir   the tokenizer with the chat template it was trained with (tokenizer_config.json /
