@@ -334,6 +334,12 @@ def checkpoint_weights(folder: Path, lora_scaling: float | None = None) -> dict[
         a, b = raw.get(prefix + ".lora_a.weight"), raw.get(prefix + ".lora_b.weight")
         if a is not None and b is not None:
             out[name] = _Merged(out[name], a, b, lora_scaling)
+            continue
+        # stacked expert weights (`experts.w1`): per-expert factors `experts.lora_a.w1` [E, r, in]
+        head, _, leaf = name.rpartition(".")
+        a, b = raw.get(f"{head}.lora_a.{leaf}"), raw.get(f"{head}.lora_b.{leaf}")
+        if a is not None and b is not None:
+            out[name] = _MergedExperts(out[name], a, b, lora_scaling)
     return out
 
 
@@ -349,6 +355,16 @@ class _Merged(LazyTensor):
         b = self.b.read(((r0, r1), (0, self.b.shape[1]))).float()
         a = self.a.read(((0, self.a.shape[0]), (c0, c1))).float()
         return (self.weight.read(box).float() + (b @ a) * self.scaling).to(self.dtype)
+
+
+class _MergedExperts(_Merged):
+    """W[e] + (B[e] @ A[e]) * scaling for stacked expert weights [E, out, in] (as merge_lora does)."""
+
+    def _read(self, box: Box) -> torch.Tensor:
+        (e0, e1), (r0, r1), (c0, c1) = box
+        b = self.b.read(((e0, e1), (r0, r1), (0, self.b.shape[2]))).float()
+        a = self.a.read(((e0, e1), (0, self.a.shape[1]), (c0, c1))).float()
+        return (self.weight.read(box).float() + torch.bmm(b, a) * self.scaling).to(self.dtype)
 
 
 # ---- loading: each rank reads its own shard -----------------------------------------------------------

@@ -280,7 +280,8 @@ class LoRAConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # + output when untied
+    # + output when untied; + experts on a MoE model (the routed experts alone; w1/w2/w3 include them)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
 
 @dataclass

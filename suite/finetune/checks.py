@@ -43,10 +43,14 @@ def check_finetune(cfg: SuiteConfig) -> None:
 
 
 def check_finetune_layout(cfg: SuiteConfig, dims) -> None:
-    """What finetuning cannot run yet, once the base model's architecture and the degrees are known
-    (`dims`: suite.parallel.dims.ParallelDims)."""
-    if getattr(cfg.model, "num_experts", 0):
+    """What finetuning cannot run, once the base model's architecture and the degrees are known
+    (`dims`: suite.parallel.dims.ParallelDims; MoE layouts are the parallel checks')."""
+    from suite.models.lora import EXPERTS_TARGET
+
+    ft = cfg.finetune
+    if ft.method == "lora" and EXPERTS_TARGET in ft.lora.target_modules and not cfg.model.num_experts:
         raise ConfigError(
-            f"model.num_experts={cfg.model.num_experts}: finetuning Mixture-of-Experts models is not supported "
-            "yet; finetune a dense model"
+            f"finetune.lora.target_modules={list(ft.lora.target_modules)} names {EXPERTS_TARGET}, but "
+            f"model.init_from={cfg.model.init_from} is dense (model.num_experts=0); drop {EXPERTS_TARGET} "
+            "(w1/w2/w3 adapt the MLP)"
         )

@@ -10,7 +10,8 @@ checkpoints and resume are the Trainer's):
     weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.sources) replaces
               the seeded initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
-              frozen (only adapters reach the optimizer); each checkpoint also holds lora/
+              frozen (only adapters reach the optimizer; on a MoE model per-expert adapters on the
+              stacked expert weights, sharded with them under ep); each checkpoint also holds lora/
               (adapters alone), and <run.dir>/lora/ the final ones
     eval      held-out loss at train.eval_every and, for a task, greedy exact-match accuracy
     run dir   the tokenizer with the chat template it was trained with (tokenizer_config.json /
@@ -19,6 +20,7 @@ checkpoints and resume are the Trainer's):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -227,15 +229,19 @@ class FinetuneTrainer(Trainer):
             from suite.data.tasks import get_task
             from suite.infer.evaluate import evaluate_task
 
-            result = evaluate_task(
-                self.model,
-                self.tokenizer,
-                ft.data.task,
-                self.task_eval_file,
-                max_new_tokens=ft.max_new_tokens or get_task(ft.data.task).max_answer_chars + 2,
-                limit=ft.eval_samples,
-                template=self.chat_template,
-            )
+            # under ep the experts sit outside the data-parallel mixed-precision policy: bf16
+            # activations meet fp32 expert weights, which autocast reconciles as in training
+            context = self.autocast if self.dims.ep > 1 else contextlib.nullcontext
+            with context():
+                result = evaluate_task(
+                    self.model,
+                    self.tokenizer,
+                    ft.data.task,
+                    self.task_eval_file,
+                    max_new_tokens=ft.max_new_tokens or get_task(ft.data.task).max_answer_chars + 2,
+                    limit=ft.eval_samples,
+                    template=self.chat_template,
+                )
             metrics["val_accuracy"] = result["accuracy"]
         return metrics
 

@@ -21,6 +21,13 @@ weight (Shard(0)) and replicate lora_a; for a row-parallel base (wo/w2), shard l
 dim (Shard(1)) and replicate lora_b — the LoRA term is then a partial sum exactly like the base
 output and the existing all-reduce covers both.
 
+Mixture-of-Experts layers: the routed experts' stacked weights (suite.models.moe.GroupedExperts,
+w1/w3 [E, ffn, h], w2 [E, h, ffn]) get per-expert factors `experts.lora_a.w1` [E, rank, in] and
+`experts.lora_b.w1` [E, out, rank], computed low-rank inside the grouped / padded / loop expert
+compute and sharded with the experts under expert parallelism (dim 0). The targets w1/w2/w3 name
+those weights wherever they are (dense MLPs, shared experts, routed experts, as PEFT's names do on
+Mixtral); `experts` names the routed experts' weights alone. The router stays frozen.
+
 Saving: `lora_state_dict` (adapters only, plain names) and `save_lora`/`load_lora` (safetensors +
 lora.json with rank/alpha/targets). `merge_lora` folds B A * alpha/rank into the base weights and
 puts plain nn.Linear modules back, so the state-dict keys are those of a plain model (for export).
@@ -46,6 +53,8 @@ DEFAULT_TARGETS = LORA_TARGETS
 # fused projections (model.fused_projections): one layer stands for several unfused names
 FUSED_TARGETS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
 BLOCK_LINEARS = frozenset((*DEFAULT_TARGETS, *FUSED_TARGETS))
+EXPERT_WEIGHTS = ("w1", "w2", "w3")  # GroupedExperts' stacked weights
+EXPERTS_TARGET = "experts"  # every stacked expert weight, and nothing else
 ADAPTER_FILE = "lora.safetensors"
 ADAPTER_CONFIG = "lora.json"
 # Name segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert.
@@ -107,7 +116,7 @@ class ParamCount(NamedTuple):
 
 def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
     tied = bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
-    allowed = set(BLOCK_LINEARS) | ({"output"} if not tied else set())
+    allowed = set(BLOCK_LINEARS) | {EXPERTS_TARGET} | ({"output"} if not tied else set())
     unknown = [t for t in targets if t not in allowed]
     if unknown:
         why = (
@@ -157,7 +166,9 @@ def apply_lora(
     if not targets:
         raise ConfigError("finetune.lora.target_modules is empty; e.g. [wq, wk, wv, wo, w1, w2, w3]")
     _check_targets(model, targets)
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    from suite.models.moe import GroupedExperts
+
+    if any(_adapted(m) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA adapters (merge_lora first)")
     chosen = _resolve_fused_targets(model, targets)
     swaps = [
@@ -165,7 +176,11 @@ def apply_lora(
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in chosen
     ]
-    if not swaps:
+    expert_names = (
+        EXPERT_WEIGHTS if EXPERTS_TARGET in targets else tuple(w for w in EXPERT_WEIGHTS if w in chosen)
+    )
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)] if expert_names else []
+    if not swaps and not experts:
         raise ConfigError(f"finetune.lora.target_modules={list(targets)} match no linear layer of the model")
     for param in model.parameters():
         param.requires_grad_(False)
@@ -173,10 +188,44 @@ def apply_lora(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LoRALinear(module, rank, alpha, dropout))
+    for module in experts:
+        _add_expert_adapters(module, expert_names, rank, alpha, dropout)
     model.lora_spec = LoRASpec(rank, float(alpha), float(dropout), targets)
     if not any(p.is_meta for p in lora_parameters(model).values()):
         init_lora(model, seed)
     return model
+
+
+def _adapted(module: nn.Module) -> bool:
+    return isinstance(module, LoRALinear) or getattr(module, "lora_a", None) is not None
+
+
+def _add_expert_adapters(
+    experts: nn.Module, names: tuple[str, ...], rank: int, alpha: float, dropout: float
+) -> None:
+    """Per-expert factors for the stacked weights `names` of a GroupedExperts (w3 only where it has one)."""
+    lora_a, lora_b = nn.ParameterDict(), nn.ParameterDict()
+    for name in names:
+        weight = getattr(experts, name, None)
+        if weight is None:  # gpt-family experts have no w3
+            continue
+        num, out_features, in_features = weight.shape
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        lora_a[name] = nn.Parameter(torch.empty(num, rank, in_features, **factory))
+        lora_b[name] = nn.Parameter(torch.empty(num, out_features, rank, **factory))
+    experts.lora_a, experts.lora_b = lora_a, lora_b
+    experts.lora_scaling = alpha / rank
+    experts.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+
+@torch.no_grad()
+def _merge_experts(experts: nn.Module) -> None:
+    """Fold W[e] += B[e] A[e] * scaling into every adapted stacked weight and drop the factors."""
+    for name, a in experts.lora_a.items():
+        weight = getattr(experts, name)
+        delta = torch.bmm(experts.lora_b[name].float(), a.float()) * experts.lora_scaling
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+    del experts.lora_a, experts.lora_b, experts.lora_scaling, experts.lora_dropout
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -191,11 +240,12 @@ def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def lora_init_value(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
     """The full initial value of adapter parameter `name`: B zeros; A uniform(+-1/sqrt(in)) (as PEFT's
-    kaiming_uniform(a=sqrt(5))), drawn from a generator seeded by (seed, name)."""
+    kaiming_uniform(a=sqrt(5))), drawn from a generator seeded by (seed, name). Stacked expert
+    factors ([E, rank, in]) draw every expert's A at once from that generator."""
     if ".lora_b." in name:
         return torch.zeros(shape)
     gen = torch.Generator(device="cpu").manual_seed(seed + zlib.crc32(name.encode()))
-    bound = 1.0 / math.sqrt(shape[1])
+    bound = 1.0 / math.sqrt(shape[-1])
     return (torch.rand(shape, generator=gen) * 2 - 1) * bound
 
 
@@ -263,6 +313,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     Afterwards the state-dict keys are exactly a plain model's and every parameter is trainable
     again. Single-process (plain tensors); gather a parallel model first.
     """
+    for module in list(model.modules()):
+        if getattr(module, "lora_a", None) is not None and not isinstance(module, LoRALinear):
+            _merge_experts(module)
     for name, module in list(model.named_modules()):
         if not isinstance(module, LoRALinear):
             continue

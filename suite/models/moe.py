@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,14 +62,50 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
 MOE_IMPLS = ("grouped", "padded", "loop")  # model.moe_impl
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertAdapter:
+    """A LoRA update of one stacked weight (suite.models.lora adds them): expert e's projection of
+    rows x is x W[e]^T + (dropout(x) A[e]^T) B[e]^T * scaling, A [E, rank, in], B [E, out, rank]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    dropout: Callable[[torch.Tensor], torch.Tensor]
+
+
+Adapters = dict[str, ExpertAdapter]  # by weight name: "w1", "w2", "w3"
+
+
+def _mlp(proj: Callable[[str, torch.Tensor], torch.Tensor], x: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The expert MLP over a projection `proj(weight name, input)`: SwiGLU or tanh-GELU."""
+    if gated:
+        return proj("w2", F.silu(proj("w1", x)) * proj("w3", x))
+    return proj("w2", F.gelu(proj("w1", x), approximate="tanh"))
+
+
 def _loop_experts(
-    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+    x: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    adapters: Adapters | None = None,
 ) -> torch.Tensor:
     """One matmul chain per expert (the reference `model.moe_impl=loop` keeps)."""
+    weights, adapters = {"w1": w1, "w2": w2, "w3": w3}, adapters or {}
     outputs = []
     for e, rows in enumerate(x.split(counts)):
-        if rows.shape[0]:
-            outputs.append(expert_mlp(rows, w1[e], w2[e], w3[e] if w3 is not None else None))
+        if not rows.shape[0]:
+            continue
+
+        def proj(name: str, h: torch.Tensor, e: int = e) -> torch.Tensor:
+            out = h @ weights[name][e].t()
+            ad = adapters.get(name)
+            if ad is not None:
+                out = out + (ad.dropout(h) @ ad.a[e].t()) @ ad.b[e].t() * ad.scaling
+            return out
+
+        outputs.append(_mlp(proj, rows, w3 is not None))
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
 
@@ -99,31 +136,49 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
 
 @torch.compiler.disable  # reads data pointers: eager in a compiled block
 def grouped_mm_fits(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None = None
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None = None,
+    adapters: Adapters | None = None,
 ) -> bool:
     """torch._grouped_mm wants 16-byte aligned rows and data (hidden and ffn widths in elements:
     multiples of 4 in fp32, 8 in bf16; weights that are views into a flat buffer, as FSDP's
-    unsharded parameters are, may start anywhere) and a dtype it runs on this device."""
+    unsharded parameters are, may start anywhere; a LoRA rank likewise) and a dtype it runs on
+    this device."""
     size = x.element_size()
-    aligned = (w1.shape[2] * size) % 16 == 0 and (w1.shape[1] * size) % 16 == 0
-    starts = all(t.data_ptr() % 16 == 0 for t in (x, w1, w2, w3) if t is not None)
-    same = x.dtype == w1.dtype == w2.dtype
+    ads = list((adapters or {}).values())
+    widths = [w1.shape[2], w1.shape[1], *(ad.a.shape[1] for ad in ads)]
+    aligned = all((n * size) % 16 == 0 for n in widths)
+    tensors = [x, w1, w2, w3, *(t for ad in ads for t in (ad.a, ad.b))]
+    starts = all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+    same = all(t.dtype == x.dtype for t in tensors if t is not None)
     return aligned and starts and same and grouped_mm_runs(x.device.type, x.dtype)
 
 
 @torch.compiler.disable  # torch 2.13's fake-tensor kernel of _grouped_mm takes bf16 only: eager in a compiled block
 def _grouped_experts(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    adapters: Adapters | None = None,
 ) -> torch.Tensor:
-    """Every expert in one torch._grouped_mm per weight: the rows of expert e are offs[e-1]:offs[e]."""
+    """Every expert in one torch._grouped_mm per weight (and per LoRA factor): the rows of expert e
+    are offs[e-1]:offs[e]."""
     offs = counts.cumsum(0).to(torch.int32)
-    x = x.contiguous()
-    hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    if w3 is not None:
-        hidden = F.silu(hidden) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    else:
-        hidden = F.gelu(hidden, approximate="tanh")
-    return _Contiguous.apply(torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs))
+    weights, adapters = {"w1": w1, "w2": w2, "w3": w3}, adapters or {}
+
+    def proj(name: str, h: torch.Tensor) -> torch.Tensor:
+        out = torch._grouped_mm(h, weights[name].transpose(-2, -1), offs=offs)
+        ad = adapters.get(name)
+        if ad is not None:
+            low = torch._grouped_mm(ad.dropout(h).contiguous(), ad.a.transpose(-2, -1), offs=offs)
+            out = out + torch._grouped_mm(low, ad.b.transpose(-2, -1), offs=offs) * ad.scaling
+        return out
+
+    return _Contiguous.apply(_mlp(proj, x.contiguous(), w3 is not None))
 
 
 class _Contiguous(torch.autograd.Function):
@@ -140,7 +195,12 @@ class _Contiguous(torch.autograd.Function):
 
 
 def _padded_experts(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor | None,
+    adapters: Adapters | None = None,
 ) -> torch.Tensor:
     """The fallback where torch._grouped_mm does not run: rows scattered into an [E, max count, h]
     buffer (zeros elsewhere), one batched matmul per weight, the real rows gathered back."""
@@ -151,12 +211,17 @@ def _padded_experts(
     starts = counts.cumsum(0) - counts
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
     padded = x.new_zeros(num_experts, int(counts.max()), x.shape[1]).index_put((expert, slot), x)
-    hidden = torch.bmm(padded, w1.transpose(-2, -1))
-    if w3 is not None:
-        hidden = F.silu(hidden) * torch.bmm(padded, w3.transpose(-2, -1))
-    else:
-        hidden = F.gelu(hidden, approximate="tanh")
-    return torch.bmm(hidden, w2.transpose(-2, -1))[expert, slot]
+    weights, adapters = {"w1": w1, "w2": w2, "w3": w3}, adapters or {}
+
+    def proj(name: str, h: torch.Tensor) -> torch.Tensor:
+        out = torch.bmm(h, weights[name].transpose(-2, -1))
+        ad = adapters.get(name)
+        if ad is not None:  # padding rows are zeros: their low-rank term is zero too
+            low = torch.bmm(ad.dropout(h), ad.a.transpose(-2, -1))
+            out = out + torch.bmm(low, ad.b.transpose(-2, -1)) * ad.scaling
+        return out
+
+    return _mlp(proj, padded, w3 is not None)[expert, slot]
 
 
 def run_experts(
@@ -166,18 +231,20 @@ def run_experts(
     w2: torch.Tensor,
     w3: torch.Tensor | None,
     impl: str = "grouped",
+    adapters: Adapters | None = None,
 ) -> torch.Tensor:
     """Rows of `x` grouped by expert (counts[e] rows for expert e of the given weights), each through its MLP.
 
     impl="grouped" (model.moe_impl): one grouped matmul per weight for all experts, no per-expert
     Python work (the padded batched matmul where torch._grouped_mm does not run); "padded": always
-    the padded batched matmul; "loop": one matmul chain per expert, the reference.
+    the padded batched matmul; "loop": one matmul chain per expert, the reference. `adapters`:
+    LoRA updates of some of the weights, computed low-rank beside them in the same way.
     """
     if impl == "loop":
-        return _loop_experts(x, counts.tolist(), w1, w2, w3)
-    if impl == "grouped" and grouped_mm_fits(x, w1, w2, w3):
-        return _grouped_experts(x, counts, w1, w2, w3)
-    return _padded_experts(x, counts, w1, w2, w3)
+        return _loop_experts(x, counts.tolist(), w1, w2, w3, adapters)
+    if impl == "grouped" and grouped_mm_fits(x, w1, w2, w3, adapters):
+        return _grouped_experts(x, counts, w1, w2, w3, adapters)
+    return _padded_experts(x, counts, w1, w2, w3, adapters)
 
 
 class GroupedExperts(nn.Module):
@@ -190,9 +257,22 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))  # down / proj
         self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if cfg.family == "llama" else None  # up
         self.impl = cfg.moe_impl
+        # LoRA (suite.models.lora.apply_lora adds them; absent otherwise): per-expert factors
+        # lora_a[name] [E, rank, in] and lora_b[name] [E, out, rank] (nn.ParameterDict), stacked like
+        # the weights so expert parallelism shards them too, lora_scaling and lora_dropout
+
+    def adapters(self, local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Adapters | None:
+        """The LoRA updates by weight name (None without LoRA); `local` maps a factor to this rank's part."""
+        lora_a, lora_b = getattr(self, "lora_a", None), getattr(self, "lora_b", None)
+        if lora_a is None or lora_b is None:
+            return None
+        return {
+            name: ExpertAdapter(local(a), local(lora_b[name]), self.lora_scaling, self.lora_dropout)
+            for name, a in lora_a.items()
+        }
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_experts(x, counts, self.w1, self.w2, self.w3, self.impl)
+        return run_experts(x, counts, self.w1, self.w2, self.w3, self.impl, self.adapters())
 
 
 class MoEFeedForward(nn.Module):

@@ -116,8 +116,15 @@ class ExpertParallelExperts(GroupedExperts):
         )
         order = torch.argsort(row_key, stable=True)
         w3 = self.w3.to_local() if self.w3 is not None else None
+        adapters = self.adapters(local=lambda t: t.to_local())  # LoRA factors: sharded like the weights
         out = run_experts(
-            received[order], recv_matrix.sum(0), self.w1.to_local(), self.w2.to_local(), w3, self.impl
+            received[order],
+            recv_matrix.sum(0),
+            self.w1.to_local(),
+            self.w2.to_local(),
+            w3,
+            self.impl,
+            adapters,
         )
         out = out[torch.argsort(order)]
         result = x.new_empty(x.shape[0], out.shape[1])
@@ -131,7 +138,8 @@ class ExpertParallelExperts(GroupedExperts):
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) -> list[nn.Parameter]:
-    """Shard every MoE layer's experts over `ep` (model on meta); returns the expert parameters.
+    """Shard every MoE layer's experts over `ep` (model on meta); returns the expert parameters
+    (the stacked weights and their LoRA factors, lora_a.w1 ...: per expert, so sharded alike).
 
     `traffic["bytes"]` accumulates the bytes this rank sends to other ranks in forward dispatch and
     combine (the backward sends the same amounts back).
@@ -141,9 +149,13 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) 
     for module in list(model.modules()):
         if not isinstance(module, GroupedExperts):
             continue
-        for name, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, placements, src_data_rank=None))
-            setattr(module, name, sharded)
+        for name, param in list(module.named_parameters()):
+            sharded = nn.Parameter(
+                distribute_tensor(param.data, ep_mesh, placements, src_data_rank=None),
+                requires_grad=param.requires_grad,  # a LoRA base stays frozen
+            )
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, sharded)
             expert_params.append(sharded)
         module.__class__ = ExpertParallelExperts
         module.ep_group = ep_mesh.get_group("ep")
@@ -154,7 +166,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) 
 
 
 def expert_params_of(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)]
+    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
 
 
 @torch.no_grad()

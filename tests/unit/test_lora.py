@@ -154,3 +154,91 @@ def test_bad_settings_are_refused():
     model = apply_lora(base(), rank=2)
     with pytest.raises(ValueError, match="already"):
         apply_lora(model, rank=2)
+
+
+# ---- Mixture-of-Experts: per-expert adapters on the stacked expert weights --------------------------
+def moe_cfg(impl: str = "grouped") -> ModelConfig:
+    return ModelConfig(
+        family="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=128,
+        max_seq_len=32,
+        num_experts=4,
+        top_k=2,
+        moe_ffn_hidden_size=16,
+        moe_impl=impl,
+    )
+
+
+def adapted_moe(impl: str, targets: list[str]) -> torch.nn.Module:
+    """A MoE model with LoRA on `targets` and non-zero B factors (so the adapters change the output)."""
+    from suite.models.lora import lora_parameters
+
+    model = materialize(build_model(moe_cfg(impl)), "cpu", seed=7)
+    apply_lora(model, 4, 8.0, 0.0, targets, seed=3)
+    with torch.no_grad():
+        for name, param in sorted(lora_parameters(model).items()):
+            if ".lora_b." in name:
+                gen = torch.Generator().manual_seed(len(name) + param.numel())
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def test_expert_targets_adapt_the_stacked_weights_per_expert():
+    """w1/w2/w3 name the routed experts' stacked weights too; `experts` names them alone; the
+    router and the base stay frozen; `experts` on a dense model matches nothing."""
+    model = adapted_moe("loop", ["wq", "w1", "w2", "w3"])
+    state = lora_state_dict(model)
+    assert state["layers.0.feed_forward.experts.lora_a.w1"].shape == (4, 4, 32)  # [E, rank, in]
+    assert state["layers.0.feed_forward.experts.lora_b.w2"].shape == (4, 32, 4)  # [E, out, rank]
+    assert "layers.0.attention.wq.lora_a.weight" in state
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(state)
+    only = lora_state_dict(adapted_moe("loop", ["experts"]))
+    assert {k.rsplit(".", 1)[1] for k in only} == {"w1", "w2", "w3"}
+    assert all(".experts.lora_" in k for k in only)
+    with pytest.raises(ConfigError, match="match no linear layer"):
+        apply_lora(base("llama"), 4, 8.0, 0.0, ["experts"])
+
+
+@pytest.mark.parametrize("impl", ["grouped", "padded"])
+def test_expert_adapters_compute_like_the_per_expert_loop_and_merge_exactly(impl):
+    """The grouped / padded expert compute with adapters gives the loop's logits and adapter
+    gradients, and merging folds B[e] A[e] * alpha/rank into each expert's weight: same logits,
+    plain names."""
+    from suite.models.lora import lora_parameters
+
+    out, grads = {}, {}
+    for kind in ("loop", impl):
+        model = adapted_moe(kind, ["wq", "wv", "w1", "w2", "w3"])
+        logits = model(TOKENS)
+        logits.square().mean().backward()
+        out[kind] = logits.detach()
+        grads[kind] = {n: p.grad.clone() for n, p in lora_parameters(model).items()}
+    assert (out[impl] - out["loop"]).abs().max() <= 1e-5
+    for name, ref in grads["loop"].items():
+        assert (grads[impl][name] - ref).norm() <= 1e-5 * ref.norm().clamp_min(1e-12), name
+    assert any(".experts.lora_a." in n and g.norm() > 0 for n, g in grads["loop"].items())
+    plain = adapted_moe(impl, ["wq", "wv", "w1", "w2", "w3"])
+    merge_lora(plain)
+    assert not any("lora" in k for k in plain.state_dict())
+    with torch.no_grad():
+        assert (plain(TOKENS) - out["loop"]).abs().max() <= 1e-5
+        unadapted = materialize(build_model(moe_cfg(impl)), "cpu", seed=7)(TOKENS)
+    assert (unadapted - out["loop"]).abs().max() > 1e-3  # the adapters did change the model
+
+
+def test_experts_target_needs_a_moe_base():
+    """`experts` in finetune.lora.target_modules on a dense base: one ConfigError before launch."""
+    from suite.config.compose import compose_config, to_object
+    from suite.finetune.checks import check_finetune_layout
+
+    targets = ["finetune.method=lora", "finetune.lora.target_modules=[wq,experts]"]
+    with pytest.raises(ConfigError, match="names experts, but .* is dense"):
+        check_finetune_layout(to_object(compose_config(["recipe=sft-tiny", *targets])), None)
+    moe = to_object(compose_config(["recipe=moe-tiny", *targets]))
+    assert moe.model.num_experts and "experts" in moe.finetune.lora.target_modules
+    check_finetune_layout(moe, None)
