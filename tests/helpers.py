@@ -231,7 +231,7 @@ def override_value(overrides: list[str], key: str, default: str) -> str:
     return values[-1] if values else default
 
 
-BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.w\w+\.weight$")
+BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.(shared_experts\.)?w\w+\.weight$")
 
 
 def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
