@@ -6,11 +6,10 @@ Runs (real CLI, TINY_MODEL-sized `recipe=moe-tiny`: 2 layers, 8 experts, top-2, 
     ep4      4 processes: dp=2 x sharding=2, ep=4 -> every rank holds 2 experts, 5 steps
     resume   the ep2-dp2 step-5 checkpoint resumed by one process to step 10
     tp2      2 processes: tp=2, expert-tensor-parallel (each expert split on its ffn dim), 10 steps
-    tp2-sp   the same with sequence parallelism, 10 steps
     ep2-tp2  4 processes: sharding=2 (FSDP), ep=2, tp=2 -> each rank holds half of 4 experts, 10 steps
     shared-single / shared-tp2-sp   a shared expert and capacity dropping (capacity_factor=1.0), one
-             process against tp=2 + sp: the shared MLP's tensor-parallel plan, and dropping decided
-             identically on every tp rank
+             process against tp=2 + sequence parallelism: the sp gather / slice of the MoE layer,
+             the shared MLP's tensor-parallel plan, and dropping decided identically on tp ranks
 Dropless routing (capacity_factor=null, the recipe's) because equivalence is the claim: routing is
 decided per rank on its own tokens, so dropping would match too, but a tie in capacity order would
 make one test depend on two features at once.
@@ -42,12 +41,11 @@ LAYOUTS = {
     "ep2-dp2": (4, ["parallel.dp=2", "parallel.sharding=2", "parallel.ep=2"], 5),
     "ep4": (4, ["parallel.dp=2", "parallel.sharding=2", "parallel.ep=4"], 5),
     "tp2": (2, ["parallel.tp=2"], 10),
-    "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"], 10),
     "ep2-tp2": (4, ["parallel.sharding=2", "parallel.ep=2", "parallel.tp=2"], 10),
     "shared-single": (1, SHARED_DROPPING, 10),
     "shared-tp2-sp": (2, [*SHARED_DROPPING, "parallel.tp=2", "parallel.sp=true"], 10),
 }
-TP_REFERENCE = {"tp2": "single", "tp2-sp": "single", "ep2-tp2": "single", "shared-tp2-sp": "shared-single"}
+TP_REFERENCE = {"tp2": "single", "ep2-tp2": "single", "shared-tp2-sp": "shared-single"}
 
 
 @pytest.fixture(scope="module")
