@@ -231,7 +231,7 @@ def override_value(overrides: list[str], key: str, default: str) -> str:
     return values[-1] if values else default
 
 
-BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.w\w+\.weight$")
+BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.(shared_experts\.)?w\w+\.weight$")
 
 
 def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
@@ -263,6 +263,10 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
             if degrees["tp"] > 1 and (BLOCK_MATRIX.match(name) or name == "output.weight"):
                 assert "tp:Shard(dim=" in placement, (name, placement)
             expert = ".experts." in name  # expert parallel: on their own (edp, ep) mesh, not FSDP's
+            if degrees["tp"] > 1 and expert:  # expert-tensor-parallel: each expert split on its ffn dim
+                assert f"tp:Shard(dim={2 if name.endswith('w2') else 1})" in placement, (name, placement)
+            if degrees["tp"] > 1 and name.endswith(".router.weight"):  # routing replicated on tp ranks
+                assert "tp:Replicate()" in placement, (name, placement)
             if kind in ("fsdp", "hsdp") and not (expert and degrees["ep"] > 1):
                 # over the sharding axis, or with cp over the flattened (sharding, cp) mesh
                 assert re.search(r"(sharding\w*|data_cp):(_Strided)?Shard\(dim=0", placement), (
@@ -279,6 +283,8 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
             assert "fsdp" in modules and "replicate" not in modules, modules
         if degrees["cp"] > 1:
             assert len(modules.get("context_parallel", [])) == len(view["layers"]), modules
+        if degrees["tp"] > 1 and any(".experts." in n for n in params):
+            assert modules.get("expert_tensor_parallel"), modules
         if degrees["ep"] > 1:
             assert modules.get("expert_parallel"), modules
             experts = [p for n, p in params.items() if ".experts." in n]

@@ -45,7 +45,7 @@ def check_finetune(cfg: SuiteConfig) -> None:
 def check_finetune_layout(cfg: SuiteConfig, dims) -> None:
     """What finetuning cannot run, once the base model's architecture and the degrees are known
     (`dims`: suite.parallel.dims.ParallelDims; MoE layouts are the parallel checks')."""
-    from suite.models.lora import EXPERTS_TARGET
+    from suite.models.lora import EXPERT_WEIGHTS, EXPERTS_TARGET
 
     ft = cfg.finetune
     if ft.method == "lora" and EXPERTS_TARGET in ft.lora.target_modules and not cfg.model.num_experts:
@@ -53,4 +53,11 @@ def check_finetune_layout(cfg: SuiteConfig, dims) -> None:
             f"finetune.lora.target_modules={list(ft.lora.target_modules)} names {EXPERTS_TARGET}, but "
             f"model.init_from={cfg.model.init_from} is dense (model.num_experts=0); drop {EXPERTS_TARGET} "
             "(w1/w2/w3 adapt the MLP)"
+        )
+    adapts_experts = any(t in (EXPERTS_TARGET, *EXPERT_WEIGHTS) for t in ft.lora.target_modules)
+    if ft.method == "lora" and cfg.model.num_experts and adapts_experts and dims is not None and dims.tp > 1:
+        raise ConfigError(
+            f"finetune.lora.target_modules={list(ft.lora.target_modules)} adapts the experts, whose LoRA "
+            f"factors have no split under parallel.tp={dims.tp} yet; adapt attention only "
+            "(finetune.lora.target_modules=[wq,wk,wv,wo]) or use parallel.tp=1 (parallel.ep spreads experts)"
         )

@@ -50,6 +50,8 @@ def describe_rank(model: nn.Module) -> dict:
             kinds.append("compiled")
         if type(module).__name__ == "ExpertParallelExperts":
             kinds.append("expert_parallel")
+        if getattr(module, "tp_group", None) is not None:  # suite.parallel.expert_tensor_parallel
+            kinds.append("expert_tensor_parallel")
         if type(module).__name__ == "ContextParallelAttention":
             kinds.append("context_parallel")
         for kind in kinds:

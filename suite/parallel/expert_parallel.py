@@ -8,6 +8,9 @@ different slice of the experts, and the groups replicate each other:
     expert weights   DTensor [E, ...] placed (Replicate() over edp, Shard(0) over ep)
     dense weights    the usual data parallel over all data ranks (replicate / FSDP / HSDP)
 
+    with tp > 1: mesh ("edp", "ep", "tp"), experts also split on their ffn dim over tp and the
+    dispatch wrapped in suite.parallel.expert_tensor_parallel's copy / reduce pair
+
 Each rank routes its own tokens (so routing, capacity dropping and the auxiliary loss are the
 single-process ones), then `GroupedExperts.forward(tokens sorted by expert, counts)` is replaced by:
 exchange counts (all_to_all), send every token to the rank owning its expert (all_to_all_single
@@ -30,7 +33,8 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from suite.config.errors import ConfigError
-from suite.models.moe import GroupedExperts, load_metrics, pop_load_stats, run_experts
+from suite.models.moe import GroupedExperts, expert_ffn_size, load_metrics, pop_load_stats, run_experts
+from suite.parallel.expert_tensor_parallel import EXPERT_TP_DIM, TensorParallelExperts
 
 EP_AXES = ("edp", "ep")
 
@@ -44,10 +48,10 @@ def check_expert_parallel(dims, cfg) -> None:
             f"parallel.ep={ep}: expert parallelism needs a mixture-of-experts model and model.num_experts=0; "
             "set model.num_experts (e.g. recipe=moe-tiny) or use parallel.ep=1"
         )
-    if dims.tp > 1:
+    if dims.tp > 1 and expert_ffn_size(model) % dims.tp:
         raise ConfigError(
-            f"parallel.tp={dims.tp} with model.num_experts={model.num_experts}: tensor parallelism of MoE "
-            "models is not supported; use parallel.tp=1 (spread experts with parallel.ep instead)"
+            f"parallel.tp={dims.tp} does not divide the expert MLP width (model.moe_ffn_hidden_size) "
+            f"{expert_ffn_size(model)}; tensor parallelism splits every expert on it, use a tp that divides it"
         )
     if dims.pp > 1:
         raise ConfigError(
@@ -79,16 +83,24 @@ def check_expert_parallel(dims, cfg) -> None:
 
 
 def build_expert_mesh(dims, device_type: str) -> DeviceMesh:
-    """("edp", "ep") mesh over the data ranks: ep groups are neighbouring ranks (collective)."""
-    ranks = torch.arange(dims.world_size).view(dims.data_parallel_size // dims.ep, dims.ep)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+    """("edp", "ep") mesh over the data ranks: ep groups are neighbouring data ranks (collective).
+    With tp > 1 a third, innermost axis "tp" (the job mesh's tp ranks: pp = cp = 1 under MoE, so a
+    rank is data_rank * tp + tp_rank): an ep group then joins the ranks of one tp coordinate."""
+    shape = (dims.data_parallel_size // dims.ep, dims.ep)
+    names = EP_AXES
+    if dims.tp > 1:
+        shape, names = (*shape, dims.tp), (*EP_AXES, "tp")
+    ranks = torch.arange(dims.world_size).view(*shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
 
 
-class ExpertParallelExperts(GroupedExperts):
+class ExpertParallelExperts(TensorParallelExperts):
     """GroupedExperts whose stacked weights are sharded over `ep` and whose tokens travel by all_to_all.
 
     Made by `apply_expert_parallel` from a GroupedExperts (its class is swapped, like FSDP2 does);
-    parameter names stay the same, so checkpoints load in any layout.
+    parameter names stay the same, so checkpoints load in any layout. Under tp as well, the
+    inherited `forward` wraps this dispatch in the expert-tensor-parallel copy / reduce
+    (suite.parallel.expert_tensor_parallel) and the local experts are this rank's ffn slices.
     """
 
     ep_group: dist.ProcessGroup
@@ -96,7 +108,7 @@ class ExpertParallelExperts(GroupedExperts):
     ep_rank: int
     traffic: dict
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def local_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, num_experts = self.ep_size, counts.numel()
         local_experts = num_experts // ep
         # how many rows every rank sends to each of my local experts
@@ -144,20 +156,25 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) 
     `traffic["bytes"]` accumulates the bytes this rank sends to other ranks in forward dispatch and
     combine (the backward sends the same amounts back).
     """
-    placements = [Replicate(), Shard(0)]
+    tp = "tp" in (ep_mesh.mesh_dim_names or ())
     expert_params: list[nn.Parameter] = []
     for module in list(model.modules()):
         if not isinstance(module, GroupedExperts):
             continue
         for name, param in list(module.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            # LoRA factors (lora_a.w1 ...) under tp are refused before launch (suite.finetune.checks)
+            placements = [Replicate(), Shard(0)] + ([Shard(EXPERT_TP_DIM[name])] if tp else [])
+            # under tp the parameter is already a DTensor on the tp mesh: placed afresh (on meta)
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device) if tp else param.data
             sharded = nn.Parameter(
-                distribute_tensor(param.data, ep_mesh, placements, src_data_rank=None),
+                distribute_tensor(full, ep_mesh, placements, src_data_rank=None),
                 requires_grad=param.requires_grad,  # a LoRA base stays frozen
             )
-            owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, sharded)
             expert_params.append(sharded)
         module.__class__ = ExpertParallelExperts
+        module.tp_group = ep_mesh.get_group("tp") if tp else None
         module.ep_group = ep_mesh.get_group("ep")
         module.ep_size = ep_mesh.size(1)
         module.ep_rank = ep_mesh.get_local_rank("ep")

@@ -175,10 +175,11 @@ def _lora_aware(block: nn.Module, plan: dict[str, ParallelStyle], sp: bool) -> d
     return out
 
 
-def block_plan(sp: bool, cfg) -> dict[str, ParallelStyle]:
+def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
     """The styles of one block's modules, exactly the modules this model config builds (fused or
     separate projections; SwiGLU's gate and up for Llama): `apply_tensor_parallel` refuses an entry
-    that matches nothing, so a plan can never skip a module quietly."""
+    that matches nothing, so a plan can never skip a module quietly. An MoE block's plan stops at
+    its ffn_norm: suite.parallel.expert_tensor_parallel rewrites the MoE layer."""
     fused, swiglu = cfg.fused_projections, cfg.family == "llama"
     qkv = ["attention.wqkv"] if fused else ["attention.wq", "attention.wk", "attention.wv"]
     if swiglu:
@@ -194,6 +195,8 @@ def block_plan(sp: bool, cfg) -> dict[str, ParallelStyle]:
     plan |= {key: ColwiseParallel() for key in qkv}
     plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
     plan["ffn_norm"] = norm()
+    if moe:
+        return plan
     if sp:
         plan["feed_forward"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -209,8 +212,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
     Works on any subset of the modules (a pipeline stage may lack embeddings or the head).
     The head's output is a vocab-sharded DTensor: run the loss under `loss_parallel()`.
     """
-    plan = block_plan(sp, model.cfg)
+    from suite.models.moe import MoEFeedForward
+    from suite.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+
+    plans = {
+        key: block_plan(sp, model.cfg, isinstance(block.feed_forward, MoEFeedForward))
+        for key, block in model.layers.items()
+    }
     for key, block in model.layers.items():  # before anything is rewritten
+        plan = plans[key]
         missing = [k for k in plan if not _has(block, k)]
         if missing:
             raise RuntimeError(
@@ -236,8 +246,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _lora_aware(block, plan, sp))
+    for key, block in model.layers.items():
+        parallelize_module(block, tp_mesh, _lora_aware(block, plans[key], sp))
+        if isinstance(block.feed_forward, MoEFeedForward):
+            apply_expert_tensor_parallel(block.feed_forward, tp_mesh, sp, model.cfg)
     retie_embeddings(model)
 
 

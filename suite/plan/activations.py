@@ -68,8 +68,9 @@ def layer_activations(job: Job, layout: Layout, moe: bool = False) -> LayerActiv
     per_width = 4 if m.family == "llama" else 2
     if moe:
         width = expert_ffn_size(m) * (m.top_k + m.num_shared_experts)
-        # routed copies of the tokens in and out of the experts, and the fp32 router logits
-        mlp = per_width * e * s * b * width + 2 * e * m.top_k * sbh + 2 * 4 * s * b * m.num_experts
+        # expert hidden activations (split on ffn by tp), the routed copies of the tokens in and out
+        # of the experts and the fp32 router logits (replicated on every tp rank)
+        mlp = per_width * e * s * b * width / t + 2 * e * m.top_k * sbh + 2 * 4 * s * b * m.num_experts
     else:
         mlp = per_width * e * s * b * ffn_size(m) / t
     masks = 2 * sbh / sp_div if m.dropout > 0 else 0.0

@@ -134,12 +134,18 @@ def _micro_batch_comm(
     act = e * tokens * m.hidden_size
     moe = set(moe_layer_ids(m))
     tp = cp = ep = 0.0
+    moe_layers = sum(1 for layer in layers if layer in moe)
     if layout.tp > 1:
-        # 2 forward + 2 backward all-reduces per layer (AG + RS under sp: the same time), plus the
-        # forward's again when recomputed (full: 2, full_attn: 1)
-        per_layer = 4 + {"full": 2, "full_attn": 1}.get(layout.recompute, 0)
+        # per layer 2 forward + 2 backward all-reduces (AG + RS under sp: the same time), attention's
+        # and the MLP's, plus the forward's again when recomputed (full: both, full_attn: attention's);
+        # an MoE layer's MLP pair reduces its routed rows, top_k copies of the tokens
+        # (suite.parallel.expert_tensor_parallel)
+        attn = 2 + (1 if layout.recompute in ("full", "full_attn") else 0)
+        mlp = 2 + (1 if layout.recompute == "full" else 0)
         link = comm.group_link(c, layout, "tp")
-        tp = per_layer * len(layers) * comm.all_reduce(link, act)
+        tp = len(layers) * attn * comm.all_reduce(link, act)
+        tp += (len(layers) - moe_layers) * mlp * comm.all_reduce(link, act)
+        tp += moe_layers * mlp * comm.all_reduce(link, act * m.top_k)
         if layout.pp == 1:  # vocabulary-parallel embedding (forward) and head input (backward)
             tp += 2 * comm.all_reduce(link, act)
     if layout.cp > 1:
@@ -148,7 +154,6 @@ def _micro_batch_comm(
         link = comm.group_link(c, layout, "cp")
         per_layer = 3 * (layout.cp - 1) * comm.send_recv(link, kv)
         cp = max(0.0, per_layer * len(layers) - (core_time if c.comm_overlap else 0.0))
-    moe_layers = sum(1 for layer in layers if layer in moe)
     if layout.ep > 1 and moe_layers:
         per_layer = 4 + (2 if layout.recompute == "full" else 0)  # dispatch + combine, each way
         link = comm.group_link(c, layout, "ep")

@@ -229,19 +229,22 @@ class _TrainView:
 
 def _check_model_splits(job: Job, layout: Layout) -> None:
     """The parts of ParallelDims.validate_run that depend on the model and sequence only."""
+    from suite.models.moe import expert_ffn_size
     from suite.models.transformer import ffn_size
 
     m, tp, cp = job.model, layout.tp, layout.cp
     if tp > 1 and (m.vocab_size % tp or ffn_size(m) % tp):
         raise ConfigError(f"tp={tp} does not divide model.vocab_size or the MLP width")
+    if tp > 1 and m.num_experts > 0 and expert_ffn_size(m) % tp:
+        raise ConfigError(f"tp={tp} does not divide the expert MLP width")
     if layout.sp and job.seq_len % (tp * cp):
         raise ConfigError(f"sp with tp={tp} does not divide data.seq_len={job.seq_len}")
     if cp > 1 and (job.seq_len % (2 * cp) or layout.pp > 1 or m.num_experts > 0):
         raise ConfigError(f"cp={cp} needs seq_len % 2cp == 0, pp=1 and a dense model")
     if layout.offload and (layout.sharding == 1 or layout.stage == 1):
         raise ConfigError("offload needs sharding > 1 at stage 2 or 3")
-    if m.num_experts > 0 and (tp > 1 or layout.pp > 1):
-        raise ConfigError("MoE models run with tp=1 and pp=1")
+    if m.num_experts > 0 and layout.pp > 1:
+        raise ConfigError("MoE models run with pp=1")
     if layout.ep > 1:
         if m.num_experts == 0 or m.num_experts % layout.ep or layout.data_ranks % layout.ep:
             raise ConfigError(f"ep={layout.ep} must divide model.num_experts and the data ranks")

@@ -9,7 +9,9 @@ way suite/models/transformer.py builds it, then split the way suite.parallel pla
   vocabulary-parallel embedding and head split dim 0, row-parallel wo/w2 split dim 1 (their biases
   and the norms and position table are replicated).
 - expert parallel: the stacked expert weights [E, ...] split dim 0 over ep, and are not sharded
-  further (suite.parallel.expert_parallel); at ep = 1 FSDP shards them like any tensor.
+  further (suite.parallel.expert_parallel); at ep = 1 FSDP shards them like any tensor. Under tp
+  they also split their ffn dim (w1 / w3 dim 1, w2 dim 2: suite.parallel.expert_tensor_parallel);
+  the router is replicated.
 - sharding (FSDP2, ZeRO): dim 0 of each rank's tensor is cut like torch.chunk, so ranks can hold
   unequal pieces; the worst rank is the first.
 """
@@ -91,10 +93,10 @@ def layer_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
     e, width = cfg.num_experts, expert_ffn_size(cfg)
     f = f"{p}.feed_forward"
     specs.append(ParamSpec(f"{f}.router.weight", (e, h), layer=layer))
-    specs.append(ParamSpec(f"{f}.experts.w1", (e, width, h), expert=True, layer=layer))
-    specs.append(ParamSpec(f"{f}.experts.w2", (e, h, width), expert=True, layer=layer))
+    specs.append(ParamSpec(f"{f}.experts.w1", (e, width, h), 1, expert=True, layer=layer))
+    specs.append(ParamSpec(f"{f}.experts.w2", (e, h, width), 2, expert=True, layer=layer))
     if not gpt:
-        specs.append(ParamSpec(f"{f}.experts.w3", (e, width, h), expert=True, layer=layer))
+        specs.append(ParamSpec(f"{f}.experts.w3", (e, width, h), 1, expert=True, layer=layer))
     if cfg.num_shared_experts:
         specs += _mlp(cfg, f"{f}.shared_experts", cfg.num_shared_experts * width, layer)
     return specs
@@ -184,11 +186,11 @@ def chunk(rows: int, parts: int, index: int) -> int:
 
 def local_shape(spec: ParamSpec, tp: int, ep: int) -> tuple[int, ...]:
     """The shape a rank holds after tensor and expert parallelism (each divides its dim exactly:
-    suite.parallel.dims checks heads, vocabulary, MLP width and experts against tp and ep)."""
+    suite.parallel.dims checks heads, vocabulary, MLP widths and experts against tp and ep)."""
     shape = list(spec.shape)
     if spec.expert:
         shape[0] //= ep
-    elif spec.tp_dim is not None:
+    if spec.tp_dim is not None:
         shape[spec.tp_dim] //= tp
     return tuple(shape)
 

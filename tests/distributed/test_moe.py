@@ -5,6 +5,11 @@ Runs (real CLI, TINY_MODEL-sized `recipe=moe-tiny`: 2 layers, 8 experts, top-2, 
     ep2-dp2  4 processes: dp=2 x sharding=2 (HSDP), ep=2 -> 2 replicas of each expert slice, 5 steps
     ep4      4 processes: dp=2 x sharding=2, ep=4 -> every rank holds 2 experts, 5 steps
     resume   the ep2-dp2 step-5 checkpoint resumed by one process to step 10
+    tp2      2 processes: tp=2, expert-tensor-parallel (each expert split on its ffn dim), 10 steps
+    ep2-tp2  4 processes: sharding=2 (FSDP), ep=2, tp=2 -> each rank holds half of 4 experts, 10 steps
+    shared-single / shared-tp2-sp   a shared expert and capacity dropping (capacity_factor=1.0), one
+             process against tp=2 + sequence parallelism: the sp gather / slice of the MoE layer,
+             the shared MLP's tensor-parallel plan, and dropping decided identically on tp ranks
 Dropless routing (capacity_factor=null, the recipe's) because equivalence is the claim: routing is
 decided per rank on its own tokens, so dropping would match too, but a tie in capacity order would
 make one test depend on two features at once.
@@ -30,11 +35,17 @@ MOE = [
     "model.moe_ffn_hidden_size=64",
     "sched=constant",
 ]
+SHARED_DROPPING = ["model.num_shared_experts=1", "model.capacity_factor=1.0"]
 LAYOUTS = {
     "single": (1, [], 10),
     "ep2-dp2": (4, ["parallel.dp=2", "parallel.sharding=2", "parallel.ep=2"], 5),
     "ep4": (4, ["parallel.dp=2", "parallel.sharding=2", "parallel.ep=4"], 5),
+    "tp2": (2, ["parallel.tp=2"], 10),
+    "ep2-tp2": (4, ["parallel.sharding=2", "parallel.ep=2", "parallel.tp=2"], 10),
+    "shared-single": (1, SHARED_DROPPING, 10),
+    "shared-tp2-sp": (2, [*SHARED_DROPPING, "parallel.tp=2", "parallel.sp=true"], 10),
 }
+TP_REFERENCE = {"tp2": "single", "ep2-tp2": "single", "shared-tp2-sp": "shared-single"}
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +107,22 @@ def test_expert_parallel_matches_single_process(moe_runs, name):
 def test_expert_parallel_checkpoint_resumes_in_one_process(moe_runs):
     assert_layout(moe_runs("resume"), 1, [])
     assert_equivalent(moe_runs("single"), moe_runs("resume"), from_step=5, grad_step=None)
+
+
+@pytest.mark.parametrize("name", list(TP_REFERENCE))
+def test_tensor_parallel_moe_matches_single_process(moe_runs, name):
+    """Expert-tensor-parallel MoE (router replicated, experts split on ffn) trains like one process."""
+    nproc, overrides, steps = LAYOUTS[name]
+    reference = moe_runs(TP_REFERENCE[name])
+    layout = assert_layout(moe_runs(name), nproc, overrides)
+    assert all(view["modules"].get("expert_tensor_parallel") for view in layout["ranks"]), layout
+    assert_equivalent(reference, moe_runs(name), to_step=steps)
+    records = [r for r in read_metrics(moe_runs(name)) if "loss" in r]
+    assert len(records) == steps
+    single = {r["step"]: r for r in read_metrics(reference)}
+    if name.startswith("shared"):  # the dropping path really ran
+        assert all(r["moe_dropped_frac"] > 0 for r in records)
+    for r in records:  # routing, dropping and the balance / z-losses are the single process's
+        for key in ("moe_load_max_over_mean", "moe_balance_loss", "moe_z_loss", "moe_dropped_frac"):
+            assert abs(r[key] - single[r["step"]][key]) <= 1e-6 * abs(single[r["step"]][key]), (key, r)
+        assert ("a2a_bytes" in r) == ("parallel.ep=2" in overrides)

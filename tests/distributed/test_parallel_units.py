@@ -94,6 +94,13 @@ def test_tensor_parallel_plan_covers_every_block_matrix_and_nothing_else():
                 assert all(_has(block, key) for key in plan), (family, fused, sp, plan.keys())
                 assert linears <= plan.keys(), linears - plan.keys()
 
+    # an MoE block: the plan stops at ffn_norm; the MoE layer is rewritten whole (router, experts)
+    cfg = ModelConfig(family="llama", num_layers=1, hidden_size=64, num_heads=4, vocab_size=64, num_experts=4)
+    block = build_model(cfg, "meta").layers["0"]
+    for sp in (False, True):
+        plan = block_plan(sp, cfg, moe=True)
+        assert all(_has(block, key) for key in plan) and not any("feed_forward" in k for k in plan), plan
+
     from suite.parallel.tensor_parallel import apply_tensor_parallel
 
     cfg = ModelConfig(num_layers=1, hidden_size=64, num_heads=4, vocab_size=64)

@@ -1,7 +1,7 @@
 """The dry run (`suite pretrain ... --dry-run`): each preset placed by the real `parallelize` on the
 meta device under a fake process group of up to 1024 ranks holds exactly the parameters the cost
 model counts for that rank, under at least five layouts (FSDP's uneven pieces, tp, pp with virtual
-stages, HSDP, ZeRO-1, ep)."""
+stages, HSDP, ZeRO-1, ep, MoE under tp)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ MOE = [
     (8, {"dp": 8, "ep": 8}),
     (16, {"dp": 4, "sharding": 4, "sharding_stage": 3, "ep": 4}),
     (1024, {"sharding": 1024, "sharding_stage": 3, "ep": 8}),
+    # expert-tensor-parallel: experts split on their ffn dim, alone and under ep
+    (16, {"tp": 2, "sp": True, "sharding": 8, "sharding_stage": 3}),
+    (32, {"tp": 2, "dp": 2, "sharding": 8, "sharding_stage": 2, "ep": 4}),
 ]
 
 
