@@ -73,11 +73,6 @@ def check_expert_parallel(dims, cfg) -> None:
         )
     if dims.cp > 1:
         raise ConfigError(f"parallel.ep={ep} with parallel.cp={dims.cp} is not supported; use one of them")
-    if dims.sharding > 1 and pcfg.sharding_stage == 1:
-        raise ConfigError(
-            f"parallel.ep={ep} with parallel.sharding_stage=1 (ZeRO-1) is not supported; "
-            "use parallel.sharding_stage=2 or 3, or parallel.dp instead of sharding"
-        )
     if pcfg.offload:
         raise ConfigError(f"parallel.ep={ep} with parallel.offload=true is not supported; use offload=false")
 

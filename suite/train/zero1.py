@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from suite.parallel.data_parallel import canonical_name
+from suite.parallel.expert_parallel import expert_params_of
 from suite.train.optim import WrappedOptimizer
 
 
@@ -26,7 +27,8 @@ def _row_slice(rows: int, parts: int, index: int) -> tuple[int, int, int]:
 
 
 class ZeroOneOptimizer(WrappedOptimizer):
-    """An optimizer whose state covers only this rank's 1/N row slice of every parameter.
+    """An optimizer whose state covers only this rank's 1/N row slice of every parameter (expert-parallel
+    weights excepted: they are split over ep already, and each rank keeps their whole state).
 
     Wraps an already built optimizer (from suite.train.optim) over the model's parameters and
     re-points it at DTensor views of this rank's rows (Shard(0) over the `sharding` mesh axis,
@@ -49,8 +51,14 @@ class ZeroOneOptimizer(WrappedOptimizer):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.entries: list[dict] = []
         shard_of: dict[int, nn.Parameter] = {}
+        # expert-parallel weights are already split over their own mesh axis (ep): each rank keeps the
+        # whole state of its experts, as under FSDP, which leaves them out too
+        experts = {id(p) for p in expert_params_of(model)}
         for name, param in model.named_parameters():
-            entry = self._make_shard(canonical_name(name), param, mesh)
+            if id(param) in experts:
+                entry = {"fqn": canonical_name(name), "param": param, "shard": param, "whole": True}
+            else:
+                entry = self._make_shard(canonical_name(name), param, mesh)
             self.entries.append(entry)
             shard_of[id(param)] = entry["shard"]
         for group in inner.param_groups:
@@ -93,11 +101,16 @@ class ZeroOneOptimizer(WrappedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for e in self.entries:
+        for e in self.sliced:
             e["shard"].grad = None
 
+    @property
+    def sliced(self) -> list[dict]:
+        """The entries whose state this rank holds a row slice of (all but the expert weights)."""
+        return [e for e in self.entries if not e.get("whole")]
+
     def _update(self) -> None:
-        for e in self.entries:
+        for e in self.sliced:
             grad = e["param"].grad
             if grad is None:
                 e["shard"].grad = None
@@ -117,7 +130,7 @@ class ZeroOneOptimizer(WrappedOptimizer):
     def _gather_slices(self) -> None:
         """All-gather every rank's updated rows into the full parameters, in size-capped buckets."""
         by_dtype: dict[torch.dtype, list[dict]] = defaultdict(list)
-        for e in self.entries:
+        for e in self.sliced:
             by_dtype[e["local"].dtype].append(e)
         for entries in by_dtype.values():
             bucket, size = [], 0

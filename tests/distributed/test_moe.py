@@ -4,6 +4,8 @@ Runs (real CLI, TINY_MODEL-sized `recipe=moe-tiny`: 2 layers, 8 experts, top-2, 
     single   1 process, 10 steps (the reference; also the moe-tiny training check)
     ep2-dp2  4 processes: dp=2 x sharding=2 (HSDP), ep=2 -> 2 replicas of each expert slice, 5 steps
     ep4      4 processes: dp=2 x sharding=2, ep=4 -> every rank holds 2 experts, 5 steps
+    ep2-zero1  2 processes: sharding=2 at stage 1 (ZeRO-1: dense AdamW state in row slices), ep=2 ->
+             each rank holds 4 experts and their whole AdamW state, 5 steps
     resume   the ep2-dp2 step-5 checkpoint resumed by one process to step 10
     tp2      2 processes: tp=2, expert-tensor-parallel (each expert split on its ffn dim), 10 steps
     ep2-tp2  4 processes: sharding=2 (FSDP), ep=2, tp=2 -> each rank holds half of 4 experts, 10 steps
@@ -40,6 +42,7 @@ LAYOUTS = {
     "single": (1, [], 10),
     "ep2-dp2": (4, ["parallel.dp=2", "parallel.sharding=2", "parallel.ep=2"], 5),
     "ep4": (4, ["parallel.dp=2", "parallel.sharding=2", "parallel.ep=4"], 5),
+    "ep2-zero1": (2, ["parallel.sharding=2", "parallel.sharding_stage=1", "parallel.ep=2"], 5),
     "tp2": (2, ["parallel.tp=2"], 10),
     "ep2-tp2": (4, ["parallel.sharding=2", "parallel.ep=2", "parallel.tp=2"], 10),
     "shared-single": (1, SHARED_DROPPING, 10),
@@ -91,7 +94,7 @@ def test_moe_tiny_trains_with_reported_balance(moe_runs):
         assert "a2a_bytes" not in r
 
 
-@pytest.mark.parametrize("name", ["ep2-dp2", "ep4"])
+@pytest.mark.parametrize("name", ["ep2-dp2", "ep4", "ep2-zero1"])
 def test_expert_parallel_matches_single_process(moe_runs, name):
     nproc, overrides, steps = LAYOUTS[name]
     assert_layout(moe_runs(name), nproc, overrides)
