@@ -9,6 +9,8 @@ Runs (real CLI, TINY_MODEL-sized `recipe=moe-tiny`: 2 layers, 8 experts, top-2, 
     resume   the ep2-dp2 step-5 checkpoint resumed by one process to step 10
     tp2      2 processes: tp=2, expert-tensor-parallel (each expert split on its ffn dim), 10 steps
     ep2-tp2  4 processes: sharding=2 (FSDP), ep=2, tp=2 -> each rank holds half of 4 experts, 10 steps
+    dp2-sh2-tp2-ep2  8 processes, four axes: dp=2 x sharding=2 (HSDP) x tp=2, ep=2 over the data
+             ranks -> 2 replicas of each expert slice, each expert split over tp, 5 steps
     shared-single / shared-tp2-sp   a shared expert and capacity dropping (capacity_factor=1.0), one
              process against tp=2 + sequence parallelism: the sp gather / slice of the MoE layer,
              the shared MLP's tensor-parallel plan, and dropping decided identically on tp ranks
@@ -45,10 +47,17 @@ LAYOUTS = {
     "ep2-zero1": (2, ["parallel.sharding=2", "parallel.sharding_stage=1", "parallel.ep=2"], 5),
     "tp2": (2, ["parallel.tp=2"], 10),
     "ep2-tp2": (4, ["parallel.sharding=2", "parallel.ep=2", "parallel.tp=2"], 10),
+    # four axes at once on 8 processes: HSDP (dp=2 x sharding=2) x tp=2, experts over ep=2 of the data ranks
+    "dp2-sh2-tp2-ep2": (8, ["parallel.dp=2", "parallel.sharding=2", "parallel.tp=2", "parallel.ep=2"], 5),
     "shared-single": (1, SHARED_DROPPING, 10),
     "shared-tp2-sp": (2, [*SHARED_DROPPING, "parallel.tp=2", "parallel.sp=true"], 10),
 }
-TP_REFERENCE = {"tp2": "single", "ep2-tp2": "single", "shared-tp2-sp": "shared-single"}
+TP_REFERENCE = {
+    "tp2": "single",
+    "ep2-tp2": "single",
+    "dp2-sh2-tp2-ep2": "single",
+    "shared-tp2-sp": "shared-single",
+}
 
 
 @pytest.fixture(scope="module")
