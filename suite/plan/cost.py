@@ -35,7 +35,10 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Memory:
-    """Peak bytes on the worst device, by part."""
+    """Peak bytes on the worst device, by part. The parts do not all exist at once: the peak is the
+    larger of backward's (weights, optimizer state, compute copies, activations, and the gradients
+    of earlier micro-batches when there are several) and the optimizer step's (weights, optimizer
+    state, gradients, foreach AdamW's working copy; compute copies and activations are freed)."""
 
     weights: float
     compute_copies: float
@@ -44,10 +47,21 @@ class Memory:
     activations: float
     host: float  # offloaded (not on the device)
     capacity: float  # what the job may use: memory_gib - reserved_gib
+    optimizer_work: float = 0.0
+    accumulating: bool = True  # more than one micro-batch per step: gradients held through backward
+
+    @property
+    def backward(self) -> float:
+        held = self.gradients if self.accumulating else 0.0
+        return self.weights + self.optimizer + self.compute_copies + self.activations + held
+
+    @property
+    def optimizer_step(self) -> float:
+        return self.weights + self.optimizer + self.gradients + self.optimizer_work
 
     @property
     def total(self) -> float:
-        return self.weights + self.compute_copies + self.gradients + self.optimizer + self.activations
+        return max(self.backward, self.optimizer_step)
 
     @property
     def fits(self) -> bool:
@@ -88,7 +102,7 @@ class Cost:
             "layout": self.layout.name,
             "parallel": asdict(self.layout),
             "fits": self.memory.fits,
-            "memory_gib": {k: v / GIB for k, v in asdict(self.memory).items()}
+            "memory_gib": {k: v / GIB for k, v in asdict(self.memory).items() if k != "accumulating"}
             | {"total": self.memory.total / GIB},
             "time_s": asdict(self.time) | {"total": self.time.total},
             "tokens_per_s": self.tokens_per_s,
@@ -236,6 +250,8 @@ def evaluate(job: Job, layout: Layout) -> Cost:
             acts.total,
             state.host,
             capacity,
+            state.optimizer_work,
+            m > 1,
         )
         if worst_mem is None or mem.total > worst_mem[0].total:
             worst_mem = (mem, state, params)

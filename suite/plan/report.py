@@ -23,6 +23,7 @@ MEMORY_PARTS = {
     "gradients": "gradients",
     "optimizer": "optimizer state",
     "activations": "activations",
+    "optimizer_work": "optimizer work",
 }
 
 
@@ -126,7 +127,8 @@ def explain(job: Job, cost: Cost) -> str:
     lines = [describe_job(job), f"layout {cost.layout.name}: {cost.layout.overrides(job.global_batch)}", ""]
     lines.append(
         f"memory per device (worst rank): {m.total / GIB:.2f} GiB of {m.capacity / GIB:.2f} "
-        f"({'fits' if m.fits else 'does NOT fit'})"
+        f"({'fits' if m.fits else 'does NOT fit'}): the larger of backward's {m.backward / GIB:.2f} and the "
+        f"optimizer step's {m.optimizer_step / GIB:.2f}"
     )
     for key, label in MEMORY_PARTS.items():
         lines.append(f"  {label:20} {getattr(m, key) / GIB:10.3f} GiB")

@@ -336,6 +336,19 @@ class Trainer:
         self.spiked = result.spiked
         return result.loss, result.grad_norm, result.ok
 
+    tensor_peak: int | None = None  # bytes (train.tensor_memory)
+
+    def _measured_step(self, batches: list[Batch]):
+        """train_step; the last one under the live-tensor tracker when train.tensor_memory is set."""
+        if not (self.cfg.train.tensor_memory and self.step + 1 == self.cfg.train.max_steps):
+            return self.train_step(batches)
+        from suite.train.tensor_memory import TensorMemory
+
+        with TensorMemory(self.device) as tracker:
+            result = self.train_step(batches)
+        self.tensor_peak = tracker.peak
+        return result
+
     def _injected_faults(self, loss: torch.Tensor) -> torch.Tensor:
         """Testing aids, inert by default: train.inject_nan_steps, train.inject_spike_batches."""
         if self.step + 1 in self.cfg.train.inject_nan_steps:
@@ -492,7 +505,7 @@ class Trainer:
             while self.step < cfg.train.max_steps:
                 batches = self._next_batches()
                 self._maybe_fault_kill()
-                loss, grad_norm, ok = self.train_step(batches)
+                loss, grad_norm, ok = self._measured_step(batches)
                 if profiler:
                     profiler.step()
                 if self.spiked:
@@ -591,6 +604,8 @@ class Trainer:
         # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
         summary["state_bytes"] = self.runner.state_bytes()
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
+        if self.tensor_peak is not None:  # train.tensor_memory: live tensor bytes of the last step
+            summary["tensor_peak_gb_per_rank"] = self._gather_floats(self.tensor_peak / 2**30)
         summary["layout"] = self._layout()  # what each rank held (collective)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
