@@ -82,3 +82,21 @@ class TensorMemory(TorchDispatchMode):
                 self._add_tensor(value)
         self.peak = max(self.peak, self.current())
         return out
+
+
+def tracked_step(trainer, batches: list) -> tuple:
+    """`trainer.train_step(batches)`; the run's last step under TensorMemory when train.tensor_memory
+    is set (its peak kept as `trainer.tensor_peak`)."""
+    cfg = trainer.cfg.train
+    if not (cfg.tensor_memory and trainer.step + 1 == cfg.max_steps):
+        return trainer.train_step(batches)
+    with TensorMemory(trainer.device) as tracker:
+        result = trainer.train_step(batches)
+    trainer.tensor_peak = tracker.peak
+    return result
+
+
+def peak_summary(trainer) -> dict:
+    """summary.json's `tensor_peak_gb_per_rank` (collective: every rank ran the tracked step), or {}."""
+    peak = getattr(trainer, "tensor_peak", None)
+    return {} if peak is None else {"tensor_peak_gb_per_rank": trainer._gather_floats(peak / 2**30)}

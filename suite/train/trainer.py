@@ -42,6 +42,7 @@ from suite.train.profile import StepProfiler
 from suite.train.saver import RunStopped, Saver
 from suite.train.schedule import lr_at
 from suite.train.step import TrainStep, build_step, training_loss
+from suite.train.tensor_memory import peak_summary, tracked_step
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
@@ -131,9 +132,8 @@ class Trainer:
         self.bad_in_a_row = 0
         # (step, loss, grad_norm, ok) of steps whose finiteness flag is still on the device
         self.unread_steps: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        # loss-spike rollback (train.spike_factor): recent good losses, batches never to train on
-        self.loss_window: deque[float] = deque(maxlen=cfg.train.spike_window)
-        self.skipped_batches: list[int] = []
+        self.loss_window: deque[float] = deque(maxlen=cfg.train.spike_window)  # spike rollback's good losses
+        self.skipped_batches: list[int] = []  # batches a spike rollback never trains on
         self.rollbacks_in_a_row = 0
         self.spiked = False
         self.batch_number = 0
@@ -336,19 +336,6 @@ class Trainer:
         self.spiked = result.spiked
         return result.loss, result.grad_norm, result.ok
 
-    tensor_peak: int | None = None  # bytes (train.tensor_memory)
-
-    def _measured_step(self, batches: list[Batch]):
-        """train_step; the last one under the live-tensor tracker when train.tensor_memory is set."""
-        if not (self.cfg.train.tensor_memory and self.step + 1 == self.cfg.train.max_steps):
-            return self.train_step(batches)
-        from suite.train.tensor_memory import TensorMemory
-
-        with TensorMemory(self.device) as tracker:
-            result = self.train_step(batches)
-        self.tensor_peak = tracker.peak
-        return result
-
     def _injected_faults(self, loss: torch.Tensor) -> torch.Tensor:
         """Testing aids, inert by default: train.inject_nan_steps, train.inject_spike_batches."""
         if self.step + 1 in self.cfg.train.inject_nan_steps:
@@ -505,7 +492,7 @@ class Trainer:
             while self.step < cfg.train.max_steps:
                 batches = self._next_batches()
                 self._maybe_fault_kill()
-                loss, grad_norm, ok = self._measured_step(batches)
+                loss, grad_norm, ok = tracked_step(self, batches)  # (train.tensor_memory: the last)
                 if profiler:
                     profiler.step()
                 if self.spiked:
@@ -601,11 +588,9 @@ class Trainer:
             "skipped_batches": self.skipped_batches,
             "run_dir": str(self.run_dir),
         }
-        # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
-        summary["state_bytes"] = self.runner.state_bytes()
+        summary["state_bytes"] = self.runner.state_bytes()  # params + grads + optimizer state, max over ranks
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
-        if self.tensor_peak is not None:  # train.tensor_memory: live tensor bytes of the last step
-            summary["tensor_peak_gb_per_rank"] = self._gather_floats(self.tensor_peak / 2**30)
+        summary |= peak_summary(self)  # train.tensor_memory: the last step's live tensor bytes
         summary["layout"] = self._layout()  # what each rank held (collective)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
