@@ -88,18 +88,20 @@ def run_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def predict(overrides: list[str], world: int) -> dict:
+def predict(overrides: list[str], world: int, args: argparse.Namespace) -> dict:
     """The cost model's answer for the run's own config, on the `cpu` preset sized to the launch."""
     from suite.config.compose import compose_config, to_object
     from suite.parallel.dims import resolve_dims
     from suite.plan.cost import evaluate
-    from suite.plan.fit import recipe_layout
+    from suite.plan.fit import launched_cluster, recipe_layout
     from suite.plan.layout import Job
 
-    cfg = to_object(compose_config([*overrides, "cluster=cpu", f"launch.nproc_per_node={world}"]))
+    cfg = to_object(
+        compose_config([*overrides, *run_args(args), "cluster=cpu", f"launch.nproc_per_node={world}"])
+    )
     dims = resolve_dims(cfg, world)
-    job = Job.from_config(cfg)
-    job = replace(job, cluster=replace(job.cluster, nodes=1, devices_per_node=world))
+    # the preset sized to this launch on this machine: time-shared cores when ranks outnumber them
+    job = replace(Job.from_config(cfg), cluster=launched_cluster(cfg, here=True))
     layout = recipe_layout(cfg, dims)
     cost = evaluate(job, layout)
     return {
@@ -120,7 +122,7 @@ def run_layout(model: str, name: str, args: argparse.Namespace, root: Path) -> d
     world, overrides = LAYOUTS[name]
     shape = shape_args(model, args) + overrides
     row: dict = {"model": model, "layout": name, "world": world, "overrides": " ".join(overrides)}
-    row |= predict(shape, world)
+    row |= predict(shape, world, args)
     run_dir = root / f"{model}-{name}"
     cmd = [sys.executable, "-m", "suite", "pretrain", *shape, *run_args(args)]
     cmd += [f"run.dir={run_dir}", f"launch.nproc_per_node={world}"]
