@@ -10,12 +10,13 @@ whose step times the model orders as measured.
 What is compared:
 - memory: the largest rank's peak bytes of live tensor storage during a training step
   (`train.tensor_memory=true`, suite.train.tensor_memory: a dispatch-mode tracker over the last
-  step; summary.json tensor_peak_gb_per_rank) against the planner's Memory.total (weights, compute
-  copies, gradients, optimizer state, activations of its worst rank). Not the resident set: that
-  holds Python, torch's libraries and gloo's buffers, which no planner counts.
+  step; summary.json tensor_peak_gb_per_rank) against the planner's Memory.total for its worst rank
+  (the larger of backward's and the optimizer step's peak: suite.plan.cost.Memory). Not the resident
+  set: that holds Python, torch's libraries and gloo's buffers, which no planner counts.
 - step time: the median seconds of the steps after the first and before the tracked last one
-  (metrics.jsonl, train.log_every=1) against Time.total, with `cluster=cpu` sized to the launch
-  (cluster.devices_per_node = the world size).
+  (metrics.jsonl, train.log_every=1) against Time.total, with `cluster=cpu` sized to the launch on
+  this machine (suite.plan.fit.launched_cluster: one device per rank; ranks beyond the cores
+  time-share them).
 
 fp32 everywhere (the preset's measured fp32 peak; `auto` picks bf16 only on CPUs with native bf16).
 Timings on a shared machine move with its load: the table records the load average.
@@ -42,11 +43,16 @@ from parallel import cpu_name  # noqa: E402  (bench/parallel.py: the same machin
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
-# model -> the shape overrides on recipe=gpt-tiny (GPT: pre-LN, learned positions, GELU, tied embeddings)
-MODELS: dict[str, list[str]] = {
-    "gpt-tiny": [],
+# model -> (shape overrides on recipe=gpt-tiny (GPT: pre-LN, learned positions, GELU, tied embeddings),
+# default seq_len, default steps): the 100M model's steps are ~20x gpt-tiny's, so shorter and fewer
+MODELS: dict[str, tuple[list[str], int, int]] = {
+    "gpt-tiny": ([], 128, 8),
     # GPT-2 small's shape on the suite's 8192-token vocabulary: 12 x 768, 12 heads, 91.3M parameters
-    "gpt-100m": ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12", "model.name=gpt-100m"],
+    "gpt-100m": (
+        ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12", "model.name=gpt-100m"],
+        64,
+        4,
+    ),
 }
 # name -> (world size, overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -65,8 +71,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 def shape_args(model: str, args: argparse.Namespace) -> list[str]:
     return [
         "recipe=gpt-tiny",
-        *MODELS[model],
-        f"data.seq_len={args.seq}",
+        *MODELS[model][0],
+        f"data.seq_len={seq_of(model, args)}",
         f"parallel.micro_batch_size={args.micro_batch}",
         f"parallel.global_batch_size={args.global_batch}",
         "train.precision=fp32",
@@ -74,13 +80,22 @@ def shape_args(model: str, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def run_args(args: argparse.Namespace) -> list[str]:
+def seq_of(model: str, args: argparse.Namespace) -> int:
+    return args.seq or MODELS[model][1]
+
+
+def steps_of(model: str, args: argparse.Namespace) -> int:
+    return args.steps or MODELS[model][2]
+
+
+def run_args(model: str, args: argparse.Namespace) -> list[str]:
+    steps = steps_of(model, args)
     return [
-        f"train.max_steps={args.steps}",
+        f"train.max_steps={steps}",
         "train.log_every=1",
-        f"train.eval_every={args.steps}",
+        f"train.eval_every={steps}",
         "train.eval_batches=1",
-        f"train.save_every={args.steps * 10}",  # only the final checkpoint
+        f"train.save_every={steps * 10}",  # only the final checkpoint
         "train.tensor_memory=true",
         "log.wandb=false",
         "log.progress=false",
@@ -88,7 +103,7 @@ def run_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def predict(overrides: list[str], world: int, args: argparse.Namespace) -> dict:
+def predict(model: str, overrides: list[str], world: int, args: argparse.Namespace) -> dict:
     """The cost model's answer for the run's own config, on the `cpu` preset sized to the launch."""
     from suite.config.compose import compose_config, to_object
     from suite.parallel.dims import resolve_dims
@@ -97,7 +112,7 @@ def predict(overrides: list[str], world: int, args: argparse.Namespace) -> dict:
     from suite.plan.layout import Job
 
     cfg = to_object(
-        compose_config([*overrides, *run_args(args), "cluster=cpu", f"launch.nproc_per_node={world}"])
+        compose_config([*overrides, *run_args(model, args), "cluster=cpu", f"launch.nproc_per_node={world}"])
     )
     dims = resolve_dims(cfg, world)
     # the preset sized to this launch on this machine: time-shared cores when ranks outnumber them
@@ -122,9 +137,9 @@ def run_layout(model: str, name: str, args: argparse.Namespace, root: Path) -> d
     world, overrides = LAYOUTS[name]
     shape = shape_args(model, args) + overrides
     row: dict = {"model": model, "layout": name, "world": world, "overrides": " ".join(overrides)}
-    row |= predict(shape, world, args)
+    row |= predict(model, shape, world, args)
     run_dir = root / f"{model}-{name}"
-    cmd = [sys.executable, "-m", "suite", "pretrain", *shape, *run_args(args)]
+    cmd = [sys.executable, "-m", "suite", "pretrain", *shape, *run_args(model, args)]
     cmd += [f"run.dir={run_dir}", f"launch.nproc_per_node={world}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
@@ -137,7 +152,7 @@ def run_layout(model: str, name: str, args: argparse.Namespace, root: Path) -> d
     steps = [r for r in records if "tokens_per_s" in r][
         1:-1
     ]  # not the first (start-up), not the tracked last
-    tokens = args.global_batch * args.seq
+    tokens = args.global_batch * seq_of(model, args)
     summary = json.loads((run_dir / "summary.json").read_text())
     per_rank = summary["tensor_peak_gb_per_rank"]
     return row | {
@@ -187,10 +202,14 @@ def main() -> int:
     )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, help="data.seq_len (default: 128 gpt-tiny, 64 gpt-100m)")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5, help="the first is start-up, the last is tracked")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="per run (default: 8 gpt-tiny, 4 gpt-100m); the first is start-up, the last tracked",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--append", action="store_true", help="append the tables to docs/benchmarks.md")
@@ -214,6 +233,7 @@ def main() -> int:
     import torch
 
     command = " ".join(["python bench/plan_cpu.py", *sys.argv[1:]])
+    shapes = "; ".join(f"{m}: seq {seq_of(m, args)}, {steps_of(m, args)} steps" for m in args.models)
     agreement = []
     for model in args.models:
         mine = [r for r in rows if r["model"] == model]
@@ -230,8 +250,8 @@ def main() -> int:
         f"## The planner's `cpu` preset against runs, {started:%Y-%m-%d %H:%M} UTC: `{command}`\n\n"
         f"- machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, one thread per "
         f"rank; load average at the end {load} (1 / 5 / 15 min)\n"
-        f"- shape: seq {args.seq}, global batch {args.global_batch} (micro-batches of {args.micro_batch}), fp32, "
-        f"AdamW, {args.steps} steps; measured s/step: the median of steps 2..{args.steps - 1}; measured MB: peak "
+        f"- shape: {shapes}, global batch {args.global_batch} (micro-batches of {args.micro_batch}), fp32, "
+        "AdamW; measured s/step: the median of the steps after the first and before the last; measured MB: peak "
         "live tensor storage of the last step per rank (`train.tensor_memory=true`); predicted: "
         "`suite.plan.cost.evaluate` with `cluster=cpu` sized to the launch (worst rank)\n\n"
         + table(rows)
