@@ -46,7 +46,7 @@ def _count(job: Job) -> str:
 def _mem(cost: Cost) -> str:
     m = cost.memory
     parts = (m.weights + m.compute_copies, m.gradients, m.optimizer, m.activations)
-    return f"{m.total / GIB:6.1f} = " + "/".join(f"{p / GIB:.1f}" for p in parts)
+    return f"{m.total / GIB:6.1f} : " + "/".join(f"{p / GIB:.1f}" for p in parts)  # a peak, not their sum
 
 
 def _time(cost: Cost) -> str:
@@ -66,7 +66,7 @@ def table(job: Job, result: SearchResult, rows: int = 10) -> str:
     if not result.ranked:
         return "\n".join(lines)
     header = (
-        f"{'#':>3} {'layout':34} {'memory GiB = w/g/opt/act':>26} {'step s = comp/comm/bubble/opt':>33}"
+        f"{'#':>3} {'layout':34} {'memory GiB : w/g/opt/act':>26} {'step s = comp/comm/bubble/opt':>33}"
         f" {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
     )
     lines += ["", header]
