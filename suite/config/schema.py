@@ -219,6 +219,9 @@ class TrainConfig:
     profile_wait: int = 1  # steps skipped before profiling (the first step pays one-off costs)
     profile_warmup: int = 1  # steps traced but discarded (profiler start-up)
     profile_steps: int = 2  # steps recorded
+    # peak live tensor bytes per rank over the last step (slow: that step only), what `suite plan`
+    # predicts: summary.json tensor_peak_gb_per_rank (suite.train.tensor_memory)
+    tensor_memory: bool = False
     loss_chunk_tokens: int = (
         1024  # head + cross-entropy over chunks of this many tokens (not all logits at once); 0: off
     )

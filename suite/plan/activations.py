@@ -123,8 +123,7 @@ def rank_activations(
     job: Job, layout: Layout, layers_on_rank: int, moe_layers_on_rank: int = 0, pp_rank: int = 0
 ) -> RankActivations:
     """Peak activation bytes of pipeline rank `pp_rank`: kept_per_layer x its layers x in_flight,
-    plus the working set of one recomputed layer and of the head (logits in chunks of
-    train.loss_chunk_tokens tokens: fp32 logits and their gradient, vocabulary split over tp)."""
+    plus the working set of one recomputed layer and of the head (head_bytes)."""
     m = job.model
     dense = layers_on_rank - moe_layers_on_rank
     flight = in_flight(layout, layout.micro_batches(job.global_batch), pp_rank)
@@ -133,8 +132,28 @@ def rank_activations(
     if layout.recompute != "none":
         transient = layer_activations(job, layout, moe=moe_layers_on_rank > 0).total
     tokens = job.seq_len / layout.cp * layout.micro_batch
-    chunk = min(tokens, job.loss_chunk_tokens) if job.loss_chunk_tokens else tokens
-    transient += 2 * 4 * chunk * m.vocab_size / layout.tp
+    transient += head_bytes(job, layout, tokens)
     sp_div = layout.tp if layout.sp else 1
     embedding = job.compute_bytes * tokens * m.hidden_size / sp_div * flight
     return RankActivations(kept * flight, transient, embedding)
+
+
+def head_bytes(job: Job, layout: Layout, tokens: float) -> float:
+    """The output head and loss's working set at its peak, for one micro-batch of `tokens` tokens
+    (suite.train.step.TrainStep.model_loss and suite.train.loss, measured: bench/plan_cpu.py).
+
+    Plain loss (tokens <= train.loss_chunk_tokens, chunking off, pp > 1, or tp's loss_parallel):
+    F.cross_entropy's log-softmax output, saved for backward, its gradient and the logits' gradient
+    exist at once, 3 x 4 bytes per logit (fp32), the vocabulary split over tp. Chunked: one chunk's
+    fp32 logits (and their gradient in a compute dtype below fp32) beside the fp32 head-weight
+    gradient accumulated over the chunks and d(hidden), both saved to backward, where scaled copies
+    of the two are made."""
+    m, c = job.model, job.compute_bytes
+    chunk = job.loss_chunk_tokens
+    if not chunk or tokens <= chunk or layout.pp > 1 or layout.tp > 1:
+        return 3 * 4 * tokens * m.vocab_size / layout.tp
+    weight_grad = 4 * m.vocab_size * m.hidden_size
+    hidden_grad = c * tokens * m.hidden_size
+    logits = (4 + (c if c < 4 else 0)) * chunk * m.vocab_size
+    backward = 2 * weight_grad + (c * m.vocab_size * m.hidden_size if c < 4 else 0) + 2 * hidden_grad
+    return max(logits + weight_grad + hidden_grad, backward)

@@ -27,15 +27,22 @@ from suite.plan import comm
 from suite.plan.activations import rank_activations
 from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
 from suite.plan.layout import Job, Layout
-from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, state_bytes
+from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, foreach_adamw, state_bytes
 from suite.plan.params import pp_rank_params, rank_layers
 
 GIB = 2**30
+# torch._multi_tensor_adamw's passes over fp32 state, bytes read + written per parameter: p *= 1 - lr wd (8),
+# m.lerp_(g) (12), v *= b2 (8), v.addcmul_(g, g) (12), t = sqrt(v) (8), t /= c2 (8), t += eps (8),
+# p.addcdiv_(m, t) (16); fused: 28
+FOREACH_ADAMW_BYTES = 80
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Peak bytes on the worst device, by part."""
+    """Peak bytes on the worst device, by part. The parts do not all exist at once: the peak is the
+    larger of backward's (weights, optimizer state, compute copies, activations, and the gradients
+    of earlier micro-batches when there are several) and the optimizer step's (weights, optimizer
+    state, gradients, foreach AdamW's working copy; compute copies and activations are freed)."""
 
     weights: float
     compute_copies: float
@@ -44,10 +51,21 @@ class Memory:
     activations: float
     host: float  # offloaded (not on the device)
     capacity: float  # what the job may use: memory_gib - reserved_gib
+    optimizer_work: float = 0.0
+    accumulating: bool = True  # more than one micro-batch per step: gradients held through backward
+
+    @property
+    def backward(self) -> float:
+        held = self.gradients if self.accumulating else 0.0
+        return self.weights + self.optimizer + self.compute_copies + self.activations + held
+
+    @property
+    def optimizer_step(self) -> float:
+        return self.weights + self.optimizer + self.gradients + self.optimizer_work
 
     @property
     def total(self) -> float:
-        return self.weights + self.compute_copies + self.gradients + self.optimizer + self.activations
+        return max(self.backward, self.optimizer_step)
 
     @property
     def fits(self) -> bool:
@@ -88,7 +106,7 @@ class Cost:
             "layout": self.layout.name,
             "parallel": asdict(self.layout),
             "fits": self.memory.fits,
-            "memory_gib": {k: v / GIB for k, v in asdict(self.memory).items()}
+            "memory_gib": {k: v / GIB for k, v in asdict(self.memory).items() if k != "accumulating"}
             | {"total": self.memory.total / GIB},
             "time_s": asdict(self.time) | {"total": self.time.total},
             "tokens_per_s": self.tokens_per_s,
@@ -199,12 +217,16 @@ def _merged_data(layout: Layout) -> Layout:
 
 def _optimizer_time(job: Job, layout: Layout, full: float, sharded: float) -> float:
     """AdamW reads and writes its moments, the parameters and master copies, reads the gradients:
-    (2 x 8 + 2 p + p (+ 2 x 4 master)) bytes per updated parameter over memory bandwidth; offload
-    moves gradients down and parameters up over the host link instead."""
+    (2 x 8 + 2 p + p (+ 2 x 4 master)) bytes per updated parameter over memory bandwidth, in one
+    pass (fused). torch's foreach AdamW makes eight passes instead (decay, lerp, mul, addcmul, sqrt,
+    div, add, addcdiv: 80 bytes per fp32 parameter, FOREACH_ADAMW_BYTES). Offload moves gradients
+    down and parameters up over the host link instead."""
     c = job.cluster
     p = job.param_bytes
     updated = sharded if layout.sharding > 1 else full
     per = 2 * ADAM_STATE_BYTES + 3 * p + (2 * MASTER_BYTES if p < 4 else 0)
+    if foreach_adamw(job, layout):
+        per = FOREACH_ADAMW_BYTES + (2 * MASTER_BYTES if p < 4 else 0)
     if layout.offload:
         return 2 * updated * p / (c.host_bandwidth_gbs * 1e9)
     return updated * per / (c.memory_bandwidth_gbs * 1e9)
@@ -241,6 +263,8 @@ def evaluate(job: Job, layout: Layout) -> Cost:
             acts.total,
             state.host,
             capacity,
+            state.optimizer_work,
+            m > 1,
         )
         if worst_mem is None or mem.total > worst_mem[0].total:
             worst_mem = (mem, state, params)

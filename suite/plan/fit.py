@@ -14,6 +14,7 @@ alone exceeds the memory). The smallest cluster then comes from the search over 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from suite.config.errors import ConfigError
@@ -68,7 +69,26 @@ def launched_cluster(cfg: SuiteConfig, here: bool = True) -> ClusterConfig:
     if here and cluster.device_type == "cpu":
         share = device_memory(cfg)[0] / GIB + cluster.reserved_gib
         cluster = replace(cluster, memory_gib=min(cluster.memory_gib, share))
+        cluster = time_shared(cluster, nproc * (cfg.train.num_threads or 1), len(os.sched_getaffinity(0)))
     return cluster
+
+
+def time_shared(cluster: ClusterConfig, threads: int, cores: int) -> ClusterConfig:
+    """A CPU cluster whose processes run `threads` threads on `cores` cores in all: with more threads
+    than cores they time-share them, so each computes, copies and communicates (gloo runs on the same
+    cores) at cores / threads of its speed alone (bench/plan_cpu.py: 4 processes on 2 cores)."""
+    if threads <= cores:
+        return cluster
+    f = cores / threads
+    return replace(
+        cluster,
+        peak_flops={k: v * f for k, v in cluster.peak_flops.items()},
+        memory_bandwidth_gbs=cluster.memory_bandwidth_gbs * f,
+        intra_node_bandwidth_gbs=cluster.intra_node_bandwidth_gbs * f,
+        intra_node_latency_us=cluster.intra_node_latency_us / f,
+        inter_node_bandwidth_gbs=cluster.inter_node_bandwidth_gbs * f,
+        inter_node_latency_us=cluster.inter_node_latency_us / f,
+    )
 
 
 def recipe_layout(cfg: SuiteConfig, dims: ParallelDims) -> Layout:

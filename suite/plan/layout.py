@@ -30,6 +30,7 @@ class Job:
     param_dtype: str = "fp32"  # what parameters (and gradients) are held in: fp32 | bf16
     reduce_bytes: int = 4  # bytes per gradient element in data-parallel reductions (suite: fp32)
     loss_chunk_tokens: int = 1024  # head + cross-entropy in chunks of this many tokens (0: all at once)
+    fused_adamw: bool | None = None  # optim.fused (None: as the trainer decides per device and layout)
 
     @property
     def world(self) -> int:
@@ -65,6 +66,7 @@ class Job:
             param_dtype=cfg.train.param_dtype,
             reduce_bytes=4,  # suite.runtime.resolve_precision: reduce_dtype is always fp32
             loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            fused_adamw=cfg.optim.fused,
         )
 
 

@@ -7,8 +7,11 @@ With P the worst pipeline rank's tp/ep-local parameters and P_s what it keeps wh
 bytes (train.precision), AdamW 8 bytes (two fp32 moments) + 4 for an fp32 master copy of bf16
 parameters:
 
-    dp only (replicate)  weights P p, gradients P p, optimizer P (8 + master)
-    sharding stage 1     optimizer P_s (8 + master); weights and gradients whole (ZeRO-1)
+    dp only (replicate)  weights P p, gradients P p, optimizer P (8 + master), and the unsharded
+                         compute copies P p kept from forward to backward (torch's `replicate` is
+                         FSDP2 over a one-rank shard group: it gathers into separate parameters)
+    sharding stage 1     optimizer P_s (8 + master); weights and gradients whole (ZeRO-1; replicate's
+                         copies as above)
     sharding stage 2     weights P_s p at rest, gradients P_s p, optimizer P_s (8 + master), and the
                          gathered compute copies P c kept from forward to backward
     sharding stage 3     as stage 2, but only two blocks' compute copies exist at once (the block
@@ -16,6 +19,9 @@ parameters:
     offload              weights, gradients and optimizer state at rest live in host memory
     autocast             low-precision compute over fp32 parameters without FSDP keeps a compute
                          copy of every weight for backward: P c
+    foreach AdamW        (CPU with DTensor parameters, or optim.fused=false) allocates the update's
+                         denominator sqrt(v) for every updated parameter at once: 4 bytes each, in
+                         the optimizer step only (suite.train.optim.build_optimizer decides fused)
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class StateBytes:
     gradients: float
     optimizer: float
     host: float  # offloaded to host memory (not counted against the device)
+    optimizer_work: float = 0.0  # foreach AdamW's working copy, alive in the optimizer step only
 
     @property
     def total(self) -> float:
@@ -68,11 +75,24 @@ def state_bytes(job: Job, layout: Layout, params: RankParams | None = None) -> S
         copies = 2 * _block_params(job, layout) * c
     else:
         copies = full * c if low else 0.0
+        if layout.data_ranks * layout.cp > 1:  # replicate: FSDP2's unsharded parameters
+            copies += full * p
+    work = (sharded if stage >= 1 else full) * 4 if foreach_adamw(job, layout) else 0.0
     host = 0.0
     if layout.offload and job.cluster.device_type != "cpu":  # a CPU's host memory is its memory
         host = weights + gradients + optimizer
-        weights = gradients = optimizer = 0.0
-    return StateBytes(weights, copies, gradients, optimizer, host)
+        weights = gradients = optimizer = work = 0.0
+    return StateBytes(weights, copies, gradients, optimizer, host, work)
+
+
+def foreach_adamw(job: Job, layout: Layout) -> bool:
+    """Whether the trainer's AdamW is the foreach one (suite.train.optim.build_optimizer): fused on
+    CUDA and on CPU with plain parameters (one process, or pipeline stages alone), unless
+    optim.fused says otherwise."""
+    if job.fused_adamw is not None:
+        return not job.fused_adamw
+    plain = layout.data_ranks * layout.cp * layout.tp * layout.ep == 1
+    return job.cluster.device_type == "cpu" and not plain
 
 
 _BLOCKS: dict[tuple, int] = {}

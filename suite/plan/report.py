@@ -23,6 +23,7 @@ MEMORY_PARTS = {
     "gradients": "gradients",
     "optimizer": "optimizer state",
     "activations": "activations",
+    "optimizer_work": "optimizer work",
 }
 
 
@@ -45,7 +46,7 @@ def _count(job: Job) -> str:
 def _mem(cost: Cost) -> str:
     m = cost.memory
     parts = (m.weights + m.compute_copies, m.gradients, m.optimizer, m.activations)
-    return f"{m.total / GIB:6.1f} = " + "/".join(f"{p / GIB:.1f}" for p in parts)
+    return f"{m.total / GIB:6.1f} : " + "/".join(f"{p / GIB:.1f}" for p in parts)  # a peak, not their sum
 
 
 def _time(cost: Cost) -> str:
@@ -65,7 +66,7 @@ def table(job: Job, result: SearchResult, rows: int = 10) -> str:
     if not result.ranked:
         return "\n".join(lines)
     header = (
-        f"{'#':>3} {'layout':34} {'memory GiB = w/g/opt/act':>26} {'step s = comp/comm/bubble/opt':>33}"
+        f"{'#':>3} {'layout':34} {'memory GiB : w/g/opt/act':>26} {'step s = comp/comm/bubble/opt':>33}"
         f" {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
     )
     lines += ["", header]
@@ -126,7 +127,8 @@ def explain(job: Job, cost: Cost) -> str:
     lines = [describe_job(job), f"layout {cost.layout.name}: {cost.layout.overrides(job.global_batch)}", ""]
     lines.append(
         f"memory per device (worst rank): {m.total / GIB:.2f} GiB of {m.capacity / GIB:.2f} "
-        f"({'fits' if m.fits else 'does NOT fit'})"
+        f"({'fits' if m.fits else 'does NOT fit'}): the larger of backward's {m.backward / GIB:.2f} and the "
+        f"optimizer step's {m.optimizer_step / GIB:.2f}"
     )
     for key, label in MEMORY_PARTS.items():
         lines.append(f"  {label:20} {getattr(m, key) / GIB:10.3f} GiB")

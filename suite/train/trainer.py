@@ -42,6 +42,7 @@ from suite.train.profile import StepProfiler
 from suite.train.saver import RunStopped, Saver
 from suite.train.schedule import lr_at
 from suite.train.step import TrainStep, build_step, training_loss
+from suite.train.tensor_memory import peak_summary, tracked_step
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
@@ -131,9 +132,8 @@ class Trainer:
         self.bad_in_a_row = 0
         # (step, loss, grad_norm, ok) of steps whose finiteness flag is still on the device
         self.unread_steps: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        # loss-spike rollback (train.spike_factor): recent good losses, batches never to train on
-        self.loss_window: deque[float] = deque(maxlen=cfg.train.spike_window)
-        self.skipped_batches: list[int] = []
+        self.loss_window: deque[float] = deque(maxlen=cfg.train.spike_window)  # spike rollback's good losses
+        self.skipped_batches: list[int] = []  # batches a spike rollback never trains on
         self.rollbacks_in_a_row = 0
         self.spiked = False
         self.batch_number = 0
@@ -492,7 +492,7 @@ class Trainer:
             while self.step < cfg.train.max_steps:
                 batches = self._next_batches()
                 self._maybe_fault_kill()
-                loss, grad_norm, ok = self.train_step(batches)
+                loss, grad_norm, ok = tracked_step(self, batches)  # (train.tensor_memory: the last)
                 if profiler:
                     profiler.step()
                 if self.spiked:
@@ -588,9 +588,9 @@ class Trainer:
             "skipped_batches": self.skipped_batches,
             "run_dir": str(self.run_dir),
         }
-        # per-rank bytes of parameters + gradients + optimizer state (max over ranks; collective)
-        summary["state_bytes"] = self.runner.state_bytes()
+        summary["state_bytes"] = self.runner.state_bytes()  # params + grads + optimizer state, max over ranks
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
+        summary |= peak_summary(self)  # train.tensor_memory: the last step's live tensor bytes
         summary["layout"] = self._layout()  # what each rank held (collective)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))

@@ -234,3 +234,71 @@ def test_pipeline_neighbours_on_other_nodes_use_the_network():
     assert not comm.group_link(
         ClusterConfig(nodes=1, devices_per_node=8), Layout(tp=2, pp=4), "pp"
     ).inter_node
+
+
+def _cpu_job(**changes) -> Job:
+    cfg = ModelConfig(family="gpt", num_layers=2, hidden_size=256, num_heads=4, vocab_size=1024)
+    cluster = ClusterConfig(device_type="cpu", devices_per_node=4)
+    return dataclasses.replace(
+        Job(model=cfg, cluster=cluster, seq_len=128, global_batch=8, precision="fp32"), **changes
+    )
+
+
+def test_replicate_holds_unsharded_copies_and_foreach_adamw_a_working_copy():
+    """Measured on CPU (bench/plan_cpu.py): torch's `replicate` (FSDP2 over a one-rank shard group)
+    gathers into separate unsharded parameters, and foreach AdamW (DTensor parameters on CPU)
+    allocates sqrt(v) for every parameter; one process (plain tensors, fused AdamW) has neither."""
+    from suite.plan.memory import state_bytes
+
+    job = _cpu_job()
+    n = count_params(job.model)
+    alone, replicas = state_bytes(job, Layout()), state_bytes(job, Layout(dp=2))
+    assert (alone.compute_copies, alone.optimizer_work) == (0, 0)
+    assert (replicas.compute_copies, replicas.optimizer_work) == (4 * n, 4 * n)
+    assert state_bytes(job, Layout(pp=2)).optimizer_work == 0  # pipeline stages: plain, fused
+    assert state_bytes(dataclasses.replace(job, fused_adamw=True), Layout(dp=2)).optimizer_work == 0
+    gpu = dataclasses.replace(job, cluster=ClusterConfig(devices_per_node=4))
+    assert state_bytes(gpu, Layout(dp=2)).optimizer_work == 0  # CUDA: fused
+
+
+def test_peak_is_backward_or_the_optimizer_step_not_their_sum():
+    job = _cpu_job()
+    several, one = (
+        evaluate(job, Layout(dp=2, micro_batch=2)).memory,
+        evaluate(job, Layout(dp=2, micro_batch=4)).memory,
+    )
+    assert several.accumulating and not one.accumulating
+    held = several.weights + several.optimizer
+    assert several.backward == held + several.compute_copies + several.activations + several.gradients
+    assert one.backward == held + one.compute_copies + one.activations  # no gradients yet
+    assert one.optimizer_step == held + one.gradients + one.optimizer_work
+    assert one.total == max(one.backward, one.optimizer_step)
+
+
+def test_the_plain_loss_keeps_three_fp32_logits_the_chunked_one_a_chunk():
+    from suite.plan.activations import head_bytes
+
+    job = _cpu_job(loss_chunk_tokens=64)
+    vocab, hidden = job.model.vocab_size, job.model.hidden_size
+    # 64 tokens: the plain loss (log-softmax output, its gradient, the logits' gradient)
+    assert head_bytes(job, Layout(), 64) == 3 * 4 * 64 * vocab
+    assert head_bytes(job, Layout(tp=2), 256) == 3 * 4 * 256 * vocab / 2  # tp: loss_parallel, vocab split
+    # 256 tokens in chunks of 64: backward's two fp32 weight gradients and two d(hidden)
+    assert head_bytes(job, Layout(), 256) == max(
+        4 * 64 * vocab + 4 * vocab * hidden + 4 * 256 * hidden, 2 * 4 * vocab * hidden + 2 * 4 * 256 * hidden
+    )
+
+
+def test_processes_beyond_the_cores_time_share_them():
+    from suite.plan.fit import time_shared
+
+    cluster = ClusterConfig(device_type="cpu", peak_flops={"fp32": 100e9}, intra_node_latency_us=200)
+    assert time_shared(cluster, threads=2, cores=2) == cluster
+    shared = time_shared(cluster, threads=4, cores=2)
+    assert shared.peak_flops == {"fp32": 50e9} and shared.intra_node_latency_us == 400
+    assert shared.memory_bandwidth_gbs == cluster.memory_bandwidth_gbs / 2
+    job = _cpu_job(cluster=dataclasses.replace(cluster, devices_per_node=4))
+    slow = evaluate(
+        dataclasses.replace(job, cluster=dataclasses.replace(shared, devices_per_node=4)), Layout(dp=4)
+    )
+    assert slow.time.total == pytest.approx(2 * evaluate(job, Layout(dp=4)).time.total)
