@@ -4,7 +4,7 @@ Layout (torchtitan-style: ep borrows ranks from the data-parallel dimension). Th
 (dp x sharding, flattened) are cut into groups of `ep` neighbours; inside a group every rank holds a
 different slice of the experts, and the groups replicate each other:
 
-    expert mesh ("edp", "ep") = data ranks reshaped to (data/ep, ep)
+    expert mesh ("edp", "ep") = data ranks reshaped to (data/ep, ep), per pipeline stage under pp
     expert weights   DTensor [E, ...] placed (Replicate() over edp, Shard(0) over ep)
     dense weights    the usual data parallel over all data ranks (replicate / FSDP / HSDP)
 

@@ -37,12 +37,13 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 class _AttachAux(torch.autograd.Function):
-    """Identity on a stage's output whose backward also gives the aux loss the gradient `scale`."""
+    """Identity on a stage's output whose backward also gives the aux loss the gradient `scale`.
+    A copy, not a view: the zero-bubble schedule detaches stage outputs in place."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.aux_dtype, ctx.aux_device = scale, aux.dtype, aux.device
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
