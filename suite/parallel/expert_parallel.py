@@ -4,7 +4,7 @@ Layout (torchtitan-style: ep borrows ranks from the data-parallel dimension). Th
 (dp x sharding, flattened) are cut into groups of `ep` neighbours; inside a group every rank holds a
 different slice of the experts, and the groups replicate each other:
 
-    expert mesh ("edp", "ep") = data ranks reshaped to (data/ep, ep)
+    expert mesh ("edp", "ep") = data ranks reshaped to (data/ep, ep), per pipeline stage under pp
     expert weights   DTensor [E, ...] placed (Replicate() over edp, Shard(0) over ep)
     dense weights    the usual data parallel over all data ranks (replicate / FSDP / HSDP)
 
@@ -33,7 +33,15 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from suite.config.errors import ConfigError
-from suite.models.moe import GroupedExperts, expert_ffn_size, load_metrics, pop_load_stats, run_experts
+from suite.config.schema import ModelConfig
+from suite.models.moe import (
+    GroupedExperts,
+    MoEFeedForward,
+    expert_ffn_size,
+    load_metrics,
+    moe_layer_ids,
+    run_experts,
+)
 from suite.parallel.expert_tensor_parallel import EXPERT_TP_DIM, TensorParallelExperts
 
 EP_AXES = ("edp", "ep")
@@ -52,11 +60,6 @@ def check_expert_parallel(dims, cfg) -> None:
         raise ConfigError(
             f"parallel.tp={dims.tp} does not divide the expert MLP width (model.moe_ffn_hidden_size) "
             f"{expert_ffn_size(model)}; tensor parallelism splits every expert on it, use a tp that divides it"
-        )
-    if dims.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={dims.pp} with model.num_experts={model.num_experts}: pipelining MoE models is not "
-            "supported; use parallel.pp=1"
         )
     if ep == 1:
         return
@@ -78,15 +81,18 @@ def check_expert_parallel(dims, cfg) -> None:
 
 
 def build_expert_mesh(dims, device_type: str) -> DeviceMesh:
-    """("edp", "ep") mesh over the data ranks: ep groups are neighbouring data ranks (collective).
-    With tp > 1 a third, innermost axis "tp" (the job mesh's tp ranks: pp = cp = 1 under MoE, so a
-    rank is data_rank * tp + tp_rank): an ep group then joins the ranks of one tp coordinate."""
-    shape = (dims.data_parallel_size // dims.ep, dims.ep)
-    names = EP_AXES
+    """("edp", "ep") mesh over this pipeline stage's data ranks: ep groups are neighbouring data ranks
+    (collective). The job's ranks are laid out pp x data x tp (cp = 1 under ep), so the ranks of
+    stage s are s * data * tp + data_rank * tp + tp_rank: the full mesh carries a leading "pp" axis
+    and this rank keeps the slice of its own stage (each stage has its own expert groups).
+    With tp > 1 a third, innermost axis "tp": an ep group then joins the ranks of one tp coordinate."""
+    shape = (dims.pp, dims.data_parallel_size // dims.ep, dims.ep)
+    names = ("pp", *EP_AXES)
     if dims.tp > 1:
-        shape, names = (*shape, dims.tp), (*EP_AXES, "tp")
+        shape, names = (*shape, dims.tp), (*names, "tp")
     ranks = torch.arange(dims.world_size).view(*shape)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    return mesh[names[1:]]
 
 
 class ExpertParallelExperts(TensorParallelExperts):
@@ -194,29 +200,53 @@ def reduce_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, data_si
         local.div_(data_size)
 
 
-def moe_step_metrics(model: nn.Module, top_k: int, steps: int, traffic: dict | None) -> dict[str, float]:
-    """Load-balance figures since the last call (all ranks' tokens) and all-to-all bytes per step.
+def _stats_by_layer(model: nn.Module, layers: list[int], num_experts: int) -> dict[str, torch.Tensor]:
+    """This rank's load sums since the last call, with one token-count row per MoE layer of the whole
+    model (`layers`: their ids) and zeros for the layers other pipeline stages hold: summed over
+    ranks, every layer's row is its own, as in one process. Zeros where this rank holds none."""
+    counts = torch.zeros(len(layers), num_experts, dtype=torch.float64)
+    scalars = {
+        k: torch.zeros((), dtype=torch.float64) for k in ("balance_loss", "z_loss", "dropped", "calls")
+    }
+    for name, module in model.named_modules():
+        if not isinstance(module, MoEFeedForward):
+            continue
+        stats = module.pop_stats()
+        if stats:
+            parts = name.split(".")  # ...layers.<id>.feed_forward
+            layer = int(parts[parts.index("layers") + 1])
+            counts[layers.index(layer)] += stats["tokens_per_expert"]
+            for key in scalars:
+                scalars[key] = scalars[key] + stats[key]
+    return {"tokens_per_expert": counts, **scalars}
+
+
+def moe_step_metrics(
+    model: nn.Module, cfg: ModelConfig, steps: int, traffic: dict | None
+) -> dict[str, float]:
+    """Load-balance figures since the last call (all ranks' tokens, every pipeline stage's layers)
+    and all-to-all bytes per step; {} when no training forward ran since the last call.
 
     Collective when distributed: every rank calls it at the same steps. a2a_bytes counts the bytes
     all ranks together send to other ranks per optimizer step, dispatch + combine, forward + backward.
     """
-    stats = pop_load_stats(model)
-    if not stats:
-        return {}
+    stats = _stats_by_layer(model, moe_layer_ids(cfg), cfg.num_experts)
     sent = float(traffic["bytes"]) if traffic is not None else 0.0
     if traffic is not None:
         traffic["bytes"] = 0
+    keys = ("balance_loss", "z_loss", "dropped", "calls")
     if dist.is_initialized() and dist.get_world_size() > 1:
         flat = torch.cat([stats["tokens_per_expert"].flatten(), torch.tensor([sent], dtype=torch.float64)])
-        for key in ("balance_loss", "z_loss", "dropped", "calls"):
-            flat = torch.cat([flat, stats[key].reshape(1)])
+        flat = torch.cat([flat, torch.stack([stats[key] for key in keys])])
         dist.all_reduce(flat)
         n = stats["tokens_per_expert"].numel()
         stats["tokens_per_expert"] = flat[:n].view_as(stats["tokens_per_expert"])
         sent = float(flat[n])
-        for i, key in enumerate(("balance_loss", "z_loss", "dropped", "calls")):
+        for i, key in enumerate(keys):
             stats[key] = flat[n + 1 + i]
-    metrics = load_metrics(stats, top_k)
+    if not float(stats["calls"]):
+        return {}
+    metrics = load_metrics(stats, cfg.top_k)
     if traffic is not None:
         metrics["a2a_bytes"] = 2.0 * sent / max(steps, 1)
     return metrics

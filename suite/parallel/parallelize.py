@@ -214,8 +214,8 @@ def make_part_parallelizer(
             expert_params = ep.apply_expert_parallel(
                 part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0})
             )
-            info["after_backward"] = lambda: ep.reduce_expert_grads(
-                ep.expert_params_of(part), ep_mesh, dims.data_parallel_size
+            info.setdefault("after_backward", []).append(  # one per part (pipeline stages)
+                lambda: ep.reduce_expert_grads(ep.expert_params_of(part), ep_mesh, dims.data_parallel_size)
             )
         _apply_recompute(part, cfg)
         if compile_enabled(cfg, dims, device, precision):
@@ -278,7 +278,10 @@ def parallelize(
     if dims.pp > 1:
         from suite.parallel.pipeline import build_pipeline
 
-        return build_pipeline(model, cfg, dims, mesh, device, parallelize_part, precision.param_dtype)
+        placement = build_pipeline(model, cfg, dims, mesh, device, parallelize_part, precision.param_dtype)
+        placement.ep_traffic = info.get("ep_traffic")  # expert parallel inside the stages
+        placement.gradient_hooks += info.get("after_backward", [])
+        return placement
     model = parallelize_part(model)
     from suite.parallel.mesh import data_rank
 
@@ -296,5 +299,5 @@ def parallelize(
         optim_device=info["optim_device"],
         compute_device=info["compute_device"],
         ep_traffic=info.get("ep_traffic"),
-        gradient_hooks=[info["after_backward"]] if "after_backward" in info else [],
+        gradient_hooks=info.get("after_backward", []),
     )

@@ -245,8 +245,6 @@ def _check_model_splits(job: Job, layout: Layout) -> None:
         raise ConfigError(f"cp={cp} needs seq_len % 2cp == 0, pp=1 and a dense model")
     if layout.offload and (layout.sharding == 1 or layout.stage == 1):
         raise ConfigError("offload needs sharding > 1 at stage 2 or 3")
-    if m.num_experts > 0 and layout.pp > 1:
-        raise ConfigError("MoE models run with pp=1")
     if layout.ep > 1:
         if m.num_experts == 0 or m.num_experts % layout.ep or layout.data_ranks % layout.ep:
             raise ConfigError(f"ep={layout.ep} must divide model.num_experts and the data ranks")

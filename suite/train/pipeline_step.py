@@ -5,6 +5,13 @@ single-process loop weighs it (TrainStep.loss_weight), so the schedule does not 
 data-parallel wrappers average across replicas. Positions and document masks are the schedule's
 keyword arguments, split per micro-batch like the tokens and passed to every stage. The placement's
 gradient hooks then sum the tied embedding's two copies (suite.parallel.pipeline).
+
+Mixture-of-Experts stages: the loss exists on the last stage only, but every stage's MoE layers add
+their weighted balance + z-losses, 1 / micro-batches each, as in one process. A forward hook on each
+stage part takes its layers' aux loss after every training forward. On the last stage the schedule's
+loss adds it; on the others `_AttachAux` ties it to the stage output, so the output's backward also
+sends d(loss)/d(aux) = 1 / micro-batches into it (Megatron's MoEAuxLossAutoScaler). The logged loss
+sums the last stage's losses and every stage's aux losses over the pp group.
 """
 
 from __future__ import annotations
@@ -14,10 +21,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from suite.data.batch import Batch
+from suite.models.moe import moe_aux_loss, moe_modules
 from suite.parallel import data_parallel as dpar
 from suite.parallel import memory
 from suite.parallel.pipeline import PipelineStages
-from suite.train.step import TrainStep, local_value
+from suite.train.step import TrainStep, like_loss, local_value
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -26,6 +34,21 @@ def _layout(t: torch.Tensor) -> tuple:
     return (
         ("dtensor", t.device_mesh, t.placements, t.device) if isinstance(t, DTensor) else ("plain", t.device)
     )
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on a stage's output whose backward also gives the aux loss the gradient `scale`.
+    A copy, not a view: the zero-bubble schedule detaches stage outputs in place."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_dtype, ctx.aux_device = scale, aux.dtype, aux.device
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_grad = torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device)
+        return grad, aux_grad, None
 
 
 class PipelineStep(TrainStep):
@@ -37,13 +60,62 @@ class PipelineStep(TrainStep):
         self.stages: PipelineStages = placement.pipeline
         self._scaled_loss = None
         self.schedule = self.stages.schedule(self._schedule_loss)
+        self._aux_weight = 0.0  # 1 / micro-batches of the running step
+        self._aux_logged: list[torch.Tensor] = []  # this step's weighted aux losses, not-last parts
+        self._last_aux: torch.Tensor | None = None  # the last stage's, for the schedule's loss
+        self._in_chunk = False  # a schedule's forward_one_chunk runs (not its metadata inference)
+        last = self.stages.num_stages - 1
+        for stage, part, idx in zip(self.stages.stages, self.stages.parts, self.stages.stage_ids):
+            if moe_modules(part):
+                part.register_forward_hook(self._aux_hook(idx == last))
+                stage.forward_one_chunk = self._chunk_flagged(stage.forward_one_chunk)
+
+    def _chunk_flagged(self, forward_one_chunk):
+        """The stage's forward_one_chunk with `_in_chunk` set: the schedule's first step also runs
+        each part on placeholder inputs to infer shapes, whose aux losses must not count."""
+
+        def wrapped(*args, **kwargs):
+            self._in_chunk = True
+            try:
+                return forward_one_chunk(*args, **kwargs)
+            finally:
+                self._in_chunk = False
+
+        return wrapped
+
+    def _aux_hook(self, is_last: bool):
+        """A forward hook that routes the part's MoE aux losses into the loss (see the module doc)."""
+
+        def hook(part, args, output):
+            if not (part.training and torch.is_grad_enabled() and self._aux_weight and self._in_chunk):
+                return None
+            aux = moe_aux_loss(part)  # also commits the layers' load statistics, once per micro-batch
+            if aux is None:
+                return None
+            if is_last:
+                self._last_aux = aux
+                return None
+            self._aux_logged.append(aux.detach() * self._aux_weight)
+            return _AttachAux.apply(output, aux, self._aux_weight * self.scaler.get_scale())
+
+        return hook
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._scaled_loss(output, target)
+        loss = self._scaled_loss(output, target)
+        if self._last_aux is not None:
+            aux, self._last_aux = self._last_aux, None
+            loss = loss + self.scaler.scale(like_loss(aux.to(output.device), loss) * self._aux_weight)
+        return loss
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
         dist.broadcast(value, src=self.stages.last_rank, group=self.stages.pp_group)
+        return value
+
+    def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-stage scalar over the pp group (every stage's share of the loss)."""
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.stages.pp_group)
         return value
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -59,8 +131,9 @@ class PipelineStep(TrainStep):
         if micro_batches[0].is_pinned():  # keep the copy asynchronous (data.prefetch pins on CUDA)
             batch = batch.pin_memory()
         batch = batch.to(placement.input_device(), non_blocking=True)
-        scaler, loss_fn, aux_weight = self.scaler, self.loss_fn, 1.0 / len(micro_batches)
-        self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt, weight, aux_weight))
+        scaler, loss_fn = self.scaler, self.loss_fn
+        self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt, weight))
+        self._aux_weight, self._aux_logged = 1.0 / len(micro_batches), []
         losses: list[torch.Tensor] = []
         args = (batch.tokens,) if stages.has_first else ()
         with placement.loss_context(), self.autocast():  # the last stage's loss backward runs inside step()
@@ -80,7 +153,10 @@ class PipelineStep(TrainStep):
                 loss = loss / scaler.get_scale()
         else:
             loss = torch.zeros((), device=placement.input_device())
-        return placement.data_mean(self._from_last_stage(loss))
+        for aux in self._aux_logged:  # the earlier stages' aux losses (the last's are in `losses`)
+            loss = loss + aux.to(loss.device, loss.dtype)
+        self._aux_weight, self._aux_logged = 0.0, []
+        return placement.data_mean(self._pp_sum(loss))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global 2-norm over every stage and shard (a tied weight counted once), then clip."""

@@ -44,13 +44,13 @@ def training_loss(model: nn.Module, moe: bool) -> LossFn:
         if moe and model.training and aux_weight:
             aux = moe_aux_loss(model)
             if aux is not None:
-                loss = loss + _like_loss(aux.to(loss.device), loss) * aux_weight
+                loss = loss + like_loss(aux.to(loss.device), loss) * aux_weight
         return loss
 
     return loss_fn
 
 
-def _like_loss(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+def like_loss(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """The aux loss as the loss's kind of tensor: under tp the loss is a DTensor (loss_parallel) and
     the aux loss a plain scalar that every tp rank computed whole (replicated routing)."""
     if not hasattr(loss, "device_mesh"):

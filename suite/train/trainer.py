@@ -527,7 +527,7 @@ class Trainer:
                     }
                     if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window
                         record |= moe_step_metrics(
-                            self.model, cfg.model.top_k, window_steps, self.placement.ep_traffic
+                            self.model, cfg.model, window_steps, self.placement.ep_traffic
                         )
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.max_steps:

@@ -250,3 +250,20 @@ def test_the_grouped_mm_probe_is_not_fooled_by_no_grad():
     cached.cache_clear()
     with torch.no_grad():
         assert grouped_mm_runs("cpu", torch.float32)
+
+
+def test_pipeline_stage_aux_loss_rides_the_output_backward():
+    """An earlier pipeline stage's router losses enter backward through its output: a copy (the
+    zero-bubble schedule detaches stage outputs in place, which a view refuses) whose backward also
+    gives the aux loss its weight (1 / micro-batches)."""
+    from suite.train.pipeline_step import _AttachAux
+
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    out = _AttachAux.apply(x, w * 3.0, 0.25)
+    assert torch.equal(out, x) and not out._is_view()
+    out.detach_()  # what the zero-bubble schedule does to a stage output
+    out = _AttachAux.apply(x, w * 3.0, 0.25)
+    (out * 2.0).sum().backward()
+    assert torch.equal(x.grad, torch.full((2, 3), 2.0))
+    assert float(w.grad) == 0.75  # d(0.25 * 3w)/dw

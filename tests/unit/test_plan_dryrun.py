@@ -1,7 +1,7 @@
 """The dry run (`suite pretrain ... --dry-run`): each preset placed by the real `parallelize` on the
 meta device under a fake process group of up to 1024 ranks holds exactly the parameters the cost
 model counts for that rank, under at least five layouts (FSDP's uneven pieces, tp, pp with virtual
-stages, HSDP, ZeRO-1, ep, MoE under tp)."""
+stages, HSDP, ZeRO-1, ep, MoE under tp and pp)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ MOE = [
     # expert-tensor-parallel: experts split on their ffn dim, alone and under ep
     (16, {"tp": 2, "sp": True, "sharding": 8, "sharding_stage": 3}),
     (32, {"tp": 2, "dp": 2, "sharding": 8, "sharding_stage": 2, "ep": 4}),
+    # MoE layers inside pipeline stages, each stage with its own expert groups
+    (16, {"pp": 2, "sharding": 8, "sharding_stage": 3, "ep": 4}),
+    (32, {"tp": 2, "pp": 2, "dp": 2, "sharding": 4, "sharding_stage": 2, "ep": 2}),
 ]
 
 
