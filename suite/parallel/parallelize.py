@@ -161,7 +161,7 @@ def compile_enabled(
     fusing saves there. Not under the zero-bubble pipeline schedule, which compiled blocks do
     not support (true is rejected there), nor under context parallelism: there `true` compiles each
     block around its eager cp attention (two graphs per block, suite.parallel.context_parallel),
-    a split that has not been measured to pay, so auto leaves it to the user."""
+    which measured no faster on CPU at width 512 (docs/parallelism.md), so auto leaves it off."""
     value = cfg.train.compile
     if value != "auto":
         return bool(value)
