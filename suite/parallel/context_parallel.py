@@ -164,6 +164,10 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.gqa, self.group, self.cp, self.rank = gqa, group, cp, rank
 
+    # A compiled block (train.compile) breaks its graph here and runs this call eagerly: the
+    # collectives live inside a custom autograd Function (gather forward, reduce-scatter backward),
+    # which the compiler does not trace. The projections, RoPE, norms and the MLP around it compile.
+    @torch.compiler.disable
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -276,11 +276,6 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
             f"parallel.cp={cp} cuts data.seq_len={seq_len} into 2*cp={2 * cp} load-balanced chunks, but "
             f"{seq_len} is not divisible by {2 * cp}; use a data.seq_len that is a multiple of {2 * cp}"
         )
-    if dims.pp > 1:
-        raise ConfigError(
-            f"parallel.cp={cp} with parallel.pp={dims.pp} is not supported (pipeline stages do not carry "
-            "context-parallel batches); use parallel.cp=1 or parallel.pp=1"
-        )
     if cfg.parallel.sp and (seq_len // cp) % dims.tp:
         raise ConfigError(
             f"parallel.sp=true splits each cp rank's data.seq_len/parallel.cp={seq_len // cp} tokens across "
@@ -291,9 +286,4 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
         raise ConfigError(
             f"parallel.cp={cp} with model.num_experts={cfg.model.num_experts} is not supported (routing "
             "statistics and the balance loss would cover each rank's part of the sequence only); use parallel.cp=1"
-        )
-    if cfg.train.compile is True:  # auto stays off here (suite.parallel.parallelize.compile_enabled)
-        raise ConfigError(
-            f"train.compile=true is not supported with parallel.cp={cp} (the context-parallel attention "
-            "runs collectives inside autograd); use train.compile=false"
         )

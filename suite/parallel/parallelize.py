@@ -158,8 +158,10 @@ def compile_enabled(
     compiled block fuses) at width >= COMPILE_AUTO_MIN_HIDDEN: on CPU in any precision (bf16: -16%
     time; fp32: even time, -20% peak memory), on GPUs in bf16 or fp16. GPT blocks measured no faster
     compiled on CPU, and small models stay eager: a minute of compilation per process outweighs what
-    fusing saves there. Never under context parallelism or the zero-bubble pipeline
-    schedule, which compiled blocks do not support (true is rejected there)."""
+    fusing saves there. Not under the zero-bubble pipeline schedule, which compiled blocks do
+    not support (true is rejected there), nor under context parallelism: there `true` compiles each
+    block around its eager cp attention (two graphs per block, suite.parallel.context_parallel),
+    which measured no faster on CPU at width 512 (docs/parallelism.md), so auto leaves it off."""
     value = cfg.train.compile
     if value != "auto":
         return bool(value)
@@ -197,11 +199,13 @@ def make_part_parallelizer(
     info: dict = {}
     pcfg = cfg.parallel
 
+    compiled = compile_enabled(cfg, dims, device, precision)
+
     def parallelize_part(part: nn.Module) -> nn.Module:
         if dims.tp > 1:
             from suite.parallel.tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(part, mesh["tp"], pcfg.sp)
+            apply_tensor_parallel(part, mesh["tp"], pcfg.sp, compiled_blocks=compiled)
         if dims.cp > 1:
             from suite.parallel.context_parallel import apply_context_parallel
 
@@ -218,7 +222,7 @@ def make_part_parallelizer(
                 lambda: ep.reduce_expert_grads(ep.expert_params_of(part), ep_mesh, dims.data_parallel_size)
             )
         _apply_recompute(part, cfg)
-        if compile_enabled(cfg, dims, device, precision):
+        if compiled:
             _compile_blocks(part)
         kind = dpar.apply_data_parallel(
             part,

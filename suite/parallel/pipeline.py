@@ -363,6 +363,7 @@ def build_pipeline(
         model=PipelineModules(parts, tied),
         dims=dims,
         dp_rank=data_rank(mesh),
+        cp_rank=mesh.get_local_rank("cp"),  # each stage's cp attention runs over the cp group
         materialized=True,
         num_params=model.num_params(),
         mesh=mesh,

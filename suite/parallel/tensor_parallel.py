@@ -206,11 +206,14 @@ def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sp: bool, compiled_blocks: bool = False
+) -> None:
     """Rewrite `model` (a Transformer or a pipeline part of one) in place for tp = tp_mesh.size().
 
     Works on any subset of the modules (a pipeline stage may lack embeddings or the head).
     The head's output is a vocab-sharded DTensor: run the loss under `loss_parallel()`.
+    compiled_blocks: the blocks will be torch.compile'd (see `_fresh_embedding_output`).
     """
     from suite.models.moe import MoEFeedForward
     from suite.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
@@ -246,11 +249,25 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if compiled_blocks and "tok_embeddings" in top and "pos_embeddings" not in top:
+        model.tok_embeddings.register_forward_hook(_fresh_embedding_output)
     for key, block in model.layers.items():
         parallelize_module(block, tp_mesh, _lora_aware(block, plans[key], sp))
         if isinstance(block.feed_forward, MoEFeedForward):
             apply_expert_tensor_parallel(block.feed_forward, tp_mesh, sp, model.cfg)
     retie_embeddings(model)
+
+
+def _fresh_embedding_output(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    """A copy of the vocabulary-parallel embedding's local output, for a compiled first block.
+
+    `DTensor.to_local()` returns a view of the DTensor's local tensor; a compiled block (AOTAutograd)
+    that gets such a view as its input hands a plain-tensor gradient to the all-reduce's backward,
+    which expects a DTensor (AttributeError: '_local_tensor'; torch 2.13). GPT adds its position
+    embeddings first, which makes a fresh tensor; Llama feeds the view straight into block 0.
+    The copy is one [b, s, hidden] activation, transient (nothing saves the view).
+    """
+    return output.clone()
 
 
 def retie_embeddings(model: nn.Module) -> None:

@@ -3,8 +3,11 @@
 The schedule's loss is each micro-batch's share of the global-batch loss, weighted exactly as the
 single-process loop weighs it (TrainStep.loss_weight), so the schedule does not rescale gradients;
 data-parallel wrappers average across replicas. Positions and document masks are the schedule's
-keyword arguments, split per micro-batch like the tokens and passed to every stage. The placement's
-gradient hooks then sum the tied embedding's two copies (suite.parallel.pipeline).
+keyword arguments, split per micro-batch like the tokens and passed to every stage. With context
+parallelism (cp > 1) every stage runs the cp attention over its cp group, so the schedule carries
+this rank's sequence chunks (tokens, targets, their positions, the rows' document ids) as the
+non-pipelined step does; the loss weight and the final loss average over dp x cp like it. The
+placement's gradient hooks then sum the tied embedding's two copies (suite.parallel.pipeline).
 
 Mixture-of-Experts stages: the loss exists on the last stage only, but every stage's MoE layers add
 their weighted balance + z-losses, 1 / micro-batches each, as in one process. A forward hook on each
@@ -118,6 +121,16 @@ class PipelineStep(TrainStep):
         dist.all_reduce(value, group=self.stages.pp_group)
         return value
 
+    def stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """`model_inputs` (cp > 1: this rank's sequence chunks) with every tensor batch-major: the
+        schedule cuts each keyword argument into micro-batches along dim 0, so the chunks' shared
+        positions [2L] are expanded to one row per sample."""
+        tokens, labels, kwargs = self.model_inputs(batch)
+        positions = kwargs.get("positions")
+        if positions is not None and positions.dim() == 1:
+            kwargs = {**kwargs, "positions": positions.expand(tokens.shape[0], -1)}
+        return tokens, labels, kwargs
+
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """One schedule step over the micro-batches; the data-parallel global-batch loss on every rank."""
         stages, placement = self.stages, self.placement
@@ -131,18 +144,19 @@ class PipelineStep(TrainStep):
         if micro_batches[0].is_pinned():  # keep the copy asynchronous (data.prefetch pins on CUDA)
             batch = batch.pin_memory()
         batch = batch.to(placement.input_device(), non_blocking=True)
+        tokens, labels, kwargs = self.stage_inputs(batch)
         scaler, loss_fn = self.scaler, self.loss_fn
         self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt, weight))
         self._aux_weight, self._aux_logged = 1.0 / len(micro_batches), []
         losses: list[torch.Tensor] = []
-        args = (batch.tokens,) if stages.has_first else ()
+        args = (tokens,) if stages.has_first else ()
         with placement.loss_context(), self.autocast():  # the last stage's loss backward runs inside step()
             self.schedule.step(
                 *args,
-                target=batch.labels if stages.has_last else None,
+                target=labels if stages.has_last else None,
                 losses=losses,
                 return_outputs=False,
-                **batch.model_kwargs(),
+                **kwargs,
             )
         placement.after_backward()
         self.note_bytes("params", memory.parameter_bytes(self.model))
@@ -211,8 +225,7 @@ class PipelineStep(TrainStep):
         weight = self.loss_weight(batches)
         total = torch.zeros((), device=device, dtype=torch.float64)
         for batch in batches:
-            batch = batch.to(device)
-            kwargs = batch.model_kwargs()
+            tokens, labels, kwargs = self.model_inputs(batch.to(device))
             hidden = None
             for s in range(stages.num_stages):
                 part = by_stage.get(s)
@@ -221,9 +234,9 @@ class PipelineStep(TrainStep):
                 if s > 0 and (s - 1) not in by_stage:
                     hidden = self._recv(s - 1, device)
                 with placement.loss_context(), self.autocast():
-                    out = part(batch.tokens, **kwargs) if s == 0 else part(hidden, **kwargs)
+                    out = part(tokens, **kwargs) if s == 0 else part(hidden, **kwargs)
                     if s == stages.num_stages - 1:
-                        total += local_value(self.loss_fn(out, batch.labels, weight)).double()
+                        total += local_value(self.loss_fn(out, labels, weight)).double()
                 hidden = out
                 if s + 1 < stages.num_stages and (s + 1) not in by_stage:
                     self._send(out, s + 1)

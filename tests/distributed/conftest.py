@@ -76,6 +76,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "llama-tp2-sp": (2, [*LLAMA, "parallel.tp=2", "parallel.sp=true"]),
     # fused wqkv / w13 (GQA: 2 kv heads, one whole group per rank) against the unfused reference
     "llama-tp2-fused": (2, [*LLAMA, "parallel.tp=2", "model.fused_projections=true"]),
+    # compiled blocks (train.compile=true): under tp the first block's input must not be a view of
+    # the embedding's DTensor; under cp the blocks compile around the eager cp attention
+    "llama-tp2-compile": (2, [*LLAMA, "parallel.tp=2", "train.compile=true"]),
+    "llama-cp2-compile": (2, [*LLAMA, "parallel.cp=2", "train.compile=true"]),
+    # every pipeline stage runs context-parallel attention: micro-batches carry each rank's chunks
+    "llama-cp2-pp2": (4, [*LLAMA, "parallel.cp=2", "parallel.pp=2"]),
 }
 
 

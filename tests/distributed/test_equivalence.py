@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.conftest import LAYOUTS, reference_name
-from tests.helpers import assert_equivalent, assert_layout
+from tests.helpers import assert_equivalent, assert_layout, summary
 
 # loading a checkpoint into a plain model in this (non-distributed) test process is the intent
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -51,6 +51,27 @@ def test_two_process_layout_matches_single_process(layout_run, name):
 @pytest.mark.parametrize("name", ["dp2-tp2", "sharding2-tp2", "hsdp"])
 def test_four_process_layout_matches_single_process(layout_run, name):
     check_layout(layout_run, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-tp2-compile", "llama-cp2-compile", "llama-cp2-pp2"])
+def test_compiled_and_cp_pp_layouts_match_single_process(layout_run, name):
+    """Compiled blocks under tp and cp (the llama-single reference runs eager), and cp inside
+    pipeline stages: besides the layout checks, every block held was compiled (and only those
+    asked to), and with pp every stage's blocks run the cp attention."""
+    check_layout(layout_run, name)
+    overrides = LAYOUTS[name][1]
+    layout = summary(layout_run(name))["layout"]
+    compiled = "train.compile=true" in overrides
+    for view in layout["ranks"]:
+        blocks = {f"layers.{i}" for i in view["layers"]}
+        assert set(view["modules"].get("compiled", [])) == (blocks if compiled else set()), view["modules"]
+        if "parallel.cp=2" in overrides:
+            cp_modules = view["modules"]["context_parallel"]
+            assert {m.rsplit(".attention", 1)[0] for m in cp_modules} == blocks, cp_modules
+    if "parallel.pp=2" in overrides:
+        assert {tuple(v["layers"]) for v in layout["ranks"]} == {(0,), (1,)}, layout["ranks"]
+        assert sorted(r for v in layout["ranks"] for r in v["ranks"]) == [0, 1, 2, 3]
 
 
 def test_logged_metrics_come_from_rank_zero_only(layout_run):

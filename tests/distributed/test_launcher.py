@@ -55,14 +55,9 @@ BAD_LAYOUTS = [
     (["parallel.dp=2", "parallel.offload=true", "launch.nproc_per_node=2"], ["parallel.offload=true"]),
     (["parallel.dp=auto", "parallel.sharding=auto", "launch.nproc_per_node=2"], ["at most one degree"]),
     (["parallel.cp=3", "launch.nproc_per_node=3"], ["parallel.cp=3", "data.seq_len=32", "multiple of 6"]),
-    (["parallel.cp=2", "parallel.pp=2", "launch.nproc_per_node=4"], ["parallel.cp=2", "parallel.pp=2"]),
     (
         ["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "data.seq_len=36", "launch.nproc_per_node=8"],
         ["parallel.sp=true", "18", "multiple of 16"],
-    ),
-    (
-        ["parallel.cp=2", "train.compile=true", "launch.nproc_per_node=2"],
-        ["train.compile=true", "parallel.cp=2"],
     ),
     (
         ["recipe=moe-tiny", "parallel.cp=2", "launch.nproc_per_node=2"],

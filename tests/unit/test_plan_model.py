@@ -171,6 +171,7 @@ def test_check_layout_uses_the_trainers_rules():
     cfg = _model("gpt-tiny")  # 4 heads, 4 layers
     job = Job(model=cfg, cluster=ClusterConfig(devices_per_node=8), seq_len=256, global_batch=16)
     check_layout(job, Layout(dp=2, tp=4, micro_batch=2))
+    check_layout(job, Layout(dp=2, pp=2, cp=2, micro_batch=2))  # cp inside pipeline stages
     with pytest.raises(ConfigError, match="num_heads"):
         check_layout(job, Layout(tp=8, micro_batch=2))
     with pytest.raises(ConfigError, match="micro-batches"):  # 1F1B needs m >= pp
