@@ -294,6 +294,9 @@ class MoEFeedForward(nn.Module):
             width = cfg.num_shared_experts * expert_ffn_size(cfg)
             self.shared_experts = FeedForward(dataclasses.replace(cfg, ffn_hidden_size=width))
         self.aux_loss: torch.Tensor | None = None  # weighted aux + z loss of the last forward
+        # sums a rank's router statistics over the ranks sharing its micro-batch's tokens (an
+        # autograd sum; suite.parallel.context_parallel_moe sets it under context parallelism)
+        self.sum_router_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.stats: dict[str, torch.Tensor] = {}  # detached sums since the last `pop_stats`
         self.last_stats: dict[str, torch.Tensor] = {}
 
@@ -319,12 +322,25 @@ class MoEFeedForward(nn.Module):
     def balance_losses(
         self, logits: torch.Tensor, expert_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Switch load-balancing loss, router z-loss), both unweighted."""
+        """(Switch load-balancing loss, router z-loss), both unweighted.
+
+        The balance loss is not linear in the tokens: where the micro-batch's tokens are spread over
+        several ranks (context parallelism), `sum_router_stats` (set by suite.parallel, absent
+        otherwise) sums the per-expert probability sums (with gradient), assignment counts and token
+        count over them first, so f and P are the whole micro-batch's. The z-loss stays this rank's
+        per-token mean (a mean of equal-sized parts' means is the whole mean)."""
         probs = logits.softmax(dim=-1)
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).to(probs.dtype)
-        fraction = counts / expert_ids.numel()
-        balance = self.num_experts * (fraction * probs.mean(0)).sum()
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if self.sum_router_stats is None:
+            fraction = counts / expert_ids.numel()
+            return self.num_experts * (fraction * probs.mean(0)).sum(), z_loss
+        e = self.num_experts
+        sums = self.sum_router_stats(
+            torch.cat([probs.sum(0), counts, probs.new_tensor([float(logits.shape[0])])])
+        )
+        prob_sums, counts, tokens = sums[:e], sums[e : 2 * e], sums[2 * e]
+        balance = e * (counts / (tokens * expert_ids.shape[-1]) * (prob_sums / tokens)).sum()
         return balance, z_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

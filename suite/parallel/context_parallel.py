@@ -183,8 +183,12 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Swap every block's CoreAttention for the cp-aware one (in place; parameter names unchanged)."""
+    """Swap every block's CoreAttention for the cp-aware one and sum MoE router statistics over the
+    cp group (in place; parameter names unchanged)."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
     for block in model.layers.values():
         attention = block.attention
         attention.core = ContextParallelAttention(attention.core.gqa, group, cp, rank)
+    from suite.parallel.context_parallel_moe import apply_context_parallel_moe
+
+    apply_context_parallel_moe(model, group)  # MoE layers: the balance loss over the whole sequence

@@ -54,6 +54,8 @@ def describe_rank(model: nn.Module) -> dict:
             kinds.append("expert_tensor_parallel")
         if type(module).__name__ == "ContextParallelAttention":
             kinds.append("context_parallel")
+        if getattr(module, "sum_router_stats", None) is not None:  # suite.parallel.context_parallel_moe
+            kinds.append("context_parallel_moe")
         for kind in kinds:
             wrappers.setdefault(kind, []).append(name or "<root>")
     return {

@@ -8,6 +8,7 @@ different slice of the experts, and the groups replicate each other:
     expert weights   DTensor [E, ...] placed (Replicate() over edp, Shard(0) over ep)
     dense weights    the usual data parallel over all data ranks (replicate / FSDP / HSDP)
 
+    with cp > 1: ep groups are data ranks of one cp coordinate, "edp" = (data/ep) x cp replicas
     with tp > 1: mesh ("edp", "ep", "tp"), experts also split on their ffn dim over tp and the
     dispatch wrapped in suite.parallel.expert_tensor_parallel's copy / reduce pair
 
@@ -74,23 +75,24 @@ def check_expert_parallel(dims, cfg) -> None:
             f"{dims.data_parallel_size}); expert parallelism borrows data ranks, use an ep that divides "
             f"{dims.data_parallel_size}"
         )
-    if dims.cp > 1:
-        raise ConfigError(f"parallel.ep={ep} with parallel.cp={dims.cp} is not supported; use one of them")
     if pcfg.offload:
         raise ConfigError(f"parallel.ep={ep} with parallel.offload=true is not supported; use offload=false")
 
 
 def build_expert_mesh(dims, device_type: str) -> DeviceMesh:
     """("edp", "ep") mesh over this pipeline stage's data ranks: ep groups are neighbouring data ranks
-    (collective). The job's ranks are laid out pp x data x tp (cp = 1 under ep), so the ranks of
-    stage s are s * data * tp + data_rank * tp + tp_rank: the full mesh carries a leading "pp" axis
-    and this rank keeps the slice of its own stage (each stage has its own expert groups).
+    (collective). The job's ranks are laid out pp x data x cp x tp, so the ranks of stage s are
+    ((s * data + data_rank) * cp + cp_rank) * tp + tp_rank: the full mesh carries a leading "pp"
+    axis and this rank keeps the slice of its own stage (each stage has its own expert groups).
+    Under cp an ep group joins data ranks of one cp coordinate (they hold the same sequence chunks
+    of different samples), and the cp ranks are further replicas: "edp" is (data / ep) x cp.
     With tp > 1 a third, innermost axis "tp": an ep group then joins the ranks of one tp coordinate."""
-    shape = (dims.pp, dims.data_parallel_size // dims.ep, dims.ep)
-    names = ("pp", *EP_AXES)
-    if dims.tp > 1:
-        shape, names = (*shape, dims.tp), (*names, "tp")
-    ranks = torch.arange(dims.world_size).view(*shape)
+    groups, cp = dims.data_parallel_size // dims.ep, dims.cp
+    ranks = torch.arange(dims.world_size).view(dims.pp, groups, dims.ep, cp, dims.tp)
+    ranks = ranks.permute(0, 1, 3, 2, 4).reshape(dims.pp, groups * cp, dims.ep, dims.tp)
+    names = ("pp", *EP_AXES, "tp")
+    if dims.tp == 1:
+        ranks, names = ranks[..., 0], names[:-1]
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
     return mesh[names[1:]]
 
@@ -188,8 +190,9 @@ def expert_params_of(model: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def reduce_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, data_size: int) -> None:
-    """Expert gradients: sum over the edp replicas, then the mean over data ranks (as dense grads get)."""
+def reduce_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, average_size: int) -> None:
+    """Expert gradients: sum over the edp replicas, then divided by `average_size`, the ranks dense
+    gradients are averaged over (data ranks x cp: Placement.gradient_average_size)."""
     replicas = ep_mesh.size(0)
     for param in params:
         if param.grad is None:
@@ -197,7 +200,7 @@ def reduce_expert_grads(params: list[nn.Parameter], ep_mesh: DeviceMesh, data_si
         local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         if replicas > 1:
             dist.all_reduce(local, group=ep_mesh.get_group("edp"))
-        local.div_(data_size)
+        local.div_(average_size)
 
 
 def _stats_by_layer(model: nn.Module, layers: list[int], num_experts: int) -> dict[str, torch.Tensor]:

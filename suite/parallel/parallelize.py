@@ -219,7 +219,9 @@ def make_part_parallelizer(
                 part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0})
             )
             info.setdefault("after_backward", []).append(  # one per part (pipeline stages)
-                lambda: ep.reduce_expert_grads(ep.expert_params_of(part), ep_mesh, dims.data_parallel_size)
+                lambda: ep.reduce_expert_grads(
+                    ep.expert_params_of(part), ep_mesh, dims.data_parallel_size * dims.cp
+                )
             )
         _apply_recompute(part, cfg)
         if compiled:

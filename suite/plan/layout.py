@@ -241,8 +241,9 @@ def _check_model_splits(job: Job, layout: Layout) -> None:
         raise ConfigError(f"tp={tp} does not divide the expert MLP width")
     if layout.sp and job.seq_len % (tp * cp):
         raise ConfigError(f"sp with tp={tp} does not divide data.seq_len={job.seq_len}")
-    if cp > 1 and (job.seq_len % (2 * cp) or m.num_experts > 0):
-        raise ConfigError(f"cp={cp} needs seq_len % 2cp == 0 and a dense model")
+    dropping = m.num_experts > 0 and m.capacity_factor is not None
+    if cp > 1 and (job.seq_len % (2 * cp) or dropping):
+        raise ConfigError(f"cp={cp} needs seq_len % 2cp == 0 and no MoE capacity dropping")
     if layout.offload and (layout.sharding == 1 or layout.stage == 1):
         raise ConfigError("offload needs sharding > 1 at stage 2 or 3")
     if layout.ep > 1:

@@ -2,7 +2,7 @@
 
 The space (all of it, no sampling): tp up to a node (sequence parallel on whenever tp > 1: the same
 traffic, less memory), pp dividing the layers with 1F1B, interleaved 1F1B (v = 2, 4) and zero-bubble
-(v = 2), cp for dense models (with or without pp), ep for MoE models, the data ranks as replicas, as one
+(v = 2), cp (with or without pp; MoE: dropless only), ep for MoE models, the data ranks as replicas, as one
 sharding group at ZeRO stage 1, 2 or 3 (stage 3 also offloaded), or as HSDP (sharded inside a node,
 replicated across nodes), micro-batches of 1 to 16 sequences, and each recompute granularity. What
 the trainer would refuse is dropped (suite.plan.layout.check_layout), then what does not fit in

@@ -60,8 +60,8 @@ BAD_LAYOUTS = [
         ["parallel.sp=true", "18", "multiple of 16"],
     ),
     (
-        ["recipe=moe-tiny", "parallel.cp=2", "launch.nproc_per_node=2"],
-        ["parallel.cp=2", "model.num_experts=", "parallel.cp=1"],
+        ["recipe=moe-tiny", "model.capacity_factor=1.0", "parallel.cp=2", "launch.nproc_per_node=2"],
+        ["parallel.cp=2", "model.capacity_factor=1.0", "capacity_factor=null"],
     ),
     (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], ["parallel.ep=2"]),
     (["parallel.tp=2", "model.vocab_size=511", "launch.nproc_per_node=2"], ["model.vocab_size=511"]),

@@ -13,6 +13,9 @@ Runs (real CLI, TINY_MODEL-sized `recipe=moe-tiny`: 2 layers, 8 experts, top-2, 
     ep2-pp2  4 processes: dp=2, ep=2, pp=2: each stage's experts split over its own 2 data ranks, 10 steps
     dp2-tp2-pp2-ep2  8 processes, four axes: dp=2 x tp=2 x pp=2, ep=2 over the dp ranks (each stage's
              experts split over ep and each expert over tp), 10 steps
+    cp2      2 processes: cp=2, each rank routes its two sequence chunks, the balance loss summed
+             over the cp group (suite.parallel.context_parallel_moe), 10 steps
+    cp2-ep2  4 processes: dp=2 x cp=2, ep=2 over the two data ranks of each cp coordinate, 10 steps
     shared-single / shared-tp2-sp   a shared expert and capacity dropping (capacity_factor=1.0), one
              process against tp=2 + sequence parallelism: the sp gather / slice of the MoE layer,
              the shared MLP's tensor-parallel plan, and dropping decided identically on tp ranks
@@ -55,6 +58,9 @@ LAYOUTS = {
     "ep2-pp2": (4, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"], 10),
     # four axes at once on 8 processes: dp=2 x tp=2 x pp=2, the experts over ep=2 (the dp ranks)
     "dp2-tp2-pp2-ep2": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.ep=2"], 10),
+    "cp2": (2, ["parallel.cp=2"], 10),
+    "cp2-ep2": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2"], 10),
+    "cp2-pp2": (4, ["parallel.cp=2", "parallel.pp=2"], 10),
 }
 TP_REFERENCE = {
     "tp2": "single",
@@ -143,7 +149,7 @@ def test_tensor_parallel_moe_matches_single_process(moe_runs, name):
         assert ("a2a_bytes" in r) == ("parallel.ep=2" in overrides)
 
 
-@pytest.mark.parametrize("name", ["pp2", "ep2-pp2", "dp2-tp2-pp2-ep2"])
+@pytest.mark.parametrize("name", ["pp2", "ep2-pp2", "dp2-tp2-pp2-ep2", "cp2-pp2"])
 def test_pipelined_moe_matches_single_process(moe_runs, name):
     """MoE layers inside pipeline stages: the first stage's balance + z-losses reach the loss through
     its output's backward, the logged loss and load metrics sum every stage's layers."""
@@ -163,3 +169,25 @@ def test_pipelined_moe_matches_single_process(moe_runs, name):
         # so a stage whose aux loss missed the logged loss (or the gradients) would fail the check above
         stage_aux = 0.01 * r["moe_balance_loss"] + 0.001 * r["moe_z_loss"]  # moe-tiny's coefficients
         assert stage_aux > 10 * 1e-4 * r["loss"], (stage_aux, r["loss"])
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp2-ep2"])
+def test_context_parallel_moe_matches_single_process(moe_runs, name):
+    """The sequence split over cp ranks: routing per token on each rank, the balance loss's f and P
+    summed over the cp group (with gradient), so losses, weights and load figures are one process's."""
+    nproc, overrides, steps = LAYOUTS[name]
+    layout = assert_layout(moe_runs(name), nproc, overrides)
+    for view in layout["ranks"]:  # every MoE layer sums its router statistics over the cp group
+        assert view["modules"].get("context_parallel_moe") == [
+            "layers.0.feed_forward",
+            "layers.1.feed_forward",
+        ]
+    reference = moe_runs("single")
+    assert_equivalent(reference, moe_runs(name), to_step=steps)
+    records = [r for r in read_metrics(moe_runs(name)) if "loss" in r]
+    assert len(records) == steps
+    single = {r["step"]: r for r in read_metrics(reference)}
+    for r in records:
+        for key in ("moe_load_max_over_mean", "moe_balance_loss", "moe_z_loss"):
+            assert abs(r[key] - single[r["step"]][key]) <= 1e-6 * abs(single[r["step"]][key]), (key, r)
+        assert ("a2a_bytes" in r) == ("parallel.ep=2" in overrides)
