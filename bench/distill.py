@@ -4,6 +4,9 @@
     python bench/distill.py --teacher runs/sft-tiny --out /tmp/distill --steps 800 --seed 1
     python bench/distill.py --set distill.hidden_weight=0 --set distill.ce_weight=0.5   # other settings
     python bench/distill.py --out /tmp/distill --keep    # students already finished there are not re-run
+    python bench/distill.py --teacher runs/sft-llama-tiny --student model=llama-tiny --student model.num_layers=2 \
+        --student model.hidden_size=128 --student model.num_heads=4 --student model.num_kv_heads=2 \
+        --student model.ffn_hidden_size=352          # llama-tiny: half the layers and width
 
 Runs, as a user would (the teacher first when --teacher does not exist: `suite pretrain` then
 `suite finetune recipe=sft-tiny`):
@@ -71,6 +74,10 @@ def main() -> int:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the distilled run"
     )
+    parser.add_argument(
+        "--student", action="append", default=[], metavar="KEY=VALUE",
+        help="an override of both students (the model: e.g. model=llama-tiny model.num_layers=2 ...)",
+    )  # fmt: skip
     args = parser.parse_args()
     teacher, out = Path(args.teacher), Path(args.out)
     if not teacher.exists():
@@ -78,7 +85,7 @@ def main() -> int:
         suite("finetune", "recipe=sft-tiny", f"run.dir={teacher}")
     steps = [f"train.max_steps={args.steps}"] if args.steps else []
     steps += [f"train.seed={args.seed}"] if args.seed is not None else []
-    rows = [("teacher (sft-tiny)", teacher, None)]
+    rows = [(f"teacher ({teacher.name})", teacher, None)]
     alone = ["distill.ce_weight=1.0", "distill.hidden_weight=0"]
     for name, extra in (("distilled", args.set), ("alone", alone)):
         run = out / name
@@ -87,7 +94,7 @@ def main() -> int:
             continue
         _, wall = suite(
             "distill", "recipe=distill-sft-tiny", f"distill.teacher={teacher}", f"run.dir={run}",
-            "train.overwrite=true", "log.progress=false", *steps, *extra,
+            "train.overwrite=true", "log.progress=false", *args.student, *steps, *extra,
         )  # fmt: skip
         note = "ce_weight=1, hidden_weight=0: no teacher" if extra is alone else " ".join(extra)
         rows.append((f"student {name}" + (f" ({note})" if note else ""), run, wall))

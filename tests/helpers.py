@@ -128,6 +128,10 @@ def initial_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return _plain_names(cfg, model)
 
 
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
+
+
 def grad_norms(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
 
@@ -176,6 +180,7 @@ def assert_equivalent(
 
     - the loss and the gradient norm of every logged step (a gradient off by a constant factor moves
       the norm by that factor, while AdamW and clipping hide it from losses and weights);
+    - the held-out loss of every evaluation (the same rows in every layout: suite.train.trainer.evaluate);
     - every parameter's gradient of step `grad_step` (train.save_grads_step), relative per tensor;
     - every parameter's update (final minus initial weights), relative to the reference's update,
       after checking that the reference moved each parameter by at least `min_update` of its norm
@@ -192,6 +197,13 @@ def assert_equivalent(
         return final_weights(run if to_step is None else Path(run) / "checkpoints" / f"step_{to_step}")
 
     assert_close_losses(later(train_losses(ref_dir)), later(train_losses(run_dir)), rtol=loss_rtol)
+    # evaluations both runs logged (a shorter run evaluates at its own end); step 0's is the initial model's
+    ref_vals, vals = val_losses(ref_dir), val_losses(run_dir)
+    common = sorted(s for s in ref_vals.keys() & vals.keys() if from_step <= s <= last)
+    assert common, ("no val_loss logged at the same step", sorted(ref_vals), sorted(vals))
+    for step in common:
+        value = ref_vals[step]
+        assert abs(vals[step] - value) <= loss_rtol * abs(value), ("val_loss", step, value, vals[step])
     ref_norms, norms = later(grad_norms(ref_dir)), later(grad_norms(run_dir))
     assert ref_norms.keys() == norms.keys() and ref_norms, (sorted(ref_norms), sorted(norms))
     for step, value in ref_norms.items():

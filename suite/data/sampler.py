@@ -132,6 +132,23 @@ class GlobalBatches:
             batches.extend(self._rank_micro_batches(np.arange(step * g, (step + 1) * g, dtype=np.int64)))
         return batches
 
+    def eval_rows(self, num_rows: int | None = None) -> list[Batch]:
+        """This rank's contiguous 1/dp of the split's first `num_rows` samples in order (None: all of
+        them), in micro-batches: every data-parallel degree evaluates the same rows, so `val_loss` does
+        not depend on the layout. Rounded up to a multiple of the data ranks (each must run as many
+        forwards: FSDP and tp gather inside them) and capped at what the split holds."""
+        ranks = self.dp_size
+        rows = self.num_samples if num_rows is None else min(num_rows, self.num_samples)
+        rows = -(-rows // ranks) * ranks
+        if rows > self.num_samples:
+            rows = self.num_samples - self.num_samples % ranks
+        share, mb = rows // ranks, self.micro_batch_size
+        mine = np.arange(self.dp_rank * share, (self.dp_rank + 1) * share, dtype=np.int64)
+        batches = [self.source.batch(mine[i : i + mb]) for i in range(0, share, mb)]
+        if self.pin_memory:
+            batches = [b.pin_memory() for b in batches]
+        return batches
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

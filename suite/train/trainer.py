@@ -453,9 +453,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        batches = self.val_loader.eval_batches(self.cfg.train.eval_batches)
-        return self.runner.evaluate(batches)
+        self.model.eval()  # train.eval_batches x micro_batch_size rows in all, the same ones in any layout
+        rows = self.cfg.train.eval_batches * self.cfg.parallel.micro_batch_size
+        return self.runner.evaluate(self.val_loader.eval_rows(rows))
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> dict:

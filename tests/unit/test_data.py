@@ -371,3 +371,16 @@ def test_embedded_corpus_is_deterministic(tmp_path: Path) -> None:
     size = sum(len(t.encode()) for t in texts)
     assert 100_000 < size <= 200_000 and len(texts) > 10
     assert all(len(t) >= 40 for t in texts)
+
+
+@pytest.mark.parametrize("rows, dp", [(32, 2), (32, 4), (12, 4), (999, 2)])
+def test_eval_rows_are_the_same_rows_at_every_data_parallel_degree(stream_dir: Path, rows: int, dp: int) -> None:
+    """train.eval_batches x micro_batch_size rows, dealt to the data ranks: val_loss does not depend on dp
+    (before, each rank took eval_batches micro-batches of its own: dp times the rows of one process)."""
+    single = torch.cat(windows(TokenBatches(stream_dir, "val", 8, 4, 4).eval_rows(rows)))
+    ranks = [TokenBatches(stream_dir, "val", 8, 4, 4 * dp, dp_rank=r, dp_size=dp) for r in range(dp)]
+    parts = [windows(r.eval_rows(rows)) for r in ranks]
+    assert len({len(p) for p in parts}) == 1  # as many forwards on every rank
+    held = (999 // 8) - (999 // 8) % dp  # capped at the split, a multiple of the ranks
+    assert torch.equal(torch.cat([torch.cat(p) for p in parts]), single[: min(rows, held)])
+    assert single.shape[0] == min(rows, 999 // 8)
