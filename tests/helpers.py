@@ -56,6 +56,37 @@ def run_suite(
     return proc
 
 
+def run_loopback_nodes(args: list[str], log_dir: Path, nodes: int = 2, timeout: float = 400) -> str:
+    """`suite <args> launch.nnodes=N launch.node_rank=r` for every r at once on 127.0.0.1 (free port),
+    as on N machines; asserts every node exits 0 and returns their logs."""
+    import signal
+
+    base = [*args, f"launch.nnodes={nodes}", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"]
+    logs = [Path(log_dir) / f"node{r}.log" for r in range(nodes)]
+    procs = []
+    for rank, log in enumerate(logs):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "suite", *base, f"launch.node_rank={rank}"],
+                cwd=REPO,
+                env=suite_env(),
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = "\n".join(log.read_text() for log in logs)
+    assert codes == [0] * nodes, text
+    return text
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

@@ -77,6 +77,10 @@ class ParallelConfig:
     vpp: int = 1
     cp: Any = 1
     ep: Any = 1
+    # expert all-to-all: flat (straight to each expert's rank) | hierarchical (each token once per
+    # node, then inside the node: suite/parallel/hierarchical_dispatch.py) | auto (hierarchical
+    # when the ep groups span nodes)
+    ep_dispatch: str = "auto"
     micro_batch_size: int = 8
     global_batch_size: int = 16
     # true (`parallel=auto`): `suite pretrain` asks the planner (suite/plan/auto.py) for the fastest

@@ -15,8 +15,10 @@ that every token uses (one wider MLP, DeepSeek/Qwen-MoE style).
   first choices are served before second choices, then in token order; the rest are dropped (their
   contribution is zero, the residual connection carries the token). None = dropless.
 
-`GroupedExperts.forward(tokens sorted by expert, count per expert)` is the one seam expert
+`GroupedExperts.forward(tokens sorted by expert, count per expert)` is the seam expert
 parallelism replaces: it dispatches the sorted tokens to the ranks that own the experts and back.
+`GroupedExperts.combine` (token ids and router weights too: copy, experts, weight, sum per token)
+is the wider one the hierarchical dispatch replaces, to send each token once per node.
 Tokens are sorted by an argsort of their expert ids and scattered back with index_add, and the
 experts run as one grouped matmul per weight (`model.moe_impl`, `run_experts`): no per-expert
 Python work on the default path, which is what a GPU needs (one kernel per weight, not per expert).
@@ -274,6 +276,17 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return run_experts(x, counts, self.w1, self.w2, self.w3, self.impl, self.adapters())
 
+    def combine(
+        self, flat: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed output [T, h] of tokens `flat` [T, h]: each kept assignment (sorted by expert:
+        its token id in `tokens`, its router weight in `weights`; `counts` per expert) through its
+        expert, weighted, summed per token. Token ids are part of the seam so that a dispatch that
+        sends each token once per node (suite.parallel.hierarchical_dispatch) can replace it whole."""
+        routed = self(flat[tokens], counts)
+        routed = routed * weights[:, None].to(routed.dtype)
+        return torch.zeros_like(flat).index_add_(0, tokens, routed.to(flat.dtype))
+
 
 class MoEFeedForward(nn.Module):
     """Router + experts (+ shared experts). Drop-in for FeedForward: [b, s, h] -> [b, s, h]."""
@@ -356,9 +369,7 @@ class MoEFeedForward(nn.Module):
         kept_experts, kept_tokens, kept_weights = expert_ids[keep], token_ids[keep], weights[keep]
         order = torch.argsort(kept_experts, stable=True)
         counts = torch.bincount(kept_experts, minlength=self.num_experts)
-        routed = self.experts(flat[kept_tokens[order]], counts)
-        routed = routed * kept_weights[order, None].to(routed.dtype)
-        out = torch.zeros_like(flat).index_add_(0, kept_tokens[order], routed.to(flat.dtype))
+        out = self.experts.combine(flat, kept_tokens[order], kept_weights[order], counts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         self._note(counts, balance, z_loss, expert_ids.numel() - int(counts.sum()))

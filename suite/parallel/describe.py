@@ -48,8 +48,12 @@ def describe_rank(model: nn.Module) -> dict:
             kinds.append(f"recompute:{module._suite_recompute}")
         if getattr(module, "_compiled_call_impl", None) is not None:
             kinds.append("compiled")
-        if type(module).__name__ == "ExpertParallelExperts":
+        if "ExpertParallelExperts" in mro:
             kinds.append("expert_parallel")
+            if (
+                getattr(module, "ep_dispatch", "flat") == "hierarchical"
+            ):  # suite.parallel.hierarchical_dispatch
+                kinds.append("hierarchical_dispatch")
         if getattr(module, "tp_group", None) is not None:  # suite.parallel.expert_tensor_parallel
             kinds.append("expert_tensor_parallel")
         if type(module).__name__ == "ContextParallelAttention":

@@ -142,6 +142,9 @@ class ParallelDims:
             from suite.parallel.expert_parallel import check_expert_parallel
 
             check_expert_parallel(self, cfg)
+        from suite.parallel.hierarchical_dispatch import check_ep_dispatch
+
+        check_ep_dispatch(self, cfg)
         if self.tp > 1:
             for key, size in (
                 ("model.vocab_size", model.vocab_size),

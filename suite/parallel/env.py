@@ -33,6 +33,20 @@ class DistEnv:
         return self.world_size > 1
 
 
+def local_world_size() -> int | None:
+    """Processes per node, as the launcher (torchrun's elastic agent) set LOCAL_WORLD_SIZE; None
+    outside a launch (one node: a single process, or a --dry-run of the whole job)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
+def node_of(rank: int, per_node: int | None = None) -> int:
+    """The node a global rank runs on: torchrun numbers ranks node by node (group_rank x
+    local_world_size + local_rank, `per_node` processes on each node)."""
+    per_node = per_node or local_world_size()
+    return rank // per_node if per_node else 0
+
+
 def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
     """nccl on GPUs, gloo on CPU, unless the recipe forces one (launch.backend, train.collective_timeout_s)."""
     if not env.distributed or dist.is_initialized():

@@ -16,7 +16,9 @@ Each rank routes its own tokens (so routing, capacity dropping and the auxiliary
 single-process ones), then `GroupedExperts.forward(tokens sorted by expert, counts)` is replaced by:
 exchange counts (all_to_all), send every token to the rank owning its expert (all_to_all_single
 with variable splits, autograd-exact: its backward is the reverse all_to_all), regroup by local
-expert, run the local experts, restore the order, send results back (all_to_all_single).
+expert, run the local experts, restore the order, send results back (all_to_all_single). That is
+the flat dispatch; across nodes `parallel.ep_dispatch` may swap in the two-stage one of
+suite.parallel.hierarchical_dispatch, which sends each token once per node.
 
 Gradients: the dispatch backward already sums, on the owning rank, the contributions of every
 token of its ep group; after the last micro-batch `reduce_expert_grads` sums them over the edp
@@ -43,6 +45,7 @@ from suite.models.moe import (
     moe_layer_ids,
     run_experts,
 )
+from suite.parallel.env import node_of
 from suite.parallel.expert_tensor_parallel import EXPERT_TP_DIM, TensorParallelExperts
 
 EP_AXES = ("edp", "ep")
@@ -79,6 +82,13 @@ def check_expert_parallel(dims, cfg) -> None:
         raise ConfigError(f"parallel.ep={ep} with parallel.offload=true is not supported; use offload=false")
 
 
+def expert_rank_grid(dims) -> torch.Tensor:
+    """Global ranks [pp, edp, ep, tp]: the ep groups are the rows along dim 2 (see build_expert_mesh)."""
+    groups, cp = dims.data_parallel_size // dims.ep, dims.cp
+    ranks = torch.arange(dims.world_size).view(dims.pp, groups, dims.ep, cp, dims.tp)
+    return ranks.permute(0, 1, 3, 2, 4).reshape(dims.pp, groups * cp, dims.ep, dims.tp)
+
+
 def build_expert_mesh(dims, device_type: str) -> DeviceMesh:
     """("edp", "ep") mesh over this pipeline stage's data ranks: ep groups are neighbouring data ranks
     (collective). The job's ranks are laid out pp x data x cp x tp, so the ranks of stage s are
@@ -87,14 +97,52 @@ def build_expert_mesh(dims, device_type: str) -> DeviceMesh:
     Under cp an ep group joins data ranks of one cp coordinate (they hold the same sequence chunks
     of different samples), and the cp ranks are further replicas: "edp" is (data / ep) x cp.
     With tp > 1 a third, innermost axis "tp": an ep group then joins the ranks of one tp coordinate."""
-    groups, cp = dims.data_parallel_size // dims.ep, dims.cp
-    ranks = torch.arange(dims.world_size).view(dims.pp, groups, dims.ep, cp, dims.tp)
-    ranks = ranks.permute(0, 1, 3, 2, 4).reshape(dims.pp, groups * cp, dims.ep, dims.tp)
+    ranks = expert_rank_grid(dims)
     names = ("pp", *EP_AXES, "tp")
     if dims.tp == 1:
         ranks, names = ranks[..., 0], names[:-1]
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
     return mesh[names[1:]]
+
+
+def exchange_and_run(
+    experts: TensorParallelExperts, x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, size: int
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Rows `x` sorted by expert (`counts`: one per expert of the `size` ranks of `group`, which hold
+    equal consecutive slices of them; `experts` holds this rank's slice) to their experts' ranks and
+    back: (outputs in x's order, rows sent to each rank, rows received from each). Collective."""
+    local_experts = counts.numel() // size
+    # how many rows every rank sends to each of my local experts
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    send_matrix = counts.view(size, local_experts)
+    recv_matrix = recv_counts.view(size, local_experts)  # [source rank, local expert]
+    send_splits = send_matrix.sum(1).tolist()
+    recv_splits = recv_matrix.sum(1).tolist()
+
+    received = x.new_empty(sum(recv_splits), x.shape[1])
+    received = all_to_all_single(received, x.contiguous(), recv_splits, send_splits, group=group)
+    # rows arrive grouped by (source, local expert); the experts want them grouped by local expert
+    block = torch.arange(size * local_experts, device=x.device).view(size, local_experts)
+    row_key = torch.repeat_interleave(
+        (block % local_experts) * size + block // local_experts, recv_matrix.flatten()
+    )
+    order = torch.argsort(row_key, stable=True)
+    w3 = experts.w3.to_local() if experts.w3 is not None else None
+    adapters = experts.adapters(local=lambda t: t.to_local())  # LoRA factors: sharded like the weights
+    out = run_experts(
+        received[order],
+        recv_matrix.sum(0),
+        experts.w1.to_local(),
+        experts.w2.to_local(),
+        w3,
+        experts.impl,
+        adapters,
+    )
+    out = out[torch.argsort(order)]
+    result = x.new_empty(x.shape[0], out.shape[1])
+    result = all_to_all_single(result, out.contiguous(), send_splits, recv_splits, group=group)
+    return result, send_splits, recv_splits
 
 
 class ExpertParallelExperts(TensorParallelExperts):
@@ -109,46 +157,20 @@ class ExpertParallelExperts(TensorParallelExperts):
     ep_group: dist.ProcessGroup
     ep_size: int
     ep_rank: int
+    ep_nodes: list[int]  # the node of each ep rank (suite.parallel.env.node_of)
+    ep_dispatch: str = "flat"
     traffic: dict
 
     def local_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, num_experts = self.ep_size, counts.numel()
-        local_experts = num_experts // ep
-        # how many rows every rank sends to each of my local experts
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)
-        send_matrix = counts.view(ep, local_experts)
-        recv_matrix = recv_counts.view(ep, local_experts)  # [source rank, local expert]
-        send_splits = send_matrix.sum(1).tolist()
-        recv_splits = recv_matrix.sum(1).tolist()
-
-        received = x.new_empty(sum(recv_splits), x.shape[1])
-        received = all_to_all_single(received, x.contiguous(), recv_splits, send_splits, group=self.ep_group)
-        # rows arrive grouped by (source, local expert); the experts want them grouped by local expert
-        block = torch.arange(ep * local_experts, device=x.device).view(ep, local_experts)
-        row_key = torch.repeat_interleave(
-            (block % local_experts) * ep + block // local_experts, recv_matrix.flatten()
-        )
-        order = torch.argsort(row_key, stable=True)
-        w3 = self.w3.to_local() if self.w3 is not None else None
-        adapters = self.adapters(local=lambda t: t.to_local())  # LoRA factors: sharded like the weights
-        out = run_experts(
-            received[order],
-            recv_matrix.sum(0),
-            self.w1.to_local(),
-            self.w2.to_local(),
-            w3,
-            self.impl,
-            adapters,
-        )
-        out = out[torch.argsort(order)]
-        result = x.new_empty(x.shape[0], out.shape[1])
-        result = all_to_all_single(result, out.contiguous(), send_splits, recv_splits, group=self.ep_group)
-
+        result, send_splits, recv_splits = exchange_and_run(self, x, counts, self.ep_group, self.ep_size)
         if self.training:  # training steps only (evaluation forwards are not a step's traffic)
-            row_bytes = x.shape[1] * x.element_size()
-            others = [i for i in range(ep) if i != self.ep_rank]
+            # forward dispatch + combine, and the backward's reverse exchanges of the same sizes
+            row_bytes = 2 * x.shape[1] * x.element_size()
+            me, nodes = self.ep_rank, self.ep_nodes
+            others = [i for i in range(self.ep_size) if i != me]
+            remote = [i for i in others if nodes[i] != nodes[me]]
             self.traffic["bytes"] += row_bytes * sum(send_splits[i] + recv_splits[i] for i in others)
+            self.traffic["internode"] += row_bytes * sum(send_splits[i] + recv_splits[i] for i in remote)
         return result
 
 
@@ -156,10 +178,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) 
     """Shard every MoE layer's experts over `ep` (model on meta); returns the expert parameters
     (the stacked weights and their LoRA factors, lora_a.w1 ...: per expert, so sharded alike).
 
-    `traffic["bytes"]` accumulates the bytes this rank sends to other ranks in forward dispatch and
-    combine (the backward sends the same amounts back).
+    `traffic["bytes"]` accumulates the bytes this rank sends to other ranks in training steps, the
+    forward dispatch and combine and the backward's reverse exchanges; `traffic["internode"]` the
+    part of it sent to ranks on other nodes.
     """
     tp = "tp" in (ep_mesh.mesh_dim_names or ())
+    ep_group = ep_mesh.get_group("ep")
+    ep_nodes = [node_of(r) for r in dist.get_process_group_ranks(ep_group)]
+    traffic.setdefault("bytes", 0)
+    traffic.setdefault("internode", 0)
     expert_params: list[nn.Parameter] = []
     for module in list(model.modules()):
         if not isinstance(module, GroupedExperts):
@@ -178,9 +205,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) 
             expert_params.append(sharded)
         module.__class__ = ExpertParallelExperts
         module.tp_group = ep_mesh.get_group("tp") if tp else None
-        module.ep_group = ep_mesh.get_group("ep")
+        module.ep_group = ep_group
         module.ep_size = ep_mesh.size(1)
         module.ep_rank = ep_mesh.get_local_rank("ep")
+        module.ep_nodes = ep_nodes
         module.traffic = traffic
     return expert_params
 
@@ -231,25 +259,27 @@ def moe_step_metrics(
     and all-to-all bytes per step; {} when no training forward ran since the last call.
 
     Collective when distributed: every rank calls it at the same steps. a2a_bytes counts the bytes
-    all ranks together send to other ranks per optimizer step, dispatch + combine, forward + backward.
+    all ranks together send to other ranks per optimizer step, dispatch + combine, forward + backward;
+    a2a_internode_bytes the part of them that crosses nodes (0 when every ep group is on one node).
     """
     stats = _stats_by_layer(model, moe_layer_ids(cfg), cfg.num_experts)
-    sent = float(traffic["bytes"]) if traffic is not None else 0.0
+    sent = [float(traffic.get(k, 0)) if traffic is not None else 0.0 for k in ("bytes", "internode")]
     if traffic is not None:
-        traffic["bytes"] = 0
+        traffic.update(bytes=0, internode=0)
     keys = ("balance_loss", "z_loss", "dropped", "calls")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.cat([stats["tokens_per_expert"].flatten(), torch.tensor([sent], dtype=torch.float64)])
+        flat = torch.cat([stats["tokens_per_expert"].flatten(), torch.tensor(sent, dtype=torch.float64)])
         flat = torch.cat([flat, torch.stack([stats[key] for key in keys])])
         dist.all_reduce(flat)
         n = stats["tokens_per_expert"].numel()
         stats["tokens_per_expert"] = flat[:n].view_as(stats["tokens_per_expert"])
-        sent = float(flat[n])
+        sent = [float(flat[n]), float(flat[n + 1])]
         for i, key in enumerate(keys):
-            stats[key] = flat[n + 1 + i]
+            stats[key] = flat[n + 2 + i]
     if not float(stats["calls"]):
         return {}
     metrics = load_metrics(stats, cfg.top_k)
     if traffic is not None:
-        metrics["a2a_bytes"] = 2.0 * sent / max(steps, 1)
+        metrics["a2a_bytes"] = sent[0] / max(steps, 1)
+        metrics["a2a_internode_bytes"] = sent[1] / max(steps, 1)
     return metrics

@@ -216,8 +216,11 @@ def make_part_parallelizer(
 
             ep_mesh = ep.build_expert_mesh(dims, device.type)
             expert_params = ep.apply_expert_parallel(
-                part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0})
+                part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0, "internode": 0})
             )
+            from suite.parallel.hierarchical_dispatch import apply_hierarchical_dispatch
+
+            apply_hierarchical_dispatch(part, dims, device.type, pcfg.ep_dispatch)
             info.setdefault("after_backward", []).append(  # one per part (pipeline stages)
                 lambda: ep.reduce_expert_grads(
                     ep.expert_params_of(part), ep_mesh, dims.data_parallel_size * dims.cp

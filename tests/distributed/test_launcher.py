@@ -20,7 +20,7 @@ from tests.helpers import (
     TINY_MODEL,
     assert_equivalent,
     assert_layout,
-    free_port,
+    run_loopback_nodes,
     run_suite,
     suite_env,
     worker_pids,
@@ -64,6 +64,20 @@ BAD_LAYOUTS = [
         ["parallel.cp=2", "model.capacity_factor=1.0", "capacity_factor=null"],
     ),
     (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], ["parallel.ep=2"]),
+    (["parallel.ep_dispatch=ring"], ["parallel.ep_dispatch='ring'", "flat, hierarchical, auto"]),
+    (  # ep groups (0,1) (2,3) (4,5) on 2 nodes x 3 processes: the middle one straddles the nodes
+        [
+            "recipe=moe-tiny",
+            "parallel.dp=6",
+            "parallel.ep=2",
+            "parallel.global_batch_size=24",
+            "parallel.micro_batch_size=4",
+            "parallel.ep_dispatch=hierarchical",
+            "launch.nnodes=2",
+            "launch.nproc_per_node=3",
+        ],
+        ["parallel.ep_dispatch=hierarchical", "parallel.ep_dispatch=flat or auto"],
+    ),
     (["parallel.tp=2", "model.vocab_size=511", "launch.nproc_per_node=2"], ["model.vocab_size=511"]),
     (["parallel.tp=2", "model.ffn_hidden_size=255", "launch.nproc_per_node=2"], ["ffn_hidden_size", "255"]),
     (
@@ -134,9 +148,8 @@ def _popen(args: list[str], log: Path) -> subprocess.Popen:
 @pytest.mark.slow
 def test_two_loopback_nodes_train_like_one_process(layout_run, tiny_data, tmp_path):
     """Two `suite pretrain ... launch.nnodes=2 launch.node_rank=0/1` commands, as on two machines."""
-    port = free_port()
     run_dir = tmp_path / "two-nodes"
-    base = [
+    args = [
         "pretrain",
         *TINY_MODEL,
         f"data.path={tiny_data}",
@@ -144,19 +157,9 @@ def test_two_loopback_nodes_train_like_one_process(layout_run, tiny_data, tmp_pa
         *COMMON,
         "train.max_steps=10",
         "parallel.dp=2",
-        "launch.nnodes=2",
         "launch.nproc_per_node=1",
-        f"launch.rdzv_endpoint=127.0.0.1:{port}",
     ]
-    nodes = [_popen([*base, f"launch.node_rank={r}"], tmp_path / f"node{r}.log") for r in (0, 1)]
-    try:
-        codes = [node.wait(timeout=400) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    logs = "\n".join((tmp_path / f"node{r}.log").read_text() for r in (0, 1))
-    assert codes == [0, 0], logs
+    run_loopback_nodes(args, tmp_path)
     assert_layout(run_dir, 2, ["parallel.dp=2"])  # one process on each of the two "nodes"
     assert_equivalent(layout_run("single"), run_dir)
 
