@@ -12,8 +12,8 @@ Two things differ here:
   the scale alike: the found-inf flag is all-reduced (MAX) over every rank of the world, on the
   device, once per step. DTensor gradients are checked through their local tensors.
 
-`train_step` reads the flag the way GradScaler does (`step` skips, `update` backs off), so one
-process and every layout take the same decisions.
+TrainStep (suite.train.step) calls `unscale_`, `step` and `update` as with torch's GradScaler (`step`
+skips on the flag, `update` backs off), so one process and every layout take the same decisions.
 """
 
 from __future__ import annotations
