@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -238,6 +239,8 @@ def assert_equivalent(
     ref_norms, norms = later(grad_norms(ref_dir)), later(grad_norms(run_dir))
     assert ref_norms.keys() == norms.keys() and ref_norms, (sorted(ref_norms), sorted(norms))
     for step, value in ref_norms.items():
+        if math.isinf(value):  # an overflowing fp16 step, skipped (tests/distributed/test_fp16.py)
+            continue
         assert abs(norms[step] - value) <= norm_rtol * abs(value), ("grad_norm", step, value, norms[step])
     if grad_step is not None:
         ref_grads, grads = step_gradients(ref_dir, grad_step), step_gradients(run_dir, grad_step)

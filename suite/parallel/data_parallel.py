@@ -57,8 +57,8 @@ def canonical_name(name: str) -> str:
 
 
 def mixed_precision(precision: PrecisionPolicy) -> MixedPrecisionPolicy:
-    """bf16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded.
-    (fp16 never gets here: its loss scaling is single-process only.)"""
+    """bf16/fp16 compute and all-gathers, fp32 gradient reduction; fp32 master weights stay sharded.
+    (fp16: the loss scaler, suite.train.loss_scale, checks the sharded gradients over every rank.)"""
     if precision.low_precision:
         return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=precision.reduce_dtype)
     return MixedPrecisionPolicy()

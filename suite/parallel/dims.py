@@ -11,7 +11,6 @@ from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, ParallelConfig, SuiteConfig
 from suite.config.validate import nproc_range
 from suite.models.transformer import ffn_size
-from suite.runtime import resolve_precision
 
 # Mesh dimension order, outermost first: pp spans nodes, tp stays inside a node (suite.parallel.mesh).
 MESH_ORDER = ("pp", "dp", "sharding", "cp", "tp")
@@ -178,15 +177,9 @@ class ParallelDims:
                 f"need parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
                 f"stage {pcfg.sharding_stage})"
             )
-        precision = resolve_precision(cfg.train)
-        if self.world_size > 1 and precision.grad_scaler:
-            raise ConfigError(
-                "train.precision=fp16 (loss scaling) is single-process only; multi-process runs use "
-                "train.precision=bf16 or fp32"
-            )
         from suite.parallel.pipeline import check_pipeline  # parallel.pp_schedule and vpp, any pp
 
-        check_pipeline(pcfg, self, precision, cfg.train.compile is True)
+        check_pipeline(pcfg, self, cfg.train.compile is True)
         launch = cfg.launch
         if not 0 <= launch.node_rank < launch.nnodes:
             raise ConfigError(

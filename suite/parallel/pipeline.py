@@ -46,7 +46,6 @@ from suite.parallel import data_parallel as dpar
 from suite.parallel.dims import ParallelDims
 from suite.parallel.mesh import data_rank
 from suite.parallel.parallelize import Placement
-from suite.runtime import PrecisionPolicy
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -58,9 +57,7 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 # ---- validation ------------------------------------------------------------------------------
-def check_pipeline(
-    cfg: ParallelConfig, dims: ParallelDims, precision: PrecisionPolicy, compile_blocks: bool
-) -> None:
+def check_pipeline(cfg: ParallelConfig, dims: ParallelDims, compile_blocks: bool) -> None:
     """One-line errors for pipeline settings the schedules cannot run (called once, by
     ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
     schedule = cfg.pp_schedule
@@ -93,11 +90,6 @@ def check_pipeline(
         raise ConfigError(
             "parallel.pp_schedule=zero_bubble splits backward into input and weight passes, which "
             "torch.compile'd blocks do not support; set train.compile=false or use interleaved_1f1b"
-        )
-    if precision.grad_scaler:
-        raise ConfigError(
-            "train.precision=fp16 with parallel.pp > 1 is not supported (the loss scaler's overflow check is "
-            "per stage); use train.precision=bf16"
         )
 
 

@@ -197,7 +197,6 @@ def check_layout(job: Job, layout: Layout) -> None:
     splits of sp and cp, and the MoE / expert-parallel rules."""
     from suite.parallel.dims import ParallelDims
     from suite.parallel.pipeline import check_pipeline
-    from suite.runtime import resolve_precision
 
     if layout.world != job.world:
         raise ConfigError(
@@ -216,17 +215,7 @@ def check_layout(job: Job, layout: Layout) -> None:
     )
     dims.validate(pcfg, job.model)
     _check_model_splits(job, layout)
-    train = _TrainView(job.precision, job.param_dtype)
-    check_pipeline(pcfg, dims, resolve_precision(train), False)
-
-
-@dataclass(frozen=True)
-class _TrainView:
-    """The two train.* keys resolve_precision reads."""
-
-    precision: str
-    param_dtype: str
-    device: str = "cuda"
+    check_pipeline(pcfg, dims, False)
 
 
 def _check_model_splits(job: Job, layout: Layout) -> None:

@@ -37,6 +37,7 @@ from suite.train import run_folder
 from suite.train.flops import memory_gb, memory_metrics, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
+from suite.train.loss_scale import inject_inf_gradient, loss_scaler
 from suite.train.optim import optimizer_for
 from suite.train.profile import StepProfiler
 from suite.train.saver import RunStopped, Saver
@@ -73,7 +74,7 @@ def standalone_step(cfg: SuiteConfig, dims: ParallelDims, device: torch.device) 
         optimizer,
         training_loss(placement.model, bool(cfg.model.num_experts)),
         autocast_factory(device, precision),
-        torch.amp.GradScaler(device.type, enabled=precision.grad_scaler),
+        loss_scaler(device, precision),
         grad_scaler=precision.grad_scaler,
         grad_clip=cfg.optim.grad_clip,
         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
@@ -124,7 +125,7 @@ class Trainer:
             materialize(self.model, self.device, cfg.train.seed)
         self._load_initial_weights()
         self.optimizer = optimizer_for(self.placement, cfg.optim)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.grad_scaler)
+        self.scaler = loss_scaler(self.device, self.precision)  # fp16: overflow checked over every rank
         self.autocast = autocast_factory(self.device, self.precision)
         self._build_loaders()
         self.step = 0
@@ -290,11 +291,7 @@ class Trainer:
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank (collective when distributed)."""
-        return self._any_ranks(flag)[0]
-
-    def _any_ranks(self, *flags: bool) -> list[bool]:
-        """Each flag made true on every rank when it is true on any rank (one all-reduce)."""
-        return self.runner.any_ranks(*flags)
+        return self.runner.any_ranks(flag)[0]
 
     def _gather_floats(self, value: float) -> list[float]:
         """`value` of every rank, in rank order (collective when distributed)."""
@@ -337,7 +334,8 @@ class Trainer:
         return result.loss, result.grad_norm, result.ok
 
     def _injected_faults(self, loss: torch.Tensor) -> torch.Tensor:
-        """Testing aids, inert by default: train.inject_nan_steps, train.inject_spike_batches."""
+        """Testing aids, inert by default: train.inject_nan_steps / inject_spike_batches, SUITE_FAULT_INF_GRAD."""
+        inject_inf_gradient(self.model, self.step + 1)
         if self.step + 1 in self.cfg.train.inject_nan_steps:
             loss = loss * float("nan")
         if self.batch_number in self.cfg.train.inject_spike_batches:
@@ -525,6 +523,8 @@ class Trainer:
                         **memory_metrics(self.device),
                         "bad_steps": self.bad_steps,
                     }
+                    if self.precision.grad_scaler:  # fp16: the scale the next step multiplies the loss by
+                        record["loss_scale"] = self.scaler.get_scale()
                     if cfg.model.num_experts:  # load balance (and all-to-all bytes) over the window
                         record |= moe_step_metrics(
                             self.model, cfg.model, window_steps, self.placement.ep_traffic

@@ -85,7 +85,6 @@ BAD_LAYOUTS = [
         ["data.seq_len=31"],
     ),
     (["parallel.vpp=2", "launch.nproc_per_node=1"], ["parallel.vpp=2 needs parallel.pp > 1"]),
-    (["parallel.dp=2", "train.precision=fp16", "launch.nproc_per_node=2"], ["fp16"]),
     (
         ["parallel.dp=2", "launch.nnodes=2", "launch.node_rank=2", "launch.nproc_per_node=1"],
         ["launch.node_rank=2"],

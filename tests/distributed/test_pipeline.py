@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from suite.config.errors import ConfigError
-from suite.config.schema import ModelConfig, ParallelConfig, TrainConfig
+from suite.config.schema import ModelConfig, ParallelConfig
 from suite.models import build_model
 from suite.parallel.dims import ParallelDims
 from suite.parallel.pipeline import check_pipeline, plan_stages, split_layers
-from suite.runtime import resolve_precision
 from tests.distributed.conftest import LLAMA, pretrain
 from tests.helpers import (
     assert_close_losses,
@@ -31,7 +30,6 @@ from tests.helpers import (
     train_losses,
 )
 
-FP32 = resolve_precision(TrainConfig())
 FOUR_LAYERS = ["model.num_layers=4"]
 PP = ["parallel.pp=2"]
 INTERLEAVED = [*PP, "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2"]
@@ -174,14 +172,11 @@ def test_impossible_pipeline_settings_are_one_line_errors(overrides, match):
     cfg = ParallelConfig(pp=2, **overrides)
     dims = ParallelDims.from_config(cfg, 2)
     with pytest.raises(ConfigError, match=match) as info:
-        check_pipeline(cfg, dims, FP32, False)
+        check_pipeline(cfg, dims, False)
     assert "\n" not in str(info.value)
     plain = ParallelConfig(pp=2)
-    with pytest.raises(ConfigError, match="fp16"):
-        check_pipeline(
-            plain, ParallelDims.from_config(plain, 2), resolve_precision(TrainConfig(precision="fp16")), False
-        )
+    check_pipeline(plain, ParallelDims.from_config(plain, 2), False)  # fp16 too: nothing to refuse here
     zero_bubble = ParallelConfig(pp=2, pp_schedule="zero_bubble", vpp=2)
     with pytest.raises(ConfigError, match="train.compile=false"):
-        check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2), FP32, compile_blocks=True)
-    check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2), FP32, False)  # fine without compile
+        check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2), compile_blocks=True)
+    check_pipeline(zero_bubble, ParallelDims.from_config(zero_bubble, 2), False)  # fine without compile
