@@ -79,8 +79,8 @@ Examples:
 Knowledge distillation: the recipe's model (the student; from scratch, or model.init_from=<run>)
 trains on the recipe's pretraining data (or chat rows: distill.data=sft) against the frozen teacher's next-token distribution,
 mixed with the hard-label loss. Default recipe: distill-gpt-tiny (a half-size gpt-tiny student of
-runs/gpt-tiny). The teacher is placed like the student (dp, sharding) and must share its tokenizer.
-Layouts: dp and sharding (tp, pp and cp are not supported yet for distillation).
+runs/gpt-tiny). The teacher is placed like the student (dp, sharding, tp) and must share its tokenizer.
+Layouts: dp, sharding and tp (+sp), MoE students too (pp, cp and ep are not supported yet for distillation).
 
 Common keys:
   distill.teacher=runs/gpt-tiny|hf:DIR  distill.loss=forward_kl|reverse_kl|jsd  distill.temperature=X
@@ -88,7 +88,7 @@ Common keys:
   distill.hidden_weight=X (hidden-state matching; 0: off)  distill.hidden_loss=cosine|mse
   distill.hidden_schedule=constant|linear (linear: decays to 0 at the last step)
   (sft: finetune.data.task=... or finetune.data.sources=..., as for suite finetune)  model.num_layers=N
-  model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding=N  launch.nproc_per_node=N
+  model.hidden_size=N  run.dir=DIR  train.max_steps=N  parallel.dp/sharding/tp=N  launch.nproc_per_node=N
 
 Writes: <run.dir>/config.yaml, metrics.jsonl (loss: the mixed loss; val_loss: the student's
 cross-entropy), checkpoints/step_<N>/, tokenizer.json, summary.json

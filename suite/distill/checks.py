@@ -67,15 +67,27 @@ def check_distill(cfg: SuiteConfig) -> None:
 
 
 def check_distill_layout(cfg: SuiteConfig, dims) -> None:
-    """What distillation cannot run yet, once the degrees are known (`dims`: ParallelDims)."""
-    for axis in ("tp", "pp", "cp", "ep"):
+    """What distillation cannot run yet, once the degrees are known (`dims`: ParallelDims); under tp
+    the teacher is split like the student, so its widths must divide too."""
+    for axis in ("pp", "cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(
-                f"parallel.{axis}={getattr(dims, axis)}: distillation runs under dp and sharding only so far; "
-                f"set parallel.{axis}=1 and use parallel.dp or parallel.sharding"
+                f"parallel.{axis}={getattr(dims, axis)}: distillation runs under dp, sharding and tp (+sp) "
+                f"only so far; set parallel.{axis}=1"
             )
-    if cfg.model.num_experts:
-        raise ConfigError(
-            f"model.num_experts={cfg.model.num_experts}: distilling into a Mixture-of-Experts student is not "
-            "supported yet; use a dense student"
-        )
+    if dims.tp > 1 and cfg.distill.teacher:
+        from suite.models.transformer import ffn_size
+        from suite.sources import ModelSource
+
+        teacher = ModelSource.parse(cfg.distill.teacher, "distill.teacher").model_config()
+        kv = teacher.num_kv_heads or teacher.num_heads
+        for key, size in (
+            ("model.num_heads", teacher.num_heads),
+            ("model.num_kv_heads", kv),
+            ("model.ffn_hidden_size", ffn_size(teacher)),
+        ):
+            if size % dims.tp:
+                raise ConfigError(
+                    f"parallel.tp={dims.tp} does not divide the teacher's {key}={size} (distill.teacher="
+                    f"'{cfg.distill.teacher}'); the teacher is split like the student: use a tp that divides {size}"
+                )

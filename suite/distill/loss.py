@@ -11,6 +11,10 @@ The sum over tokens is returned; the step multiplies it by its global-batch weig
 suite.train.loss.chunked_cross_entropy, each chunk's gradient with respect to the student's hidden
 states and head weight is computed right there (autograd on the chunk's logits only), so the
 backward is two stored tensors and no recompute.
+
+Under tensor parallelism the head weights are vocabulary-sharded: each chunk's loss and logit
+gradient come from suite.distill.vocab_parallel (reductions over the tp group), and d(hidden) is
+summed over the group once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from suite.data.batch import IGNORE_INDEX
+from suite.distill.vocab_parallel import VocabShard, shard_losses
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -53,7 +58,7 @@ def token_losses(
 
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, t_hidden, t_weight, targets, chunk, kind, temperature, ce_weight):
+    def forward(ctx, hidden, weight, t_hidden, t_weight, targets, chunk, kind, temperature, ce_weight, shard):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -64,12 +69,24 @@ class _ChunkedDistill(torch.autograd.Function):
             h = hidden[start : start + chunk]
             student = (h @ weight.t()).float().requires_grad_()
             teacher = (t_hidden[start : start + chunk] @ t_weight.t()).float()
-            with torch.enable_grad():
-                loss = token_losses(
-                    student, teacher, targets[start : start + chunk], kind, temperature, ce_weight
+            if shard is not None:  # vocabulary-sharded logits (tp): reductions over the group
+                loss, grad = shard_losses(
+                    student.detach(),
+                    teacher,
+                    targets[start : start + chunk],
+                    kind,
+                    temperature,
+                    ce_weight,
+                    shard,
                 )
                 loss = loss.sum()
-                (grad,) = torch.autograd.grad(loss, student) if (need_hidden or need_weight) else (None,)
+            else:
+                with torch.enable_grad():
+                    loss = token_losses(
+                        student, teacher, targets[start : start + chunk], kind, temperature, ce_weight
+                    )
+                    loss = loss.sum()
+                    (grad,) = torch.autograd.grad(loss, student) if (need_hidden or need_weight) else (None,)
             total += loss.detach()
             if grad is not None:
                 grad = grad.to(h.dtype)
@@ -77,6 +94,8 @@ class _ChunkedDistill(torch.autograd.Function):
                     grad_hidden[start : start + chunk] = grad @ weight
                 if need_weight:
                     grad_weight += grad.t() @ h
+        if shard is not None and need_hidden:  # each rank's vocabulary rows add to d(hidden)
+            shard.reduce(grad_hidden)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -88,7 +107,7 @@ class _ChunkedDistill(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def distill_loss(
@@ -102,10 +121,13 @@ def distill_loss(
     temperature: float = 1.0,
     ce_weight: float = 0.5,
     chunk_tokens: int = 1024,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Summed distillation loss of the student's final hidden states [b, s, h] and head weight
     [vocab, h] against the teacher's ([b, s, h_t], [vocab, h_t]); gradients reach the student only.
 
+    `shard` (tensor parallelism): both weights are this rank's vocabulary rows, the hidden states
+    whole; the loss is the whole vocabulary's (suite.distill.vocab_parallel).
     Under autocast the projections run in the autocast dtype, as nn.Linear would; the losses in fp32.
     """
     device_type = hidden.device.type
@@ -122,4 +144,5 @@ def distill_loss(
             kind,
             float(temperature),
             float(ce_weight),
+            shard,
         )

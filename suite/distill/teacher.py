@@ -5,8 +5,9 @@ kind: sharded under FSDP, so no rank holds a whole teacher it would not hold a w
 loaded from its source (suite.sources.ModelSource: a suite run/checkpoint or hf:<folder>, resharded
 to this layout), set to eval mode with every parameter frozen. It hands the step its final hidden
 states (the forward's `head` hook returns them instead of logits) and its output head weight, gathered
-once into a plain tensor: the distillation loss projects both models chunk by chunk itself. With
-hidden-state matching it also hands over the outputs of the blocks the student's are matched to.
+once into a plain tensor (under tp only this rank's vocabulary rows of it, the rows its student head
+holds): the distillation loss projects both models chunk by chunk itself. With hidden-state matching
+it also hands over the outputs of the blocks the student's are matched to.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ from suite.sources import ModelSource
 
 
 class Teacher:
-    def __init__(self, model: nn.Module, head_weight: torch.Tensor, source: ModelSource):
+    def __init__(
+        self,
+        model: nn.Module,
+        head_weight: torch.Tensor,
+        source: ModelSource,
+        vocab_rows: tuple[int, int] | None = None,
+    ):
         self.model = model
-        self.head_weight = head_weight
+        self.head_weight = head_weight  # under tp: only this rank's vocabulary rows
         self.source = source
+        self.vocab_rows = vocab_rows or (0, head_weight.shape[0])  # [start, stop) of the vocabulary
 
     @torch.no_grad()
     def hidden(self, tokens: torch.Tensor, kwargs: dict, blocks=()) -> tuple[torch.Tensor, dict]:
@@ -73,4 +81,12 @@ def load_teacher(
     model.eval()
     weight = model.output.weight
     weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # one gather, at setup
-    return Teacher(model, weight.detach().to(placement.input_device()), source)  # offload: params on CPU
+    rows = None
+    if dims.tp > 1:  # keep the rows of the vocabulary this tp rank's student head holds
+        from suite.distill.vocab_parallel import vocab_rows
+
+        tp_mesh = placement.mesh["tp"]
+        rows = vocab_rows(weight.shape[0], tp_mesh.get_local_rank(), tp_mesh.size())
+        weight = weight[rows[0] : rows[1]].clone()
+    # offload: params on CPU
+    return Teacher(model, weight.detach().to(placement.input_device()), source, rows)

@@ -53,11 +53,13 @@ class _WithTeacher:
         return DistillStep(
             self.placement,
             self.optimizer,
-            training_loss(self.model, False),  # dense students only (suite.distill.checks)
+            training_loss(self.model, bool(self.cfg.model.num_experts)),  # evaluation's loss
             self.autocast,
             self.scaler,
             teacher=teacher,
             distill=self.cfg.distill,
+            moe=bool(self.cfg.model.num_experts),
+            sp=self.cfg.parallel.sp,
             **options,
         )
 

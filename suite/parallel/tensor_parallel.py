@@ -256,6 +256,33 @@ def apply_tensor_parallel(
         if isinstance(block.feed_forward, MoEFeedForward):
             apply_expert_tensor_parallel(block.feed_forward, tp_mesh, sp, model.cfg)
     retie_embeddings(model)
+    _replicate_the_rest(model, tp_mesh)
+
+
+def _replicate_the_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Modules beside the model's own that no plan names (suite distill's hidden-state projections,
+    `distill_proj`) are Replicated, so every parameter is a DTensor on the tp mesh; their inputs
+    must be whole on every tp rank (the distillation step gathers the sequence first under sp)."""
+    for module in list(model.modules()):
+        own = list(module.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            parallelize_module(module, tp_mesh, Replicated())
+
+
+def whole_sequence(x: torch.Tensor, tp_mesh: DeviceMesh, sp: bool) -> torch.Tensor:
+    """An activation [b, s, ...] whole on every tp rank, as a plain tensor with its gradient path:
+    a DTensor (the final norm's output under sp) is all-gathered, so is a plain sequence slice
+    (a block's output under sp); without sp activations between blocks are already whole. The
+    gradient arriving here must be the whole one on every rank (the backward keeps this rank's slice)."""
+    if isinstance(x, DTensor):
+        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+    if sp:
+        return (
+            DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+            .redistribute(tp_mesh, [Replicate()])
+            .to_local()
+        )
+    return x
 
 
 def _fresh_embedding_output(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:

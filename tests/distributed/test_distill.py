@@ -1,9 +1,11 @@
-"""`suite distill`: a frozen teacher inside the step, under dp and FSDP exactly as in one process.
+"""`suite distill`: a frozen teacher inside the step, under dp, FSDP and tp exactly as in one process.
 
 The teacher is a tiny GPT pretrained for a few steps by the CLI; the student has half its layers and
-width. Real `suite distill` launches: dp=2 and sharding=2 (stage 3: the teacher is sharded too)
-against one process, with the same checks as every layout (tests/helpers.py: assert_equivalent,
-assert_layout). Bad input is one line before anything starts.
+width. Real `suite distill` launches: dp=2 and sharding=2 (stage 3: the teacher is sharded too),
+tp=2 with and without sp and dp2 x tp2 (the teacher split by the same tp plans, the loss over
+vocabulary-sharded heads), an MoE student at tp=2, against one process, with the same checks as
+every layout (tests/helpers.py: assert_equivalent, assert_layout). Bad input is one line before
+anything starts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.helpers import (
     assert_layout,
     export_and_compare,
     merged,
+    read_metrics,
     run_suite,
     train_losses,
 )
@@ -86,7 +89,16 @@ def test_the_teacher_changes_the_loss(tmp_path, teacher, tiny_data, single):
 HIDDEN = ["distill.hidden_weight=1.0", "distill.hidden_schedule=linear", "train.save_every=2"]
 
 
-def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, teacher, tiny_data):
+@pytest.fixture(scope="module")
+def hidden_single(tmp_path_factory, teacher, tiny_data) -> Path:
+    run = tmp_path_factory.mktemp("distill") / "hidden-single"
+    distill(run, teacher, tiny_data, *HIDDEN)
+    return run
+
+
+def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(
+    tmp_path, teacher, tiny_data, hidden_single
+):
     """distill.hidden_weight: the learned projections train (their step-1 gradients compared too) and
     shard with FSDP's root as in one process; a run resumed from step 2 continues exactly; the
     checkpoints hold the projections, the weights a run is read as (eval, export) do not."""
@@ -94,8 +106,7 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, tea
 
     from suite.sources import ModelSource
 
-    one = tmp_path / "single"
-    distill(one, teacher, tiny_data, *HIDDEN)
+    one = hidden_single
     sharded = tmp_path / "sharded"
     layout = ["parallel.sharding=2", "parallel.sharding_stage=3"]
     distill(sharded, teacher, tiny_data, *HIDDEN, *layout, "launch.nproc_per_node=2")
@@ -134,7 +145,9 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(tmp_path, tea
         (["distill.hidden_weight=-1"], ["distill.hidden_weight=-1"]),
         (["distill.hidden_schedule=cosine"], ["distill.hidden_schedule='cosine'", "linear"]),
         (["model.vocab_size=1024"], ["vocab_size=512", "vocab_size=1024"]),
-        (["parallel.tp=2", "launch.nproc_per_node=2"], ["parallel.tp=2", "dp and sharding"]),
+        (["parallel.pp=2", "model.num_layers=2", "launch.nproc_per_node=2"], ["parallel.pp=2", "tp (+sp)"]),
+        # the teacher (4 heads) is split like the student (8 heads): tp must divide both
+        (["model.num_heads=8", "parallel.tp=8", "launch.nproc_per_node=8"], ["teacher's model.num_heads=4"]),
     ],
 )
 def test_bad_distill_input_is_one_line(tmp_path, teacher, tiny_data, extra, words):
@@ -201,3 +214,45 @@ def test_a_teacher_with_another_tokenizer_is_one_line(tmp_path, teacher, tiny_da
     err = proc.stderr.strip()
     assert proc.returncode == 2, (proc.returncode, err)
     assert len(err.splitlines()) == 1 and "another tokenizer" in err and "data.tokenizer=" in err, err
+
+
+# Tensor parallelism: the student's and the teacher's heads vocabulary-sharded (suite.distill.vocab_parallel).
+# Two launches cover the layouts (each costs ~30 s on 2 cores): tp=2 with sp and hidden-state matching
+# (learned projections, Replicated on the tp ranks) for a dense student, dp2 x tp2 without sp for an
+# MoE student (expert tensor parallel; jsd at T=2).
+TP_LAYOUT = ["parallel.tp=2", "parallel.sp=true"]
+
+
+def test_distill_at_tp2_with_sp_and_hidden_matching_matches_single_process(
+    tmp_path, teacher, tiny_data, hidden_single
+):
+    run = tmp_path / "tp2-sp"
+    distill(run, teacher, tiny_data, *HIDDEN, *TP_LAYOUT, "launch.nproc_per_node=2")
+    got = assert_layout(run, 2, [*TINY_MODEL, *TP_LAYOUT])
+    for view in got["ranks"]:  # the projections are tp-replicated DTensors, trained like the rest
+        assert view["params"]["distill_proj.0.weight"] == "tp:Replicate()", view["params"]
+    assert_equivalent(hidden_single, run)
+
+
+MOE_STUDENT = [
+    "model=moe-tiny", *TINY_MODEL, "model.num_layers=1", "model.hidden_size=32", "model.num_kv_heads=2",
+    "model.moe_ffn_hidden_size=32", "distill.loss=jsd", "distill.temperature=2.0",
+]  # fmt: skip
+MOE_LAYOUT = ["parallel.dp=2", "parallel.tp=2"]
+
+
+def test_moe_student_at_dp2_tp2_matches_single_process_with_its_router_losses(tmp_path, teacher, tiny_data):
+    """An MoE student (llama family, 8 experts, top-2) distilled from the dense GPT teacher on 4
+    processes (dp2 x tp2) equals one process; its balance and z-losses join the loss (step 1 without
+    them is lower by exactly the coefficients times the logged values)."""
+    single, tp, no_aux = tmp_path / "single", tmp_path / "dp2-tp2", tmp_path / "no-aux"
+    distill(single, teacher, tiny_data, *MOE_STUDENT)
+    distill(tp, teacher, tiny_data, *MOE_STUDENT, *MOE_LAYOUT, "launch.nproc_per_node=4")
+    assert_layout(tp, 4, [*MOE_STUDENT, *MOE_LAYOUT])
+    assert_equivalent(single, tp)
+    distill(no_aux, teacher, tiny_data, *MOE_STUDENT, "model.aux_loss_coef=0", "model.z_loss_coef=0",
+            "train.max_steps=1", "train.save_every=1", "train.eval_every=1")  # fmt: skip
+    first = next(r for r in read_metrics(single) if r.get("step") == 1 and "loss" in r)
+    without = train_losses(no_aux)[1]
+    aux = 0.01 * first["moe_balance_loss"] + 0.001 * first["moe_z_loss"]  # recipes/model/moe-tiny.yaml
+    assert aux > 1e-3 and abs(first["loss"] - without - aux) < 1e-3 * aux + 1e-6, (first, without, aux)
