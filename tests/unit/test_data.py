@@ -374,7 +374,9 @@ def test_embedded_corpus_is_deterministic(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rows, dp", [(32, 2), (32, 4), (12, 4), (999, 2)])
-def test_eval_rows_are_the_same_rows_at_every_data_parallel_degree(stream_dir: Path, rows: int, dp: int) -> None:
+def test_eval_rows_are_the_same_rows_at_every_data_parallel_degree(
+    stream_dir: Path, rows: int, dp: int
+) -> None:
     """train.eval_batches x micro_batch_size rows, dealt to the data ranks: val_loss does not depend on dp
     (before, each rank took eval_batches micro-batches of its own: dp times the rows of one process)."""
     single = torch.cat(windows(TokenBatches(stream_dir, "val", 8, 4, 4).eval_rows(rows)))
