@@ -22,6 +22,7 @@ bandwidth is scaled by the cluster's stated efficiency (cluster.*_efficiency).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import comb
 
 from suite.config.schema import ClusterConfig
 from suite.plan.layout import Layout
@@ -90,3 +91,29 @@ def all_to_all(link: Link, size: float) -> float:
 def send_recv(link: Link, size: float) -> float:
     """Point-to-point: S/B + L."""
     return size / link.bandwidth + link.latency
+
+
+def expert_exchange(
+    cluster: ClusterConfig, layout: Layout, size: float, num_experts: int, top_k: int
+) -> float:
+    """One all-to-all of the expert dispatch (or combine) for tokens of `size` bytes per rank.
+
+    Inside a node, flat: top_k rows per token. An ep group spanning N nodes of L ranks each is
+    dispatched hierarchically (parallel.ep_dispatch=auto, suite.parallel.hierarchical_dispatch): each
+    token crosses once to each node holding one of its experts, over the N ranks of one local index,
+    then top_k rows inside the node over the L ranks. Expected nodes a token reaches under uniform
+    top-k routing: N (1 - C(E - E/N, k) / C(E, k)) (0.79 of the flat rows at E = 4, k = 2, N = 2)."""
+    link = group_link(cluster, layout, "ep")
+    extent = layout.ep * layout.cp * layout.tp  # ranks an ep group spans (ep strides over cp x tp)
+    nodes = extent // cluster.devices_per_node if link.inter_node else 1
+    if nodes <= 1 or layout.ep % nodes or num_experts % nodes or extent % cluster.devices_per_node:
+        return all_to_all(link, size * top_k)
+    reached = nodes * (1 - comb(num_experts - num_experts // nodes, top_k) / comb(num_experts, top_k))
+    across = Link(nodes, True, link.bandwidth, link.latency)
+    inside = Link(
+        layout.ep // nodes,
+        False,
+        cluster.intra_node_bandwidth_gbs * 1e9 * cluster.intra_node_efficiency,
+        cluster.intra_node_latency_us * 1e-6,
+    )
+    return all_to_all(across, size * reached) + all_to_all(inside, size * top_k)

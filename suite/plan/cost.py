@@ -13,7 +13,7 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
     optimizer AdamW's bytes over memory bandwidth (+ the host transfers of offload)
 
 Overlap assumptions (cluster.comm_overlap=true; a CPU cluster overlaps nothing): tp collectives (all-reduce, or all-gather + reduce-scatter with sp) and ep
-all-to-alls sit on the critical path (no overlap); cp's ring exchange hides under the attention it
+all-to-alls (hierarchical across nodes: suite.plan.comm.expert_exchange) sit on the critical path (no overlap); cp's ring exchange hides under the attention it
 feeds; pipeline sends do not overlap; FSDP all-gathers and reduce-scatters hide under each
 micro-batch's compute and gradient all-reduces under the last micro-batch's backward (whatever
 exceeds the window is exposed); ZeRO-1's parameter all-gather after the step is exposed.
@@ -174,8 +174,7 @@ def _micro_batch_comm(
         cp = max(0.0, per_layer * len(layers) - (core_time if c.comm_overlap else 0.0))
     if layout.ep > 1 and moe_layers:
         per_layer = 4 + (2 if layout.recompute == "full" else 0)  # dispatch + combine, each way
-        link = comm.group_link(c, layout, "ep")
-        ep = per_layer * moe_layers * comm.all_to_all(link, act * m.top_k)
+        ep = per_layer * moe_layers * comm.expert_exchange(c, layout, act, m.num_experts, m.top_k)
     return tp, cp, ep
 
 

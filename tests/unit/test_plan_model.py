@@ -303,3 +303,23 @@ def test_processes_beyond_the_cores_time_share_them():
         dataclasses.replace(job, cluster=dataclasses.replace(shared, devices_per_node=4)), Layout(dp=4)
     )
     assert slow.time.total == pytest.approx(2 * evaluate(job, Layout(dp=4)).time.total)
+
+
+def test_experts_across_nodes_cross_once_per_node_reached():
+    """ep spanning nodes is dispatched hierarchically (parallel.ep_dispatch=auto): the network carries
+    each token once per node it reaches (E=4, k=2, N=2: 2 (1 - C(2,2)/C(4,2)) = 5/3 copies, not 2),
+    and top_k rows move inside the node; inside one node the exchange stays flat."""
+    cluster = ClusterConfig(
+        nodes=2, devices_per_node=2, inter_node_bandwidth_gbs=2, intra_node_bandwidth_gbs=100
+    )
+    layout = Layout(dp=4, ep=4)
+    hier = comm.expert_exchange(cluster, layout, 1e6, num_experts=4, top_k=2)
+    link = comm.group_link(cluster, layout, "ep")
+    across = comm.Link(2, True, link.bandwidth, link.latency)
+    inside = comm.Link(2, False, 100e9, cluster.intra_node_latency_us * 1e-6)
+    assert hier == pytest.approx(comm.all_to_all(across, 1e6 * 5 / 3) + comm.all_to_all(inside, 2e6))
+    assert hier < comm.all_to_all(link, 2e6)  # the flat exchange: 2 rows per token over the network
+    one_node = ClusterConfig(nodes=1, devices_per_node=4)
+    assert comm.expert_exchange(one_node, layout, 1e6, 4, 2) == comm.all_to_all(
+        comm.group_link(one_node, layout, "ep"), 2e6
+    )
