@@ -43,7 +43,7 @@ COMMON = [
     "train.log_every=1",
     f"train.save_every={STEPS}",
     f"train.eval_every={STEPS}",
-    "train.eval_batches=1",
+    "train.eval_batches=2",  # 2 held-out rows: one per data rank at dp=2 (the same rows in every layout)
     f"train.max_steps={STEPS}",
     "parallel.global_batch_size=2",  # 2 rows of 1024 tokens; the tiny corpus holds 42 of them
     "parallel.micro_batch_size=1",
