@@ -303,6 +303,7 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
     recompute = override_value(
         overrides, "recompute.granularity", override_value(overrides, "recompute", "none")
     )
+    offload = override_value(overrides, "parallel.offload", "false") == "true"
     for view in layout["ranks"]:
         params, modules = view["params"], view["modules"]
         for name, placement in params.items():
@@ -335,6 +336,12 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
             assert modules.get("expert_parallel"), modules
             experts = [p for n, p in params.items() if ".experts." in n]
             assert experts and all("ep:Shard(dim=0)" in p for p in experts), experts
+            if offload:  # their own FSDP group over edp (suite.parallel.expert_parallel.shard_experts)
+                assert all(re.search(r"edp:(_Strided)?Shard\(dim=0", p) for p in experts), experts
+                held = [n for n in modules["expert_parallel"] if n in modules.get("fsdp_offload", [])]
+                assert held == modules["expert_parallel"], modules
+        if offload:  # FSDP2 CPUOffloadPolicy on every wrapped group
+            assert modules.get("fsdp_offload") == modules["fsdp"], modules
         if recompute != "none":
             assert any(k == f"recompute:{recompute}" for k in modules), modules
     if degrees["pp"] > 1:  # each stage's layers, held by every rank of that stage; together all layers

@@ -25,6 +25,14 @@ def placement_of(param) -> str:
     return ",".join(f"{axis}:{placement!r}" for axis, placement in zip(names, spec))
 
 
+def _offloaded(module: nn.Module) -> bool:
+    """Whether FSDP2 keeps this module's parameter group on the host (CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    groups = getattr(fully_shard.state(module), "_fsdp_param_groups", None) or []
+    return any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+
+
 def _generic(name: str) -> str:
     return _LAYER.sub("layers.*.", name)
 
@@ -44,6 +52,8 @@ def describe_rank(model: nn.Module) -> dict:
             kinds.append("replicate")
         elif "FSDPModule" in mro:
             kinds.append("fsdp")
+            if _offloaded(module):
+                kinds.append("fsdp_offload")
         if getattr(module, "_suite_recompute", None):  # suite.parallel.recompute's mark
             kinds.append(f"recompute:{module._suite_recompute}")
         if getattr(module, "_compiled_call_impl", None) is not None:

@@ -24,6 +24,13 @@ Gradients: the dispatch backward already sums, on the owning rank, the contribut
 token of its ep group; after the last micro-batch `reduce_expert_grads` sums them over the edp
 replicas and divides by the data-parallel size, the same mean-over-data-ranks that the data-parallel
 engine applies to dense gradients. So training matches one process (tests/distributed/test_moe.py).
+
+Offload (`parallel.offload=true`, FSDP stage 2-3): the dense engine leaves the expert weights out,
+so `shard_experts` gives each experts module its own FSDP2 group on the expert mesh (torchtitan's
+dp_mod_ep), sharded over "edp" (kept whole over "ep", where they already are split) with the same
+mixed-precision and CPU offload policies: expert parameters, gradients and AdamW state then live
+on the host, 1/edp of this rank's experts each. FSDP's reduce-scatter over edp, divided by the
+data-parallel size, then replaces `reduce_expert_grads` (which is not registered).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -72,14 +80,17 @@ def check_expert_parallel(dims, cfg) -> None:
             f"parallel.ep={ep} does not divide model.num_experts={model.num_experts}; each ep rank holds "
             f"num_experts/ep experts, use an ep that divides {model.num_experts}"
         )
+    if pcfg.offload and pcfg.ep_dispatch == "hierarchical":
+        raise ConfigError(
+            "parallel.ep_dispatch=hierarchical with parallel.offload=true is not supported (its dispatch "
+            "reads the expert weights outside the FSDP group that gathers them); use parallel.ep_dispatch=flat"
+        )
     if dims.data_parallel_size % ep:
         raise ConfigError(
             f"parallel.ep={ep} does not divide the data-parallel ranks (parallel.dp x parallel.sharding = "
             f"{dims.data_parallel_size}); expert parallelism borrows data ranks, use an ep that divides "
             f"{dims.data_parallel_size}"
         )
-    if pcfg.offload:
-        raise ConfigError(f"parallel.ep={ep} with parallel.offload=true is not supported; use offload=false")
 
 
 def expert_rank_grid(dims) -> torch.Tensor:
@@ -211,6 +222,35 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, traffic: dict) 
         module.ep_nodes = ep_nodes
         module.traffic = traffic
     return expert_params
+
+
+def shard_experts(
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    average_size: int,
+) -> None:
+    """FSDP2 on every expert-parallel experts module over the "edp" axis of `ep_mesh` (the weights
+    are DTensors on it, Replicate over edp): parameters, gradients and optimizer state sharded over
+    edp (and offloaded with `offload_policy`). Gradients are reduce-scattered over edp and divided
+    by `average_size` (data ranks x cp), the mean the dense engine takes: no reduce hook is needed."""
+    for module in model.modules():
+        if isinstance(module, ExpertParallelExperts):
+            fully_shard(
+                module,
+                mesh=ep_mesh,
+                dp_mesh_dims=DataParallelMeshDims(shard="edp"),
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+            )
+            module.set_gradient_divide_factor(float(average_size))
+            # a plain sum, then the division: a factor other than the group size would otherwise be
+            # NCCL's PREMUL_SUM, which gloo lacks. Not on a 1-rank edp: FSDP then skips the
+            # collective and divides by the factor itself (forcing the sum would divide twice)
+            module.set_force_sum_reduction_for_comms(ep_mesh.size(0) > 1)
 
 
 def expert_params_of(model: nn.Module) -> list[nn.Parameter]:

@@ -81,6 +81,8 @@ def check_ep_dispatch(dims, cfg) -> str:
             f"parallel.ep_dispatch={mode!r} is not one of {', '.join(EP_DISPATCH)}; use parallel.ep_dispatch=auto"
         )
     per_node = str(cfg.launch.nproc_per_node)
+    if dims.ep > 1 and cfg.parallel.offload:  # offloaded experts: always the flat dispatch
+        return "flat"
     if dims.ep == 1 or not per_node.isdigit():
         return mode
     return resolve_dispatch(mode, group_layouts(dims, int(per_node)))

@@ -220,15 +220,28 @@ def make_part_parallelizer(
             )
             from suite.parallel.hierarchical_dispatch import apply_hierarchical_dispatch
 
-            apply_hierarchical_dispatch(part, dims, device.type, pcfg.ep_dispatch)
-            info.setdefault("after_backward", []).append(  # one per part (pipeline stages)
-                lambda: ep.reduce_expert_grads(
-                    ep.expert_params_of(part), ep_mesh, dims.data_parallel_size * dims.cp
+            # offload: the flat dispatch (runs the experts' forward, where FSDP gathers them)
+            dispatch = "flat" if pcfg.offload else pcfg.ep_dispatch
+            apply_hierarchical_dispatch(part, dims, device.type, dispatch)
+            if not pcfg.offload:  # offload: FSDP reduces them (ep.shard_experts below)
+                info.setdefault("after_backward", []).append(  # one per part (pipeline stages)
+                    lambda: ep.reduce_expert_grads(
+                        ep.expert_params_of(part), ep_mesh, dims.data_parallel_size * dims.cp
+                    )
                 )
-            )
         _apply_recompute(part, cfg)
         if compiled:
             _compile_blocks(part)
+        if dims.ep > 1 and pcfg.offload:  # experts: their own FSDP group on the expert mesh, offloaded
+            ep.shard_experts(
+                part,
+                ep_mesh,
+                reshard_after_forward=pcfg.sharding_stage == 3,
+                mp_policy=dpar.mixed_precision(precision),
+                offload_policy=dpar.offload_policy(True, device),
+                average_size=dims.data_parallel_size * dims.cp,
+            )
+            expert_params = []  # FSDP-managed now: the dense groups skip them
         kind = dpar.apply_data_parallel(
             part,
             mesh,

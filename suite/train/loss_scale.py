@@ -82,6 +82,29 @@ def loss_scaler(device: torch.device, precision: PrecisionPolicy) -> LossScaler:
     return LossScaler(device, enabled=precision.grad_scaler)
 
 
+SCALER_KEY = "loss_scaler"  # in the checkpoint's trainer_state.pt
+
+
+def scaler_state(scaler: LossScaler) -> dict:
+    """What a checkpoint keeps of an fp16 scaler: its scale and growth tracker (the same on every
+    rank: the overflow flag is the world's), so a resumed run goes on with the scale it had
+    reached instead of starting again at 2^16. Nothing when the scaler is off (bf16 / fp32)."""
+    if not scaler.is_enabled():
+        return {}
+    full = scaler.state_dict()
+    return {SCALER_KEY: {"scale": full["scale"], "growth_tracker": full["_growth_tracker"]}}
+
+
+def restore_scaler(scaler: LossScaler, trainer_state: dict) -> None:
+    """Put back `scaler_state` from a checkpoint's trainer state. A checkpoint without it (saved
+    before it was kept, or by a bf16 / fp32 run) leaves the scaler at its initial scale."""
+    saved = trainer_state.get(SCALER_KEY)
+    if saved is None or not scaler.is_enabled():
+        return
+    full = scaler.state_dict()
+    scaler.load_state_dict({**full, "scale": saved["scale"], "_growth_tracker": saved["growth_tracker"]})
+
+
 def inject_inf_gradient(model: torch.nn.Module, step: int) -> None:
     """Test aid, inert unless SUITE_FAULT_INF_GRAD="RANK:STEP" names this rank and step: an inf in the
     gradient of this rank's first block weight (not a tied embedding that two stages hold), as an fp16

@@ -37,7 +37,7 @@ from suite.train import run_folder
 from suite.train.flops import memory_gb, memory_metrics, peak_flops
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
-from suite.train.loss_scale import inject_inf_gradient, loss_scaler
+from suite.train.loss_scale import inject_inf_gradient, loss_scaler, restore_scaler, scaler_state
 from suite.train.optim import optimizer_for
 from suite.train.profile import StepProfiler
 from suite.train.saver import RunStopped, Saver
@@ -255,13 +255,9 @@ class Trainer:
             return
         state = self._load(folder)
         self.resumed = True
-        saved_world = int(state.get("world_size", self.env.world_size))
-        resharded = (
-            f" (saved by {saved_world} processes, resharded to {self.env.world_size})"
-            if saved_world != self.env.world_size
-            else ""
-        )
-        self._log(f"resumed from {folder} at step {self.step}{resharded}")
+        saved, now = int(state.get("world_size", self.env.world_size)), self.env.world_size
+        note = f" (saved by {saved} processes, resharded to {now})" if saved != now else ""
+        self._log(f"resumed from {folder} at step {self.step}{note}")
 
     def _load(self, folder: Path) -> dict:
         """Model, optimizer, RNG, step and data position from `folder` (collective)."""
@@ -270,6 +266,7 @@ class Trainer:
         self.bad_steps = int(state.get("bad_steps", 0))
         self.skipped_batches = sorted(set(self.skipped_batches) | set(state.get("skipped_batches", [])))
         self.loader.load_state_dict(state["data"])
+        restore_scaler(self.scaler, state)  # fp16: the loss scale and its growth tracker
         return state
 
     def save(self, wait: bool = False) -> Path:
@@ -280,6 +277,7 @@ class Trainer:
             "bad_steps": self.bad_steps,
             "skipped_batches": list(self.skipped_batches),
             "world_size": self.env.world_size,
+            **scaler_state(self.scaler),
         }
         extra = self._checkpoint_extra()
         folder = self.saver.save(self.step, self.model, self.optimizer, state, self.public_yaml, extra, wait)

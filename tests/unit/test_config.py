@@ -145,6 +145,14 @@ BAD_INPUTS = [
         ["recipe=moe-tiny", "parallel.tp=2", "model.moe_ffn_hidden_size=127", "launch.nproc_per_node=2"],
         "parallel.tp=2 does not divide the expert MLP width (model.moe_ffn_hidden_size) 127",
     ),
+    (
+        [
+            "recipe=moe-tiny",
+            *("parallel.ep=2", "parallel.sharding=2", "parallel.offload=true"),
+            *("parallel.ep_dispatch=hierarchical", "launch.nproc_per_node=2"),
+        ],
+        "parallel.ep_dispatch=hierarchical with parallel.offload=true is not supported",
+    ),
     (["recipe=moe-tiny", "model.capacity_factor=0"], "model.capacity_factor=0"),
     (["recipe=moe-tiny", "model.moe_layers=[7]"], "names layer 7"),
     (["recipe=moe-tiny", "model.moe_every=5"], "no layer is MoE"),
