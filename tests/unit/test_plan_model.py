@@ -323,3 +323,20 @@ def test_experts_across_nodes_cross_once_per_node_reached():
     assert comm.expert_exchange(one_node, layout, 1e6, 4, 2) == comm.all_to_all(
         comm.group_link(one_node, layout, "ep"), 2e6
     )
+
+
+def test_ep_with_zero1_shards_the_dense_state_and_keeps_the_experts_whole():
+    """suite.train.zero1 slices the dense parameters' AdamW state over the sharding ranks and keeps the
+    expert state whole (ep already splits it): the planner proposes the layout and counts it so."""
+    from suite.plan.memory import state_bytes
+    from suite.plan.params import model_specs
+
+    cfg = _model("moe-tiny")
+    job = Job(
+        model=cfg, cluster=ClusterConfig(devices_per_node=2), seq_len=128, global_batch=8, precision="fp32"
+    )
+    layout = Layout(sharding=2, stage=1, ep=2, micro_batch=2)
+    check_layout(job, layout)
+    experts = sum(s.numel for s in model_specs(cfg) if s.expert) // 2  # ep=2: half of them per rank
+    dense = sum(s.numel for s in model_specs(cfg) if not s.expert)
+    assert state_bytes(job, layout).optimizer == 8 * (experts + dense // 2)
