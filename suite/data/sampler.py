@@ -136,13 +136,14 @@ class GlobalBatches:
         """This rank's contiguous 1/dp of the split's first `num_rows` samples in order (None: all of
         them), in micro-batches: every data-parallel degree evaluates the same rows, so `val_loss` does
         not depend on the layout. Rounded up to a multiple of the data ranks (each must run as many
-        forwards: FSDP and tp gather inside them) and capped at what the split holds."""
-        ranks = self.dp_size
-        rows = self.num_samples if num_rows is None else min(num_rows, self.num_samples)
+        forwards: FSDP and tp gather inside them) and capped at the split's whole micro-batches."""
+        ranks, mb = self.dp_size, self.micro_batch_size
+        held = self.num_samples - self.num_samples % mb  # whole micro-batches, as one process reads them
+        rows = held if num_rows is None else min(num_rows, held)
         rows = -(-rows // ranks) * ranks
-        if rows > self.num_samples:
-            rows = self.num_samples - self.num_samples % ranks
-        share, mb = rows // ranks, self.micro_batch_size
+        if rows > held:
+            rows = held - held % ranks
+        share = rows // ranks
         mine = np.arange(self.dp_rank * share, (self.dp_rank + 1) * share, dtype=np.int64)
         batches = [self.source.batch(mine[i : i + mb]) for i in range(0, share, mb)]
         if self.pin_memory:
