@@ -9,6 +9,7 @@ working directory, with its stdin, stdout and stderr on files, and replies with 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -55,6 +56,8 @@ def _child(request: dict) -> None:
             traceback.print_exc()
             code = 1
     finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # what the interpreter does at exit (logging, wandb, temp files)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -101,6 +104,7 @@ class ForkedCLI:
     """One server process; `run` forks a child per call."""
 
     def __init__(self, env: dict[str, str]):
+        self.env = dict(env)
         env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forked_cli"],

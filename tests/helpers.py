@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -9,9 +10,12 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+
+from tests.forked_cli import ForkedCLI
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = [
@@ -40,18 +44,52 @@ def suite_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Variables a process reads when it imports torch or starts the interpreter: a call that changes one
+# of these gets a fresh interpreter, since a forked child keeps its server's.
+_IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH", "CUDA", "PYTHON", "LD_", "MALLOC")
+_SERVER: ForkedCLI | None = None
+
+
+def _forked_cli() -> ForkedCLI:
+    """This test process' fork server (tests/forked_cli.py), started on first use."""
+    global _SERVER
+    if _SERVER is None or _SERVER.proc.poll() is not None:
+        _SERVER = ForkedCLI(suite_env())
+        atexit.register(_SERVER.close)
+    return _SERVER
+
+
+def _forkable(env: dict[str, str], server: dict[str, str]) -> dict[str, str] | None:
+    """What `env` sets beyond the server's environment, or None when a forked child cannot honour it."""
+    if set(server) - set(env):
+        return None
+    extra = {k: v for k, v in env.items() if server.get(k) != v}
+    return None if any(k.startswith(_IMPORT_TIME_ENV) for k in extra) else extra
+
+
 def run_suite(
     *args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None, check: bool = False
 ) -> subprocess.CompletedProcess:
-    """`suite <args>` as a user types it (python -m suite, so no PATH assumptions)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "suite", *args],
-        cwd=cwd or REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or suite_env(),
-    )
+    """`suite <args>` as a user types it: the CLI's `main` (what `python -m suite` runs) in a child
+    forked from a server that imported torch and the suite once, which saves every call the ~4 s of
+    a fresh interpreter; `python -m suite` itself when `env` changes what the interpreter reads at start."""
+    env = env or suite_env()
+    server = _forked_cli()
+    extra = _forkable(env, server.env)
+    if extra is None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "suite", *args],
+            cwd=cwd or REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    else:
+        with tempfile.TemporaryDirectory(prefix="suite-call-") as out:
+            proc = server.run(list(args), cwd=Path(cwd or REPO), env=extra, timeout=timeout, out=Path(out))
+        if proc.returncode == 124:
+            raise subprocess.TimeoutExpired(["suite", *args], timeout, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"suite {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
