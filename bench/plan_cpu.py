@@ -54,6 +54,15 @@ MODELS: dict[str, tuple[list[str], int, int]] = {
         4,
     ),
 }
+# --calibrate: a model too narrow for its FLOPs to matter (hidden 32, 16 tokens), at two depths, so that
+# a step's time less the cost model's is the runtime's host overhead: a per-layer slope and a per-step
+# intercept for each wrapper (the cluster preset's *_overhead_* keys)
+NARROW = ["model.hidden_size=32", "model.num_heads=4"]
+CALIBRATION: dict[str, tuple[list[str], int, int]] = {
+    f"narrow-{layers}": ([*NARROW, f"model.num_layers={layers}", f"model.name=narrow-{layers}"], 16, 12)
+    for layers in (2, 6)
+}
+CALIBRATION_LAYOUTS = ["1proc", "dp2", "sharding2-stage3", "tp2"]
 # name -> (world size, overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1proc": (1, []),
@@ -71,7 +80,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 def shape_args(model: str, args: argparse.Namespace) -> list[str]:
     return [
         "recipe=gpt-tiny",
-        *MODELS[model][0],
+        *{**MODELS, **CALIBRATION}[model][0],
         f"data.seq_len={seq_of(model, args)}",
         f"parallel.micro_batch_size={args.micro_batch}",
         f"parallel.global_batch_size={args.global_batch}",
@@ -81,11 +90,11 @@ def shape_args(model: str, args: argparse.Namespace) -> list[str]:
 
 
 def seq_of(model: str, args: argparse.Namespace) -> int:
-    return args.seq or MODELS[model][1]
+    return (None if model in CALIBRATION else args.seq) or {**MODELS, **CALIBRATION}[model][1]
 
 
 def steps_of(model: str, args: argparse.Namespace) -> int:
-    return args.steps or MODELS[model][2]
+    return (None if model in CALIBRATION else args.steps) or {**MODELS, **CALIBRATION}[model][2]
 
 
 def run_args(model: str, args: argparse.Namespace) -> list[str]:
@@ -103,8 +112,11 @@ def run_args(model: str, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def predict(model: str, overrides: list[str], world: int, args: argparse.Namespace) -> dict:
-    """The cost model's answer for the run's own config, on the `cpu` preset sized to the launch."""
+def predict(
+    model: str, overrides: list[str], world: int, args: argparse.Namespace, bare: bool = False
+) -> dict:
+    """The cost model's answer for the run's own config, on the `cpu` preset sized to the launch
+    (`bare`: with its host overheads zeroed, what --calibrate subtracts)."""
     from suite.config.compose import compose_config, to_object
     from suite.parallel.dims import resolve_dims
     from suite.plan.cost import evaluate
@@ -116,7 +128,10 @@ def predict(model: str, overrides: list[str], world: int, args: argparse.Namespa
     )
     dims = resolve_dims(cfg, world)
     # the preset sized to this launch on this machine: time-shared cores when ranks outnumber them
-    job = replace(Job.from_config(cfg), cluster=launched_cluster(cfg, here=True))
+    cluster = launched_cluster(cfg, here=True)
+    if bare:
+        cluster = replace(cluster, **{k: 0.0 for k in OVERHEAD_KEYS})
+    job = replace(Job.from_config(cfg), cluster=cluster)
     layout = recipe_layout(cfg, dims)
     cost = evaluate(job, layout)
     return {
@@ -128,16 +143,30 @@ def predict(model: str, overrides: list[str], world: int, args: argparse.Namespa
         },
         "step_s": cost.time.total,
         "time_parts_s": {
-            k: getattr(cost.time, k) for k in ("compute", "tp", "bubble", "pp", "data", "optimizer")
+            k: getattr(cost.time, k) for k in ("compute", "tp", "bubble", "pp", "data", "optimizer", "host")
         },
+        "micro_batches": cost.micro_batches,
+        "layers": cfg.model.num_layers,
     }
 
 
-def run_layout(model: str, name: str, args: argparse.Namespace, root: Path) -> dict:
+OVERHEAD_KEYS = (
+    "layer_overhead_us",
+    "tp_layer_overhead_us",
+    "dp_layer_overhead_us",
+    "shard_layer_overhead_us",
+    "step_overhead_ms",
+    "tp_step_overhead_ms",
+    "dp_step_overhead_ms",
+    "shard_step_overhead_ms",
+)
+
+
+def run_layout(model: str, name: str, args: argparse.Namespace, root: Path, bare: bool = False) -> dict:
     world, overrides = LAYOUTS[name]
     shape = shape_args(model, args) + overrides
     row: dict = {"model": model, "layout": name, "world": world, "overrides": " ".join(overrides)}
-    row |= predict(model, shape, world, args)
+    row |= predict(model, shape, world, args, bare)
     run_dir = root / f"{model}-{name}"
     cmd = [sys.executable, "-m", "suite", "pretrain", *shape, *run_args(model, args)]
     cmd += [f"run.dir={run_dir}", f"launch.nproc_per_node={world}"]
@@ -162,6 +191,44 @@ def run_layout(model: str, name: str, args: argparse.Namespace, root: Path) -> d
         "state_gb": summary["state_bytes"]["total"] / GIB,
         "ran": summary["layout"]["degrees"],
     }
+
+
+def calibrate(args: argparse.Namespace) -> str:
+    """Run the narrow model at both depths under each wrapper; per wrapper, the seconds a layer adds
+    per micro-batch beyond the bare cost model (the slope between the depths) and the per-step rest
+    (the intercept). Prints the preset's lines."""
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="suite-bench-plan-calibrate-") as tmp:
+        for name in CALIBRATION_LAYOUTS:
+            for model in CALIBRATION:
+                row = run_layout(model, name, args, Path(tmp), bare=True)
+                if "error" in row:
+                    raise SystemExit(f"{model} {name}: {row['error']}")
+                rows[name, row["layers"]] = row
+                print(
+                    f"{model} {name}: {row['measured_step_s']:.4f} s measured, {row['step_s']:.4f} s bare model"
+                )
+    slopes, intercepts = {}, {}
+    (shallow, deep) = sorted({layers for _, layers in rows})
+    for name in CALIBRATION_LAYOUTS:
+        a, b = rows[name, shallow], rows[name, deep]
+        residual = [r["measured_step_s"] - r["step_s"] for r in (a, b)]
+        work = [r["micro_batches"] * r["layers"] for r in (a, b)]  # layer micro-batches per rank
+        slopes[name] = (residual[1] - residual[0]) / (work[1] - work[0])
+        intercepts[name] = residual[0] - work[0] * slopes[name]
+    base = slopes["1proc"]
+    lines = [
+        f"layer_overhead_us: {base * 1e6:.0f}",
+        f"tp_layer_overhead_us: {(slopes['tp2'] - base) * 1e6:.0f}",
+        f"dp_layer_overhead_us: {(slopes['dp2'] - base) * 1e6:.0f}",
+        f"shard_layer_overhead_us: {(slopes['sharding2-stage3'] - base) * 1e6:.0f}",
+        f"step_overhead_ms: {intercepts['1proc'] * 1e3:.1f}",
+        f"tp_step_overhead_ms: {(intercepts['tp2'] - intercepts['1proc']) * 1e3:.1f}",
+        f"dp_step_overhead_ms: {(intercepts['dp2'] - intercepts['1proc']) * 1e3:.1f}",
+        f"shard_step_overhead_ms: {(intercepts['sharding2-stage3'] - intercepts['1proc']) * 1e3:.1f}",
+    ]
+    detail = ", ".join(f"{n} {slopes[n] * 1e6:.0f} us/layer + {intercepts[n] * 1e3:.1f} ms" for n in slopes)
+    return "\n".join(lines) + f"\n# per wrapper: {detail}"
 
 
 def order_agreement(rows: list[dict]) -> tuple[int, int]:
@@ -213,7 +280,15 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--append", action="store_true", help="append the tables to docs/benchmarks.md")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the cpu preset's host overheads (narrow model, 2 and 6 layers, 4 wrappers) and print them",
+    )
     args = parser.parse_args()
+    if args.calibrate:
+        print(calibrate(args))
+        return 0
 
     started = dt.datetime.now(dt.timezone.utc)
     rows: list[dict] = []

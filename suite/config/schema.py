@@ -416,6 +416,20 @@ class ClusterConfig:
     # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
     # whose cores do both (gloo), so every collective is on the critical path
     comm_overlap: bool = True
+    # Host seconds per layer per micro-batch (forward + backward) that are neither FLOPs nor link time:
+    # eager dispatch and autograd on a CPU, where they order a small model's layouts; 0 on GPUs, whose
+    # kernels queue ahead of the device. The tp, dp and sharding terms are what each wrapper adds to a
+    # layer (DTensor dispatch; replicate's and FSDP's hooks, gathers and gradient copies); the *_step_*
+    # terms are once per optimizer step (data, logging, the embedding and head, the optimizer over the
+    # wrapper's tensors). Measured: bench/plan_cpu.py --calibrate
+    layer_overhead_us: float = 0.0
+    tp_layer_overhead_us: float = 0.0
+    dp_layer_overhead_us: float = 0.0
+    shard_layer_overhead_us: float = 0.0
+    step_overhead_ms: float = 0.0
+    tp_step_overhead_ms: float = 0.0
+    dp_step_overhead_ms: float = 0.0
+    shard_step_overhead_ms: float = 0.0
 
 
 @dataclass

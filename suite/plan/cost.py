@@ -11,6 +11,9 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
     pp p2p    2 (m v + p - 1) t_send          (activations forward, gradients back, on the critical path)
     data      data-parallel / sharding collectives not hidden under compute
     optimizer AdamW's bytes over memory bandwidth (+ the host transfers of offload)
+    host      m x the micro-batch's per-layer runtime overhead (cluster.layer_overhead_us and what tp,
+              dp and sharding add per layer; in t_mb, so the bubble carries it) + their per-step terms:
+              0 on GPU presets, measured on the cpu preset, where a small model's steps are mostly this
 
 Overlap assumptions (cluster.comm_overlap=true; a CPU cluster overlaps nothing): tp collectives (all-reduce, or all-gather + reduce-scatter with sp) and ep
 all-to-alls (hierarchical across nodes: suite.plan.comm.expert_exchange) sit on the critical path (no overlap); cp's ring exchange hides under the attention it
@@ -84,10 +87,12 @@ class Time:
     pp: float
     data: float
     optimizer: float
+    host: float = 0.0  # m x the micro-batch's host overhead, + the step's (cluster.layer_overhead_us)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.ep + self.bubble + self.pp + self.data + self.optimizer
+        parts = (self.compute, self.tp, self.cp, self.ep, self.bubble, self.pp, self.data, self.optimizer)
+        return sum(parts) + self.host
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,28 @@ def _rank_compute(job: Job, layout: Layout, layers: list[int], last: bool) -> tu
 def _rate(job: Job) -> float:
     c = job.cluster
     return c.peak_flops[job.precision] * c.compute_efficiency
+
+
+def _wrappers(layout: Layout) -> list[str]:
+    """The wrappers on a layout's layers, as the cluster's overhead keys name them."""
+    names = ["tp"] if layout.tp > 1 else []
+    if layout.data_ranks > 1:
+        names.append("shard" if layout.sharding > 1 and layout.stage >= 2 else "dp")
+    return names
+
+
+def _host_per_micro_batch(job: Job, layout: Layout, layers: list[int]) -> float:
+    """Host seconds of one micro-batch on a rank holding `layers`: the runtime's per-layer overhead
+    plus what each wrapper on the layer adds (ClusterConfig.layer_overhead_us and its siblings)."""
+    c = job.cluster
+    per_layer = c.layer_overhead_us + sum(getattr(c, f"{w}_layer_overhead_us") for w in _wrappers(layout))
+    return len(layers) * per_layer * 1e-6
+
+
+def _host_per_step(job: Job, layout: Layout) -> float:
+    """Host seconds once per step: the runtime's and each wrapper's (ClusterConfig.step_overhead_ms)."""
+    c = job.cluster
+    return (c.step_overhead_ms + sum(getattr(c, f"{w}_step_overhead_ms") for w in _wrappers(layout))) * 1e-3
 
 
 def _micro_batch_comm(
@@ -243,15 +270,16 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     moe = set(moe_layer_ids(model))
     rate = _rate(job)
     capacity = (c.memory_gib - c.reserved_gib) * GIB
-    worst_t, worst_parts, worst_mem = 0.0, (0.0, 0.0, 0.0, 0.0), None
+    worst_t, worst_parts, worst_mem = 0.0, (0.0, 0.0, 0.0, 0.0, 0.0), None
     t_forward = 0.0
     for rank, (params, layers) in enumerate(zip(table, layers_of)):
         flops, forward, core = _rank_compute(job, layout, layers, last=rank == layout.pp - 1)
         compute = flops / rate
         tp, cp, ep = _micro_batch_comm(job, layout, layers, core / rate)
-        t = compute + tp + cp + ep
+        host = _host_per_micro_batch(job, layout, layers)
+        t = compute + tp + cp + ep + host
         if t > worst_t:
-            worst_t, worst_parts, t_forward = t, (compute, tp, cp, ep), forward / rate
+            worst_t, worst_parts, t_forward = t, (compute, tp, cp, ep, host), forward / rate
         state = state_bytes(job, layout, params)
         acts = rank_activations(job, layout, len(layers), sum(1 for x in layers if x in moe), rank)
         mem = Memory(
@@ -269,7 +297,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
             worst_mem = (mem, state, params)
     assert worst_mem is not None
     memory, _, params = worst_mem
-    compute, tp, cp, ep = worst_parts
+    compute, tp, cp, ep, host = worst_parts
     p, v = layout.pp, layout.vpp
     bubble = (p - 1) / v * worst_t
     if layout.schedule == "zero_bubble":
@@ -281,10 +309,12 @@ def evaluate(job: Job, layout: Layout) -> Cost:
         pp_time = 2 * (m * v + p - 1) * comm.send_recv(comm.group_link(c, layout, "pp"), act)
     full = max(r.unsharded for r in table)
     sharded = max(r.sharded for r in table)
-    windows = (t_forward, worst_t - t_forward) if c.comm_overlap else (0.0, 0.0)
+    # collectives hide under the device's work, not under the host's (overlap windows exclude `host`)
+    windows = (t_forward, worst_t - host - t_forward) if c.comm_overlap else (0.0, 0.0)
     data = _data_comm(job, layout, full, sharded, *windows, m)
     optimizer = _optimizer_time(job, layout, full, sharded)
-    time = Time(m * compute, m * tp, m * cp, m * ep, bubble, pp_time, data, optimizer)
+    host_time = m * host + _host_per_step(job, layout)
+    time = Time(m * compute, m * tp, m * cp, m * ep, bubble, pp_time, data, optimizer, host_time)
     model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)
     step = time.total
     return Cost(

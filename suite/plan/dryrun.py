@@ -107,6 +107,7 @@ def dry_run(cfg: SuiteConfig, dims: ParallelDims, rank: int) -> dict:
         "grad_bytes": held * param_bytes,
         "optimizer_bytes": updated * per_state,
         "total_params": count_params(cfg.model),
+        "param_dtype": cfg.train.param_dtype,
     }
 
 
@@ -117,6 +118,8 @@ def report(result: dict) -> str:
     verdict = (
         "equal" if result["equal"] else f"DIFFERENT by {result['params'] - result['params_predicted']:+,}"
     )
+    masters = result.get("param_dtype", "fp32")
+    state = "AdamW moments" if masters == "fp32" else f"AdamW moments, fp32 masters of {masters} weights"
     return "\n".join(
         [
             f"dry run: rank {result['rank']} of {result['world_size']} ({at}), built on the meta device "
@@ -125,7 +128,7 @@ def report(result: dict) -> str:
             f"the model has {result['total_params']:,})",
             f"  weights       {result['param_bytes'] / gib:12.3f} GiB",
             f"  gradients     {result['grad_bytes'] / gib:12.3f} GiB",
-            f"  optimizer     {result['optimizer_bytes'] / gib:12.3f} GiB (AdamW moments, fp32 masters of bf16 weights)",
+            f"  optimizer     {result['optimizer_bytes'] / gib:12.3f} GiB ({state})",
             "nothing was allocated; activations and timings: suite plan ... --explain <layout>",
         ]
     )

@@ -88,6 +88,14 @@ def time_shared(cluster: ClusterConfig, threads: int, cores: int) -> ClusterConf
         intra_node_latency_us=cluster.intra_node_latency_us / f,
         inter_node_bandwidth_gbs=cluster.inter_node_bandwidth_gbs * f,
         inter_node_latency_us=cluster.inter_node_latency_us / f,
+        layer_overhead_us=cluster.layer_overhead_us / f,
+        tp_layer_overhead_us=cluster.tp_layer_overhead_us / f,
+        dp_layer_overhead_us=cluster.dp_layer_overhead_us / f,
+        shard_layer_overhead_us=cluster.shard_layer_overhead_us / f,
+        step_overhead_ms=cluster.step_overhead_ms / f,
+        tp_step_overhead_ms=cluster.tp_step_overhead_ms / f,
+        dp_step_overhead_ms=cluster.dp_step_overhead_ms / f,
+        shard_step_overhead_ms=cluster.shard_step_overhead_ms / f,
     )
 
 

@@ -16,6 +16,7 @@ TIME_PARTS = {
     "pp": "pp sends",
     "data": "data-parallel comm",
     "optimizer": "optimizer",
+    "host": "host overhead",
 }
 MEMORY_PARTS = {
     "weights": "weights",
@@ -52,7 +53,7 @@ def _mem(cost: Cost) -> str:
 def _time(cost: Cost) -> str:
     t = cost.time
     comm = t.tp + t.cp + t.ep + t.pp + t.data
-    return f"{t.total:8.3f} = {t.compute:.3f}/{comm:.3f}/{t.bubble:.3f}/{t.optimizer:.3f}"
+    return f"{t.total:8.3f} = {t.compute + t.host:.3f}/{comm:.3f}/{t.bubble:.3f}/{t.optimizer:.3f}"
 
 
 def table(job: Job, result: SearchResult, rows: int = 10) -> str:

@@ -109,9 +109,12 @@ def test_losses_match_the_recorded_baseline(tiny_data, tmp_path):
 )
 def test_new_default_kernels_stay_within_1e_5_of_the_recorded_ones(tiny_data, tmp_path, name, default):
     """The defaults that replaced a recorded kernel (grouped experts, per-document attention): the
-    fixture's losses within 1e-5 relative."""
-    recorded = json.loads(FIXTURE.read_text())["losses"][name]
+    fixture's losses within 1e-5 relative on the machine kind that recorded it; on another (other
+    oneDNN/MKL kernels: AVX2 moved moe-tiny's grouped run by 2.4e-5) the layouts' 1e-4, as above."""
+    fixture = json.loads(FIXTURE.read_text())
+    recorded = fixture["losses"][name]
+    tolerance = 1e-5 if fixture["machine"] == _machine() else 1e-4
     have = _losses(name, tiny_data, tmp_path, default)
     assert sorted(have, key=int) == sorted(recorded, key=int)
     for step, value in recorded.items():
-        assert abs(have[step] - value) <= 1e-5 * abs(value), (step, value, have[step])
+        assert abs(have[step] - value) <= tolerance * abs(value), (step, value, have[step], tolerance)

@@ -109,7 +109,18 @@ def _help_commands() -> list[str]:
     return commands
 
 
-COMMANDS = [("README.md", c) for c in _readme_commands()] + [("--help", c) for c in _help_commands()]
+def _unique(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Each command once: one that README.md and a --help show alike (comments aside) runs once."""
+    seen, kept = set(), []
+    for where, command in commands:
+        key = tuple(shlex.split(command, comments=True))
+        if key not in seen:
+            seen.add(key)
+            kept.append((where, command))
+    return kept
+
+
+COMMANDS = _unique([("README.md", c) for c in _readme_commands()] + [("--help", c) for c in _help_commands()])
 
 
 def _argv(command: str, cwd: Path) -> list[str]:

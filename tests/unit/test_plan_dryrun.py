@@ -89,3 +89,14 @@ def test_cli_dry_run_json_and_bad_rank(capsys):
     assert out["equal"] and out["rank"] == 3 and out["world_size"] == 4
     assert main([*argv, "--dry-run", "--rank", "9"]) == 2
     assert "--rank 9 is not a rank of this job" in capsys.readouterr().err
+
+
+def test_report_names_fp32_masters_only_for_low_precision_parameters():
+    from suite.plan.dryrun import report
+
+    for param_dtype, masters in (("fp32", False), ("bf16", True)):
+        cfg, dims = _config("gpt-tiny", 2, {"sharding": 2, "sharding_stage": 3})
+        cfg.train.param_dtype = param_dtype
+        text = report(dry_run(cfg, dims, 0))
+        assert ("fp32 masters of bf16 weights" in text) == masters, text
+        assert "AdamW moments" in text

@@ -340,3 +340,35 @@ def test_ep_with_zero1_shards_the_dense_state_and_keeps_the_experts_whole():
     experts = sum(s.numel for s in model_specs(cfg) if s.expert) // 2  # ep=2: half of them per rank
     dense = sum(s.numel for s in model_specs(cfg) if not s.expert)
     assert state_bytes(job, layout).optimizer == 8 * (experts + dense // 2)
+
+
+def test_host_overhead_is_per_layer_per_micro_batch_and_per_wrapper():
+    from suite.plan.fit import time_shared
+
+    cfg = ModelConfig(family="gpt", num_layers=4, hidden_size=64, num_heads=4, vocab_size=512)
+    overheads = dict(
+        layer_overhead_us=100.0,
+        tp_layer_overhead_us=300.0,
+        dp_layer_overhead_us=50.0,
+        shard_layer_overhead_us=200.0,
+        step_overhead_ms=7.0,
+    )
+    job = Job(model=cfg, cluster=ClusterConfig(devices_per_node=2, **overheads), seq_len=32, global_batch=8)
+    bare = dataclasses.replace(job, cluster=ClusterConfig(devices_per_node=2))
+    for layout, per_layer_us in (
+        (Layout(micro_batch=2), 100),  # 4 micro-batches x 4 layers
+        (Layout(tp=2, micro_batch=2), 400),
+        (Layout(dp=2, micro_batch=2), 150),  # 2 micro-batches per data rank
+        (Layout(sharding=2, stage=1, micro_batch=2), 150),  # ZeRO-1 replicates the layers
+        (Layout(sharding=2, stage=3, micro_batch=2), 300),
+    ):
+        m = layout.micro_batches(8)
+        cost, without = evaluate(job, layout), evaluate(bare, layout)
+        assert cost.time.host == pytest.approx(m * 4 * per_layer_us * 1e-6 + 7e-3)
+        assert cost.time.total == pytest.approx(without.time.total + cost.time.host)
+    pp = Layout(pp=2, micro_batch=2)  # stages [0] and [1, 2, 3] (the head weighs on the split)
+    assert rank_layers(cfg, 2, 1) == [[0], [1, 2, 3]]
+    added = evaluate(job, pp).time.bubble - evaluate(bare, pp).time.bubble
+    assert added == pytest.approx(3 * 100e-6, rel=1e-6)  # the bubble carries the slowest stage's overhead
+    shared = time_shared(job.cluster, threads=4, cores=2)  # 4 ranks on 2 cores: each at half speed
+    assert shared.layer_overhead_us == 200.0 and shared.step_overhead_ms == 14.0
