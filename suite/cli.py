@@ -111,7 +111,7 @@ def _run_training(verb: str, cfg, dims, resolved_yaml: str) -> int:
         from suite.parallel.launcher import inside_worker, launch
 
         if not inside_worker():
-            launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir))
+            launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir), device=cfg.train.device)
             return 0
     from suite.worker import run_trainer
 

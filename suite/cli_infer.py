@@ -259,7 +259,7 @@ def _launch_perplexity(raw: Any, source: Any) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="suite-eval-"))
     try:
         raw.run.dir = str(folder)  # where rank 0 writes the result
-        launch("eval", OmegaConf.to_yaml(raw), cfg.launch, folder)
+        launch("eval", OmegaConf.to_yaml(raw), cfg.launch, folder, device=cfg.train.device)
         result = json.loads((folder / RESULT).read_text())
     finally:
         shutil.rmtree(folder, ignore_errors=True)

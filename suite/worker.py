@@ -1,6 +1,8 @@
 """Entry point of a launched worker: read the parent's frozen config and run the verb.
 
-The elastic launcher starts `python -m suite.worker <verb> <config.yaml>` once per rank. Failures
+The elastic launcher starts `python -m suite.worker <verb> <config.yaml>` once per rank; with
+`launch.worker_start=fork` that process hands the work to a warm process forked by
+suite.fork_server and stands for it (this module then imports nothing heavy first). Failures
 are recorded in the launcher's per-rank error file (so the parent can name the rank and the cause
 in one line); a ConfigError exits 2 without a traceback, anything else prints its traceback here,
 on this rank's console, and exits 1. Workers end with os._exit once their output is flushed (see
@@ -14,8 +16,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-
-from suite.config.errors import ConfigError
 
 
 def _record(exc: BaseException) -> None:
@@ -45,6 +45,8 @@ def run(verb: str, config_path: Path) -> int:
 
 def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
     """Run a training verb's trainer in this process (the parent for one process, or a worker)."""
+    from suite.config.errors import ConfigError
+
     if verb == "pretrain":
         from suite.sources import initial_weights
         from suite.train.trainer import Trainer
@@ -79,6 +81,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from suite.config.errors import ConfigError
+
     try:
         code = run(argv[0], Path(argv[1]))
         from suite.parallel.env import destroy_process_group
@@ -116,4 +120,8 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))
+    from suite.fork_server import SERVER_ENV, forward
+
+    address = os.environ.get(SERVER_ENV)
+    forwarded = forward("suite.worker", sys.argv[1:], address) if address else None
+    _exit(main(sys.argv[1:]) if forwarded is None else forwarded)

@@ -28,6 +28,8 @@ TINY_MODEL = [
     "train.precision=fp32",  # the gpt-tiny recipe trains in bf16; layout comparisons need fp32
     "log.wandb=false",
     "log.progress=false",
+    # report.md + five matplotlib PNGs cost ~2 s per run; tests/e2e/test_report.py turns them on
+    "log.report=false",
 ]
 
 
@@ -437,6 +439,21 @@ def worker_pids(parent: int, attempt: int | None = None) -> dict[int, int]:
         if attempt is not None and int(environ.get(b"TORCHELASTIC_RESTART_COUNT", b"0")) != attempt:
             continue
         found[int(environ[b"RANK"])] = int(entry.name)
+    return found
+
+
+def child_processes(parent: int) -> dict[int, bytes]:
+    """{pid: cmdline} of the live processes whose parent is `parent`, found through /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found[int(entry.name)] = cmdline
     return found
 
 

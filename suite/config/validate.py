@@ -19,6 +19,7 @@ CHOICES = {
     "sched.name": ("cosine", "linear", "constant"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
+    "launch.worker_start": ("auto", "fork", "spawn"),
     "export.format": ("hf", "torch_export", "onnx", "gguf"),
     "eval.metric": ("accuracy", "perplexity"),
     "export.dtype": ("fp32", "bf16", "fp16"),

@@ -13,6 +13,9 @@ that file (`python -m suite.worker <verb> <config.yaml>`), so no worker ever re-
                             with the endpoint and how to start the others.
     launch.max_restarts     how many times the whole worker group is restarted after a failure
                             (workers resume from the newest checkpoint)
+    launch.worker_start     spawn: every rank a fresh interpreter; fork: ranks forked from one
+                            process per job that imported torch and the suite once
+                            (suite/fork_server.py); auto: fork for CPU workers, spawn on GPUs
 
 Elastic process range (`launch.nproc_per_node=min:max`, one node): the job starts on max workers.
 After a failure (with restarts left) the suite's launcher starts a new worker group itself: on the
@@ -167,29 +170,91 @@ class GroupFailed(Exception):
         return f"{verb} failed, {where}{detail}"
 
 
-def launch(verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Path) -> None:
+# what a worker of each verb imports (suite/worker.py: run_trainer), imported once by the fork server
+WORKER_PRELOAD = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "suite.checks",
+    "suite.parallel",
+    "suite.sources",
+    "suite.train.trainer",
+    "suite.worker",
+)
+VERB_PRELOAD = {
+    "finetune": ("suite.finetune.trainer",),
+    "distill": ("suite.distill.trainer",),
+    "eval": ("suite.infer.parallel_eval",),
+}
+
+
+def forks_workers(launch_cfg: LaunchConfig, device: str) -> bool:
+    """launch.worker_start resolved: fork for CPU workers under auto (measured here), spawn for GPU
+    ones until the fork path is measured on a GPU machine."""
+    if launch_cfg.worker_start != "auto":
+        return launch_cfg.worker_start == "fork"
+    if launch_cfg.backend == "nccl" or device == "cuda":
+        return False
+    if launch_cfg.backend == "gloo" or device == "cpu":
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _worker_env(extra_env: dict[str, str]) -> dict[str, str]:
+    """What every worker (and the fork server, which must import as they would) runs with."""
+    return {
+        WORKER_FLAG: "1",
+        # workers import this very package, installed or not
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **extra_env,
+    }
+
+
+def launch(
+    verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Path, device: str = "auto"
+) -> None:
     """Start the workers on this node (one node of nnodes) and wait for them."""
+    from suite.fork_server import SERVER_ENV, ForkServer
+
     run_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="suite-launch-"))
     frozen = workdir / "config.yaml"
     frozen.write_text(resolved_yaml)
+    # one warm process per job forks the ranks (and those of any restart); its socket path must
+    # fit a Unix socket address (108 bytes)
+    server = None
+    if forks_workers(launch_cfg, device) and len(str(workdir / "workers.sock")) < 100:
+        preload = [*WORKER_PRELOAD, *VERB_PRELOAD.get(verb, ())]
+        server = ForkServer(str(workdir), preload, _worker_env({}))
+    base_env = {SERVER_ENV: server.address} if server else {}
     try:
         parts = str(launch_cfg.nproc_per_node).split(":")  # validated: N or min:max
         low, high = int(parts[0]), int(parts[-1])
         if low == high:
-            _run_group(verb, frozen, run_dir, launch_cfg, high, launch_cfg.max_restarts, {})
+            _run_group(verb, frozen, run_dir, launch_cfg, high, launch_cfg.max_restarts, base_env)
         else:
-            _run_elastic(verb, frozen, run_dir, launch_cfg, low, high)
+            _run_elastic(verb, frozen, run_dir, launch_cfg, low, high, base_env)
     except GroupFailed as failed:
         if failed.code == ConfigError.exit_code and failed.message:
             raise ConfigError(failed.message.removeprefix("ConfigError: ")) from None
         raise SystemExit(f"error: {failed.describe(verb)}") from None
     finally:
+        if server is not None:
+            server.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run_elastic(
-    verb: str, frozen: Path, run_dir: Path, launch_cfg: LaunchConfig, low: int, high: int
+    verb: str,
+    frozen: Path,
+    run_dir: Path,
+    launch_cfg: LaunchConfig,
+    low: int,
+    high: int,
+    base_env: dict[str, str],
 ) -> None:
     """Attempts of an elastic (min:max) job, each a fresh worker group that the suite restarts
     itself, on fewer processes once a device slot is lost (see the module docstring)."""
@@ -202,7 +267,7 @@ def _run_elastic(
     nproc = sizes[0]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(high)))).split(",")
     for attempt in range(launch_cfg.max_restarts + 1):
-        extra = {RESTART_ENV: str(attempt)}
+        extra = {**base_env, RESTART_ENV: str(attempt)}
         if len(slots) < high:  # a slot was dropped: hide its device from the workers
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(visible[s] for s in slots[:nproc] if s < len(visible))
         try:
@@ -268,13 +333,7 @@ def _run_group(
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     # a failed worker is reported by the caller, once, as one line; the agent's own error log would repeat it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    env = {
-        WORKER_FLAG: "1",
-        # workers import this very package, installed or not
-        "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        **extra_env,
-    }
+    env = _worker_env(extra_env)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     waiting = _announce_waiting(launch_cfg, endpoint, frozen.with_name(STARTED)) if nodes > 1 else None

@@ -1,5 +1,9 @@
 """`suite run pipeline=<name>`: every stage as a subprocess of the same CLI, in order, resumable.
 
+On a machine without a GPU the stages are forked from one process per run that imported torch and
+the suite once (suite/fork_server.py), which saves each stage a fresh interpreter's ~4 s of imports;
+each stage is still a process of its own, with its own exit code, stopped by SIGTERM.
+
 A stage that finished left a marker (<dir>/logs/<stage>.done.json: the command it ran, a digest of
 that command and of the outputs it read, the fingerprint of its own outputs, its result). On a rerun
 a stage is skipped when its marker's digest is the one it would run with now and its outputs still
@@ -29,6 +33,8 @@ from suite.pipeline import outputs
 from suite.pipeline.recipe import TRAINING, Gate, Pipeline, Stage
 
 GATE_EXIT = 3  # a quality gate stopped the pipeline
+# what most stages import beyond a worker's, imported once by the run's fork server
+STAGE_PRELOAD = ("transformers", "suite.cli", "suite.infer.generate", "suite.config.compose")
 RECORD = "pipeline.json"
 
 
@@ -53,6 +59,8 @@ class Run:
         else:
             self.selected = set(names)
         self.forced = self.selected if (start or only) else set()
+        self.server = None  # suite.fork_server.ForkServer, started by the first stage that runs
+        self.server_dir: str | None = None
         self.figures: dict[str, dict[str, Any]] = {}
         self.done: dict[str, dict[str, Any]] = {}  # stage name -> its marker
         self.records: dict[str, dict[str, Any]] = {
@@ -196,11 +204,18 @@ class Run:
     def spawn(self, stage: Stage) -> tuple[int, dict[str, Any] | None]:
         """`python -m suite <verb> ...`, its stdout and stderr streamed here and into logs/<stage>.log;
         returns the exit code and the last JSON object it printed on stdout."""
+        from suite.fork_server import SERVER_ENV, client_command
+
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        command = [sys.executable, "-m", "suite", *stage.argv()]
+        server = self.fork_server(env)
+        if server is not None:
+            env[SERVER_ENV] = server.address
+            command = client_command("suite.cli", stage.argv())
         log = open(self.logs / f"{stage.name}.log", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
         log.write(f"$ {_shown(stage)}\n")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "suite", *stage.argv()],
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -234,6 +249,27 @@ class Run:
             thread.join(timeout=5)
             log.close()
         return code, printed if isinstance(printed, dict) else None
+
+    def fork_server(self, env: dict[str, str]):
+        """The run's fork server, started on first use where workers would fork too (no GPU)."""
+        if self.server is None and self.server_dir is None:
+            import tempfile
+
+            from suite.config.schema import LaunchConfig
+            from suite.fork_server import ForkServer
+            from suite.parallel.launcher import VERB_PRELOAD, WORKER_PRELOAD, forks_workers
+
+            self.server_dir = tempfile.mkdtemp(prefix="suite-run-")
+            if forks_workers(LaunchConfig(), "auto") and len(self.server_dir) < 90:
+                preload = [*WORKER_PRELOAD, *(m for ms in VERB_PRELOAD.values() for m in ms), *STAGE_PRELOAD]
+                self.server = ForkServer(self.server_dir, preload, env)
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.server_dir is not None:
+            shutil.rmtree(self.server_dir, ignore_errors=True)
 
     # ---- gates -------------------------------------------------------------------------------
     def model_of(self, name: str) -> str:
@@ -293,6 +329,7 @@ class Run:
         try:
             return self._run()
         finally:
+            self.close()
             from suite.pipeline.report import write_report
 
             self.save()

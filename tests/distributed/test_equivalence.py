@@ -30,6 +30,7 @@ def check_layout(layout_run, name: str) -> None:
     "name",
     [
         "dp2",
+        "dp2-spawn",
         "sharding2-stage1",
         "sharding2-stage2",
         "sharding2-stage3",

@@ -20,6 +20,8 @@ from tests.helpers import (
     TINY_MODEL,
     assert_equivalent,
     assert_layout,
+    child_processes,
+    process_gone,
     run_loopback_nodes,
     run_suite,
     suite_env,
@@ -165,7 +167,11 @@ def test_two_loopback_nodes_train_like_one_process(layout_run, tiny_data, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
-def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
+@pytest.mark.parametrize("worker_start", ["fork", "spawn"])
+def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path, worker_start):
+    """SIGKILL to rank 1's process, as the OOM killer would. Under `fork` that process is the client
+    of a worker forked by the job's server (suite/fork_server.py): the test asserts that process
+    tree, and that the client's death takes the forked worker with it."""
     run_dir = tmp_path / "dies"
     log = tmp_path / "job.log"
     job = _popen(
@@ -180,6 +186,7 @@ def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
             "train.eval_every=100000",
             "parallel.dp=2",
             "launch.nproc_per_node=2",
+            f"launch.worker_start={worker_start}",
         ],
         log,
     )
@@ -191,7 +198,13 @@ def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
                 break
             time.sleep(0.5)
         workers = worker_pids(job.pid)
-        assert 1 in workers, (workers, log.read_text())
+        assert sorted(workers) == [0, 1], (workers, log.read_text())
+        servers = [pid for pid, cmd in child_processes(job.pid).items() if b"suite.fork_server" in cmd]
+        forked = child_processes(servers[0]) if servers else {}
+        if worker_start == "fork":
+            assert len(servers) == 1 and len(forked) == 2, (servers, forked)
+        else:
+            assert servers == [], servers
         os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would
         code = job.wait(timeout=120)
     finally:
@@ -201,3 +214,9 @@ def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path):
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert code != 0, out
     assert errors == [errors[0]] and "rank 1" in errors[0] and "SIGKILL" in errors[0], out
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(process_gone(pid) for pid in [*forked, *servers]):
+        time.sleep(0.1)
+    assert all(process_gone(pid) for pid in [*forked, *servers]), (
+        "forked workers or their server outlived the job"
+    )

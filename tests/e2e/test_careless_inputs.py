@@ -106,6 +106,7 @@ CASES: list[tuple[list[str], str]] = [
     ([*PRE, "launch.nproc_per_node=0"], "launch.nproc_per_node=0 must be at least 1"),
     ([*PRE, "launch.nnodes=0"], "launch.nnodes=0"),
     ([*PRE, "launch.backend=mpi"], "launch.backend='mpi' is not supported"),
+    ([*PRE, "launch.worker_start=forkserver"], "launch.worker_start='forkserver' is not supported"),
     ([*PRE, "parallel.tp=2"], "world size"),
     ([*PRE, "parallel.micro_batch_size=0"], "parallel.micro_batch_size=0"),
     ([*PRE, "parallel.global_batch_size=6", "parallel.micro_batch_size=4"], "parallel.global_batch_size=6"),

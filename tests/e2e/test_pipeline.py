@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY_MODEL, run_suite, suite_env
+from tests.helpers import REPO, TINY_MODEL, child_processes, process_gone, run_suite, suite_env
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,9 @@ def test_a_failing_gate_stops_the_pipeline_in_one_line(finished, tiny_data):
 
 
 def test_killed_during_finetuning_resumes_it(tmp_path, tiny_data):
+    """SIGKILL to the whole `suite run` (its process group) while finetuning. The stage is a process
+    forked by the run's fork server (suite/fork_server.py; no GPU here), standing behind a client
+    in the run's group: the test asserts that process tree, and that the stage dies with the run."""
     recipe = write_recipe(tmp_path, tiny_data, ft_steps=400)
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "suite", "run", f"pipeline={recipe}", f"run.dir={out}"]
@@ -172,8 +175,17 @@ def test_killed_during_finetuning_resumes_it(tmp_path, tiny_data):
         if list(checkpoints.glob("step_*/manifest.json")):
             break
         time.sleep(0.05)
+    tree = child_processes(proc.pid)
+    servers = [pid for pid, cmd in tree.items() if b"suite.fork_server" in cmd and b"--client" not in cmd]
+    clients = [pid for pid, cmd in tree.items() if b"--client\0suite.cli\0finetune" in cmd]
+    forked = child_processes(servers[0]) if servers else {}
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert len(servers) == 1 and len(clients) == 1 and len(forked) == 1, (tree, forked)
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(process_gone(pid) for pid in [*forked, *servers]):
+        time.sleep(0.1)
+    assert all(process_gone(pid) for pid in [*forked, *servers]), "the forked stage outlived its run"
     steps = sorted(int(p.parent.name[5:]) for p in checkpoints.glob("step_*/manifest.json"))
     assert steps and steps[-1] < 400, steps
     step = steps[-1]

@@ -21,6 +21,7 @@ FAST = [
     "train.compile=false",
     "parallel.micro_batch_size=2",
     "parallel.global_batch_size=4",
+    "log.report=true",  # what these tests are about (TINY_MODEL turns it off)
 ]
 PANELS = ["loss.png", "lr.png", "tokens_per_s.png", "mfu.png", "memory.png"]
 
