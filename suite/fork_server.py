@@ -53,22 +53,30 @@ def _send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> N
         conn.sendall(data)
 
 
-def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict | None, list[int]]:
-    """One message (and the descriptors sent with it); (None, []) once the peer has closed."""
-    buffer, fds = b"", []
-    while (
-        len(buffer) < _HEADER.size or len(buffer) < _HEADER.size + _HEADER.unpack(buffer[: _HEADER.size])[0]
-    ):
-        if with_fds and not fds:
-            chunk, got, _, _ = socket.recv_fds(conn, 65536, 3)
+def _read_exactly(conn: socket.socket, size: int, fds: list[int] | None = None) -> bytes | None:
+    """`size` bytes, no more (a later message stays in the socket), or None at end of stream; with
+    `fds`, the descriptors sent along are collected there."""
+    data = b""
+    while len(data) < size:
+        if fds is not None and not data:
+            chunk, got, _, _ = socket.recv_fds(conn, size, 3)
             fds.extend(got)
         else:
-            chunk = conn.recv(65536)
+            chunk = conn.recv(size - len(data))
         if not chunk:
-            return None, fds
-        buffer += chunk
-    size = _HEADER.unpack(buffer[: _HEADER.size])[0]
-    return json.loads(buffer[_HEADER.size : _HEADER.size + size]), fds
+            return None
+        data += chunk
+    return data
+
+
+def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict | None, list[int]]:
+    """One message (and the descriptors sent with it); (None, fds) once the peer has closed."""
+    fds: list[int] = []
+    header = _read_exactly(conn, _HEADER.size, fds if with_fds else None)
+    if header is None:
+        return None, fds
+    payload = _read_exactly(conn, _HEADER.unpack(header)[0])
+    return (None if payload is None else json.loads(payload)), fds
 
 
 # ---------------------------------------------------------------------------------------- server
@@ -115,6 +123,7 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], others: l
     `main`, and exit with its code; never returns."""
     code = 1
     try:
+        _die_with_parent()
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -158,13 +167,34 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], others: l
         traceback.print_exc()
         code = 1
     finally:
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code if isinstance(code, int) else 1)
 
 
-def serve(path: str, modules: list[str]) -> None:
+def _die_with_parent() -> None:
+    """Linux: a forked worker gets SIGKILL when the server dies (orphans would hold the clients'
+    sockets open and leave them waiting)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _fork_safe() -> str | None:
+    """Why forking this process would be unsafe, or None: a thread (an import's pool) or CUDA
+    initialised here would be broken in every child."""
+    tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threading.active_count() > 1 or tasks > 1:
+        return f"{max(threading.active_count(), tasks)} threads after the imports"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised by the imports"
+    return None
+
+
+def serve(path: str, modules: list[str], parent: int) -> None:
     """Preload, listen on `path`, fork a worker per connection and tell each client how it ended.
 
     Event-driven (the listener and SIGCHLD through a wakeup pipe): a worker's death reaches its
@@ -172,8 +202,11 @@ def serve(path: str, modules: list[str]) -> None:
     which follow it (see suite.parallel.launcher._first_failure)."""
     import selectors
 
-    parent = os.getppid()
-    preload(modules)
+    preload(modules)  # `parent`: the launcher's pid, passed in (it may have died while this started)
+    unsafe = _fork_safe()
+    if unsafe:  # the clients find no socket and run their processes themselves (as spawn does)
+        print(f"note: the fork server stops: {unsafe}; workers start as fresh interpreters", file=sys.stderr)
+        return
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -184,8 +217,8 @@ def serve(path: str, modules: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # the socket appears once it can be connected to
     listener.listen(64)
+    os.rename(path + ".tmp", path)  # the socket appears once it can be connected to
     events = selectors.DefaultSelector()
     events.register(listener, selectors.EVENT_READ)
     events.register(wake_r, selectors.EVENT_READ)
@@ -193,7 +226,13 @@ def serve(path: str, modules: list[str]) -> None:
 
     def start_worker() -> None:
         conn, _ = listener.accept()
-        request, fds = _receive(conn, with_fds=True)
+        conn.settimeout(30)  # a stalled client must not hold the others up
+        try:
+            request, fds = _receive(conn, with_fds=True)
+        except (OSError, ValueError):
+            conn.close()
+            raise
+        conn.settimeout(None)
         if request is None or len(fds) != 3:
             conn.close()
             for fd in fds:
@@ -201,9 +240,16 @@ def serve(path: str, modules: list[str]) -> None:
             return
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            raise
         if pid == 0:
             signal.set_wakeup_fd(-1)
+            events.close()
             os.close(wake_r)
             os.close(wake_w)
             listener.close()
@@ -232,7 +278,11 @@ def serve(path: str, modules: list[str]) -> None:
         while not stop.is_set() and os.getppid() == parent:
             for key, _ in events.select(timeout=0.5):
                 if key.fileobj is listener:
-                    start_worker()
+                    try:
+                        start_worker()
+                    except (OSError, ValueError) as exc:  # fork or accept failed, a broken request:
+                        # that client gets no pid and runs its process itself; the others go on
+                        print(f"note: the fork server could not start a process: {exc}", file=sys.stderr)
             reap()  # also after a missed wakeup: SIGCHLD does not queue
     finally:
         for pid in clients:
@@ -251,7 +301,7 @@ class ForkServer:
 
         self.path = os.path.join(folder, "workers.sock")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "suite.fork_server", self.path, ",".join(modules)],
+            [sys.executable, "-m", "suite.fork_server", self.path, ",".join(modules), str(os.getpid())],
             # torch.cuda.is_available() through NVML: asking CUDA itself would make forking unsafe
             env={**os.environ, **env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
             stdin=subprocess.DEVNULL,
@@ -305,23 +355,35 @@ def forward(module: str, argv: list[str], address: str) -> int | None:
     """Run `module.main(argv)` in a process forked by the server and stand for it (see the module
     docstring). Returns its exit code, never returns if a signal killed it, and returns None if the
     server could not start it (the caller then runs it itself)."""
+    pending: list[int] = []  # signals that arrive before the worker exists: passed on once it does
+    worker = 0
+
+    def pass_on(sig: int, _frame) -> None:
+        if not worker:
+            pending.append(sig)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, sig)
+
+    for sig in FORWARDED:
+        signal.signal(sig, pass_on)
     conn = _connect(address)
-    if conn is None:
+    if conn is None or pending:
+        _end_by(pending)
         return None
     with conn:
         request = {"module": module, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
-        _send(conn, request, fds=[0, 1, 2])
-        started, _ = _receive(conn)
+        try:
+            _send(conn, request, fds=[0, 1, 2])
+            started, _ = _receive(conn)
+        except OSError:
+            started = None
         if started is None:
+            _end_by(pending)
             return None
         worker = int(started["pid"])
-
-        def pass_on(sig: int, _frame) -> None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker, sig)
-
-        for sig in FORWARDED:
-            signal.signal(sig, pass_on)
+        for sig in pending:
+            pass_on(sig, None)
         ended, _ = _receive(conn)
     if ended is None:
         print(f"error: the worker server ended before worker {worker} did", file=sys.stderr, flush=True)
@@ -333,6 +395,16 @@ def forward(module: str, argv: list[str], address: str) -> int | None:
         os.kill(os.getpid(), -code)
         time.sleep(5)
     return code
+
+
+def _end_by(signals: list[int]) -> None:
+    """A signal came before there was a worker to pass it to: end by the first one, as the process
+    it was meant for would have (its default action), and restore the defaults otherwise."""
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    if signals:
+        os.kill(os.getpid(), signals[0])
+        time.sleep(5)
 
 
 def client_command(module: str, argv: list[str]) -> list[str]:
@@ -353,4 +425,4 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m])
+    serve(sys.argv[1], [m for m in sys.argv[2].split(",") if m], int(sys.argv[3]))

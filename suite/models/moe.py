@@ -13,7 +13,8 @@ that every token uses (one wider MLP, DeepSeek/Qwen-MoE style).
   `model.aux_loss_coef` / `model.z_loss_coef` and left in `aux_loss` for the trainer to add.
 - capacity_factor: each expert takes at most ceil(cf * tokens * top_k / E) assignments of a batch;
   first choices are served before second choices, then in token order; the rest are dropped (their
-  contribution is zero, the residual connection carries the token). None = dropless.
+  contribution is zero, the residual connection carries the token). None = dropless. Under context
+  parallelism the ranking spans the whole micro-batch (`rank_assignments`, set by suite.parallel).
 
 `GroupedExperts.forward(tokens sorted by expert, count per expert)` is the seam expert
 parallelism replaces: it dispatches the sorted tokens to the ranks that own the experts and back.
@@ -310,6 +311,11 @@ class MoEFeedForward(nn.Module):
         # sums a rank's router statistics over the ranks sharing its micro-batch's tokens (an
         # autograd sum; suite.parallel.context_parallel_moe sets it under context parallelism)
         self.sum_router_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # capacity dropping where the micro-batch's tokens are spread over ranks (context parallelism,
+        # set by suite.parallel.context_parallel_moe): (expert ids [rows, tokens, k], experts) ->
+        # (each assignment's rank within its expert in the micro-batch's choice-major, token order,
+        # [rows, tokens, k]; the micro-batch's token count), so the same assignments drop as in one process
+        self.rank_assignments: Callable[[torch.Tensor, int], tuple[torch.Tensor, int]] | None = None
         self.stats: dict[str, torch.Tensor] = {}  # detached sums since the last `pop_stats`
         self.last_stats: dict[str, torch.Tensor] = {}
 
@@ -318,18 +324,21 @@ class MoEFeedForward(nn.Module):
             return None
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(expert ids [T, k], weights [T, k], keep mask [T, k]) for router logits [T, E] in fp32."""
+    def route(self, logits: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], weights [T, k], keep mask [T, k]) for router logits [T, E] in fp32 of
+        `rows` sequences' tokens (row-major)."""
         top_logits, expert_ids = logits.topk(self.top_k, dim=-1)
         weights = top_logits.softmax(dim=-1)
-        cap = self.capacity(logits.shape[0])
-        if cap is None:
+        if self.capacity_factor is None:
             return expert_ids, weights, torch.ones_like(expert_ids, dtype=torch.bool)
+        if self.rank_assignments is not None:  # the micro-batch's tokens are spread over ranks
+            position, tokens = self.rank_assignments(expert_ids.view(rows, -1, self.top_k), self.num_experts)
+            return expert_ids, weights, position.view_as(expert_ids) < self.capacity(tokens)
         # choice-major order (every token's first choice before any second choice), then token order
         order = expert_ids.t().reshape(-1)
         one_hot = F.one_hot(order, self.num_experts)
         position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)  # rank of each assignment within its expert
-        keep = (position < cap).view(self.top_k, -1).t()
+        keep = (position < self.capacity(logits.shape[0])).view(self.top_k, -1).t()
         return expert_ids, weights, keep
 
     def balance_losses(
@@ -360,7 +369,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.router(flat).float()
-        expert_ids, weights, keep = self.route(logits)
+        expert_ids, weights, keep = self.route(logits, rows=shape[0] if x.dim() == 3 else 1)
         balance, z_loss = self.balance_losses(logits, expert_ids)
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
 

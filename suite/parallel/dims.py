@@ -278,9 +278,3 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
             f"parallel.tp={dims.tp} ranks, which does not divide them; use a data.seq_len that is a multiple "
             f"of {2 * cp * dims.tp}"
         )
-    if cfg.model.num_experts > 0 and cfg.model.capacity_factor is not None:
-        raise ConfigError(
-            f"parallel.cp={cp} with model.capacity_factor={cfg.model.capacity_factor} is not supported "
-            "(capacity dropping ranks a micro-batch's assignments in token order, which cp splits across "
-            "ranks); use model.capacity_factor=null (dropless) or parallel.cp=1"
-        )

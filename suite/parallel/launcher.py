@@ -229,7 +229,8 @@ def launch(
     if forks_workers(launch_cfg, device) and len(str(workdir / "workers.sock")) < 100:
         preload = [*WORKER_PRELOAD, *VERB_PRELOAD.get(verb, ())]
         server = ForkServer(str(workdir), preload, _worker_env({}))
-    base_env = {SERVER_ENV: server.address} if server else {}
+    # empty: no server, even where this command itself was forked by one (a `suite run` stage)
+    base_env = {SERVER_ENV: server.address if server else ""}
     try:
         parts = str(launch_cfg.nproc_per_node).split(":")  # validated: N or min:max
         low, high = int(parts[0]), int(parts[-1])

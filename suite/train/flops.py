@@ -152,6 +152,32 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
     return float(cached)
 
 
+class Ceiling:
+    """The peak FLOP/s per device an MFU divides by (peak_flops). A CPU ceiling measured on a busy
+    machine is too low, and the cache keeps it (contention only lowers a measurement, so the
+    cache only ever raises an entry); a step that outruns it proves it wrong, so the ceiling is
+    measured again then and raised to the highest of the cache, the new measurement and the
+    step's own rate: an MFU above 1 is never reported."""
+
+    def __init__(self, device: torch.device, precision: str, override: float | None = None):
+        self.device, self.precision = device, "bf16" if precision == "fp8" else precision
+        self.value = peak_flops(device, precision, override)
+        self.measured = bool(self.value) and not override and device.type != "cuda"
+        self.remeasured = False
+
+    def mfu(self, tokens_per_s: float, flops_per_token: float, world_size: int) -> float | None:
+        if not self.value:
+            return None  # no peak applies (peak_flops)
+        achieved = tokens_per_s * flops_per_token / world_size
+        if achieved > self.value and self.measured:
+            measured = 0.0
+            if not self.remeasured:  # one new measurement a run; later, the step's rate itself
+                self.remeasured = True
+                measured = measure_matmul_peak(self.device, self.precision)
+            self.value = record_peak(peak_key(self.device, self.precision), max(measured, achieved))
+        return achieved / self.value
+
+
 def cuda_memory_stats(device: torch.device) -> dict[str, float]:
     """The CUDA caching allocator's peaks in GiB (empty off CUDA): what tensors held at most
     (`mem_allocated_gb`) and what the allocator kept from the driver (`mem_reserved_gb`; the gap is

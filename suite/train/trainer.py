@@ -34,7 +34,7 @@ from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train import run_folder
-from suite.train.flops import memory_gb, memory_metrics, peak_flops
+from suite.train.flops import Ceiling, memory_gb, memory_metrics
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.loss_scale import inject_inf_gradient, loss_scaler, restore_scaler, scaler_state
@@ -164,7 +164,7 @@ class Trainer:
         if cfg.train.resume:
             self._maybe_resume()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak = peak_flops(self.device, self.precision.name, cfg.train.peak_flops)
+        self.peak = Ceiling(self.device, self.precision.name, cfg.train.peak_flops)
 
     # ---- what finetuning overrides (suite.finetune.trainer) ------------------------------------
     verb = "pretrain"
@@ -515,9 +515,7 @@ class Trainer:
                         "lr": lr_at(self.step - 1, cfg.optim, cfg.sched, cfg.train.max_steps),
                         "grad_norm": float(grad_norm),
                         "tokens_per_s": tokens_per_s,
-                        "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size)
-                        if self.peak
-                        else None,  # no peak applies (suite.train.flops.peak_flops)
+                        "mfu": self.peak.mfu(tokens_per_s, self.flops_per_token, self.env.world_size),
                         **memory_metrics(self.device),
                         "bad_steps": self.bad_steps,
                     }

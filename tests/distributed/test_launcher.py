@@ -61,10 +61,6 @@ BAD_LAYOUTS = [
         ["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "data.seq_len=36", "launch.nproc_per_node=8"],
         ["parallel.sp=true", "18", "multiple of 16"],
     ),
-    (
-        ["recipe=moe-tiny", "model.capacity_factor=1.0", "parallel.cp=2", "launch.nproc_per_node=2"],
-        ["parallel.cp=2", "model.capacity_factor=1.0", "capacity_factor=null"],
-    ),
     (["parallel.ep=2", "parallel.dp=2", "launch.nproc_per_node=2"], ["parallel.ep=2"]),
     (["parallel.ep_dispatch=ring"], ["parallel.ep_dispatch='ring'", "flat, hierarchical, auto"]),
     (  # ep groups (0,1) (2,3) (4,5) on 2 nodes x 3 processes: the middle one straddles the nodes

@@ -16,6 +16,8 @@ Runs (real CLI, TINY_MODEL-sized `recipe=moe-tiny`: 2 layers, 8 experts, top-2, 
     cp2      2 processes: cp=2, each rank routes its two sequence chunks, the balance loss summed
              over the cp group (suite.parallel.context_parallel_moe), 10 steps
     cp2-ep2  4 processes: dp=2 x cp=2, ep=2 over the two data ranks of each cp coordinate, 10 steps
+    shared-cp2  2 processes: cp=2 with a shared expert and capacity dropping: the cp ranks rank
+             their assignments over the whole micro-batch, so the same ones drop as in one process
     shared-single / shared-tp2-sp   a shared expert and capacity dropping (capacity_factor=1.0), one
              process against tp=2 + sequence parallelism: the sp gather / slice of the MoE layer,
              the shared MLP's tensor-parallel plan, and dropping decided identically on tp ranks
@@ -61,6 +63,7 @@ LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"], 10),
     "cp2-ep2": (4, ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2"], 10),
     "cp2-pp2": (4, ["parallel.cp=2", "parallel.pp=2"], 10),
+    "shared-cp2": (2, [*SHARED_DROPPING, "parallel.cp=2"], 10),
 }
 TP_REFERENCE = {
     "tp2": "single",
@@ -171,10 +174,11 @@ def test_pipelined_moe_matches_single_process(moe_runs, name):
         assert stage_aux > 10 * 1e-4 * r["loss"], (stage_aux, r["loss"])
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp2-ep2"])
+@pytest.mark.parametrize("name", ["cp2", "cp2-ep2", "shared-cp2"])
 def test_context_parallel_moe_matches_single_process(moe_runs, name):
     """The sequence split over cp ranks: routing per token on each rank, the balance loss's f and P
-    summed over the cp group (with gradient), so losses, weights and load figures are one process's."""
+    summed over the cp group (with gradient), capacity ranked over the whole micro-batch, so losses,
+    weights, load figures and dropped assignments are one process's."""
     nproc, overrides, steps = LAYOUTS[name]
     layout = assert_layout(moe_runs(name), nproc, overrides)
     for view in layout["ranks"]:  # every MoE layer sums its router statistics over the cp group
@@ -182,12 +186,14 @@ def test_context_parallel_moe_matches_single_process(moe_runs, name):
             "layers.0.feed_forward",
             "layers.1.feed_forward",
         ]
-    reference = moe_runs("single")
+    reference = moe_runs("shared-single" if name.startswith("shared") else "single")
     assert_equivalent(reference, moe_runs(name), to_step=steps)
     records = [r for r in read_metrics(moe_runs(name)) if "loss" in r]
     assert len(records) == steps
     single = {r["step"]: r for r in read_metrics(reference)}
+    if name.startswith("shared"):  # the dropping path really ran
+        assert all(r["moe_dropped_frac"] > 0 for r in records)
     for r in records:
-        for key in ("moe_load_max_over_mean", "moe_balance_loss", "moe_z_loss"):
+        for key in ("moe_load_max_over_mean", "moe_balance_loss", "moe_z_loss", "moe_dropped_frac"):
             assert abs(r[key] - single[r["step"]][key]) <= 1e-6 * abs(single[r["step"]][key]), (key, r)
         assert ("a2a_bytes" in r) == ("parallel.ep=2" in overrides)

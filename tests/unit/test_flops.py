@@ -24,6 +24,30 @@ def test_peak_flops_prefers_override_then_cache(tmp_path, monkeypatch):
     assert flops.peak_flops(cpu, "fp32") == 7e10
 
 
+def test_a_cached_ceiling_a_step_outruns_is_measured_again_and_raised(tmp_path, monkeypatch):
+    """A ceiling cached from a busy machine is too low forever (the cache only raises entries); the
+    first step that outruns it triggers one new measurement, and the MFU stays at most 1."""
+    monkeypatch.setenv("SUITE_CACHE", str(tmp_path))
+    cpu = torch.device("cpu")
+    key = flops.peak_key(cpu, "fp32")
+    flops.record_peak(key, 1e9)  # measured under load
+    measured = []
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, precision: measured.append(1) or 4e9)
+    ceiling = flops.Ceiling(cpu, "fp32")
+    assert ceiling.mfu(tokens_per_s=100.0, flops_per_token=5e6, world_size=1) == 0.5  # 5e8 of 1e9
+    assert measured == []
+    assert ceiling.mfu(tokens_per_s=1000.0, flops_per_token=5e6, world_size=2) == 2.5e9 / 4e9
+    assert measured == [1] and flops.peak_flops(cpu, "fp32") == 4e9  # measured again, cached
+    assert ceiling.mfu(tokens_per_s=2000.0, flops_per_token=5e6, world_size=1) == 1.0  # not measured again
+    assert measured == [1] and flops.peak_flops(cpu, "fp32") == 10e9
+    outrun = flops.Ceiling(cpu, "fp32")  # the new measurement is still below the step: the step's rate
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, precision: 3e9)
+    assert outrun.mfu(tokens_per_s=4000.0, flops_per_token=5e6, world_size=1) == 1.0
+    assert flops.peak_flops(cpu, "fp32") == 20e9
+    given = flops.Ceiling(cpu, "fp32", override=1e9)  # a peak the user gives is theirs
+    assert given.mfu(tokens_per_s=2000.0, flops_per_token=5e6, world_size=1) == 10.0
+
+
 def test_no_mfu_peak_where_the_cpu_emulates_the_precision(tmp_path, monkeypatch, capsys):
     """An emulated fp16/bf16 ceiling does not apply (MFU came out above 1 against it): none, said once."""
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path))

@@ -267,3 +267,35 @@ def test_pipeline_stage_aux_loss_rides_the_output_backward():
     (out * 2.0).sum().backward()
     assert torch.equal(x.grad, torch.full((2, 3), 2.0))
     assert float(w.grad) == 0.75  # d(0.25 * 3w)/dw
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_capacity_ranking_over_cp_chunks_equals_one_process(monkeypatch, cp):
+    """suite.parallel.context_parallel_moe.rank_assignments on each of `cp` simulated ranks (the
+    all-gather answered with every rank's counts) ranks each assignment exactly where one process's
+    choice-major, token-order ranking puts it, and counts the micro-batch's tokens."""
+    import torch.distributed as dist
+
+    from suite.parallel.context_parallel import chunk_index
+    from suite.parallel.context_parallel_moe import rank_assignments
+
+    rows, seq, k, experts = 3, 12 * cp, 2, 4
+    ids = torch.randint(0, experts, (rows, seq, k), generator=torch.Generator().manual_seed(cp))
+    order = ids.reshape(-1, k).t().reshape(-1)  # one process: choice-major, then (row, position)
+    one_hot = F.one_hot(order, experts)
+    expected = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1).view(k, rows, seq).permute(1, 2, 0)
+    local = [ids[:, chunk_index(seq, cp, r)] for r in range(cp)]
+
+    def counts(local_ids):
+        blocks = local_ids.view(rows, 2, -1, k).permute(3, 0, 1, 2)
+        return F.one_hot(blocks, experts).sum(3)
+
+    for rank in range(cp):
+        monkeypatch.setattr(dist, "get_world_size", lambda group: cp)
+        monkeypatch.setattr(dist, "get_rank", lambda group, rank=rank: rank)
+        monkeypatch.setattr(
+            dist, "all_gather", lambda out, mine, group: [o.copy_(counts(x)) for o, x in zip(out, local)]
+        )
+        position, tokens = rank_assignments(None, local[rank], experts)
+        assert tokens == rows * seq
+        assert torch.equal(position, expected[:, chunk_index(seq, cp, rank)]), rank
