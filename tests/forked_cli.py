@@ -9,14 +9,12 @@ working directory, with its stdin, stdout and stderr on files, and replies with 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,23 +39,11 @@ def _child(request: dict) -> None:
             os.dup2(handle, fd)
             os.close(handle)
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (not the server's request pipe)
-        sys.argv = ["suite", *request["argv"]]
-        from suite.cli import main
+        from suite.fork_server import run_main
 
-        try:
-            code = main(request["argv"])
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
+        # what `python -m suite` does, exit functions included (logging, wandb, temporary files)
+        code = run_main("suite.cli", request["argv"], exit_functions=True)
     finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # what the interpreter does at exit (logging, wandb, temp files)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
