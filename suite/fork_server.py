@@ -38,7 +38,8 @@ import threading
 import time
 
 WORKER_MODULE = "suite.worker"  # a launched rank: ends without exit functions, as suite.worker does
-SERVER_ENV = "SUITE_WORKER_SERVER"  # "<server pid>:<socket path>", set by the launcher for the clients
+SERVER_ENV = "SUITE_WORKER_SERVER"
+THREADS_ENV = "SUITE_FORK_THREADS"  # the intra-op thread count a forked process takes by default  # "<server pid>:<socket path>", set by the launcher for the clients
 CONNECT_WAIT_S = 300.0  # the server imports for a few seconds first; a slow machine may take longer
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!I")
@@ -145,13 +146,15 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], others: l
             )
             setattr(sys, name, stream)
         os.chdir(request["cwd"])
+        default_threads = os.environ.get(THREADS_ENV, "")
         os.environ.clear()
         os.environ.update(request["env"])
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit() and int(threads) > 0:
-            import torch
-
-            torch.set_num_threads(int(threads))  # read at import time, in the server; the rank's own value
+        # the server imported with one OpenMP thread (a thread pool must not exist when it forks);
+        # the process gets the count a fresh interpreter would have: its OMP_NUM_THREADS, else the
+        # launcher's default
+        threads = os.environ.get("OMP_NUM_THREADS") or default_threads
+        if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(threads))
 
         def watch_client() -> None:
             with contextlib.suppress(OSError):
@@ -300,10 +303,20 @@ class ForkServer:
         import subprocess
 
         self.path = os.path.join(folder, "workers.sock")
+        env = {**os.environ, **env}
+        torch = sys.modules.get("torch")
+        threads = env.get("OMP_NUM_THREADS") or str(torch.get_num_threads() if torch else os.cpu_count() or 1)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "suite.fork_server", self.path, ",".join(modules), str(os.getpid())],
-            # torch.cuda.is_available() through NVML: asking CUDA itself would make forking unsafe
-            env={**os.environ, **env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+            env={
+                **env,
+                # one OpenMP thread while importing: an OpenMP pool in the server would be broken in
+                # every forked child (each sets its own count, THREADS_ENV, after the fork)
+                "OMP_NUM_THREADS": "1",
+                THREADS_ENV: threads,
+                # torch.cuda.is_available() through NVML: asking CUDA itself would make forking unsafe
+                "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+            },
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # the terminal's Ctrl-C goes to the launcher, which stops the workers
         )

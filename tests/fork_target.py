@@ -24,4 +24,9 @@ def main(argv: list[str]) -> int:
         time.sleep(60)
     if action == "raise":
         raise SystemExit(value)
+    if action == "threads":  # the intra-op thread count this process runs with
+        import torch
+
+        print(f"threads={torch.get_num_threads()}", flush=True)
+        return 0
     return 99

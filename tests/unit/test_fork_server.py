@@ -30,8 +30,8 @@ def server(tmp_path):
     started.close()
 
 
-def _client(server, tmp_path, *argv: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FORK_TARGET_ENV": "from-the-client"}
+def _client(server, tmp_path, *argv: str, extra_env: dict | None = None, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FORK_TARGET_ENV": "from-the-client", **(extra_env or {})}
     if server is not None:
         env[SERVER_ENV] = server.address
     return subprocess.Popen(
@@ -103,3 +103,29 @@ def test_the_server_ends_with_its_parent(tmp_path):
     while not process_gone(server_pid) and time.time() < deadline:
         time.sleep(0.05)
     assert process_gone(server_pid)
+
+
+def test_the_server_imports_with_one_thread_and_each_process_takes_its_own_count(tmp_path):
+    """An OpenMP pool in the server would be broken in every child, so the server imports torch with
+    one thread (and would stop if a thread existed); a forked process then takes its own
+    OMP_NUM_THREADS, or without one the launcher's default (here 3), as a fresh interpreter would."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "3"}
+    server = ForkServer(str(tmp_path), ["torch", "tests.fork_target"], env)
+    try:
+        lines = {}
+        for name, extra in (("default", {}), ("own", {"OMP_NUM_THREADS": "2"})):
+            client_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+            client = subprocess.Popen(
+                client_command("tests.fork_target", ["threads", "0"]),
+                cwd=tmp_path,
+                env={**client_env, "PYTHONPATH": str(REPO), SERVER_ENV: server.address, **extra},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            out, _ = client.communicate(timeout=120)
+            assert client.returncode == 0, out
+            lines[name] = dict(item.split("=", 1) for item in out.split())
+        assert all(int(fields["ppid"]) == server.proc.pid for fields in lines.values()), lines  # forked
+        assert lines["default"]["threads"] == "3" and lines["own"]["threads"] == "2", lines
+    finally:
+        server.close()
