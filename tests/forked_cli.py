@@ -76,6 +76,14 @@ def serve() -> None:
     from suite.config.compose import compose_config
 
     compose_config([])  # Hydra's own lazy imports and caches, paid once
+    # what many calls import lazily, 1-3 s each: torchao (quantize, QAT, quantized checkpoints) and the
+    # ONNX exporter. Neither starts a thread; onnxruntime's and transformers' model classes' imports do,
+    # so they stay out (a fork must not copy a process with threads)
+    import onnxscript  # noqa: F401
+    import torchao.quantization  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # torch's private module: only a speed-up
+        import torch.onnx._internal.exporter._core  # noqa: F401
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -105,10 +105,11 @@ def _frozen(compiled: Callable) -> Callable:
 class BatchDecoder:
     """Prefill a left-padded batch once, then one token per row per step from the static cache."""
 
-    def __init__(self, model: Transformer, compile: bool = False):
+    def __init__(self, model: Transformer, compile: bool = False, owns_model: bool = False):
+        """owns_model: nobody else uses `model`, so eager decoding may relay it in place (no copy)."""
         self.grow = not compile
         # eager: the layout the CPU streams fastest (suite.infer.layout; the model itself elsewhere)
-        self.model = decode_layout(model.eval()) if self.grow else model.eval()
+        self.model = decode_layout(model.eval(), in_place=owns_model) if self.grow else model.eval()
         model = self.model
         # freezing: the weights become constants, so inductor packs them for oneDNN's matmuls (on CPU
         # ~1.8x the eager decode step at batch 8, bench/generate.py); the model must not change after

@@ -23,8 +23,9 @@ class ModelEngine:
 
     pads = True
 
-    def __init__(self, model: torch.nn.Module, compile: bool = False):
-        self.decoder = BatchDecoder(model, compile=compile)
+    def __init__(self, model: torch.nn.Module, compile: bool = False, owns_model: bool = False):
+        """owns_model: the engine is the model's only user (its weights may be relaid in place)."""
+        self.decoder = BatchDecoder(model, compile=compile, owns_model=owns_model)
         self.max_seq_len = model.cfg.max_seq_len
 
     def steps(self, prompts: list[list[int]], max_new_tokens: int, pick: Pick) -> Iterator[torch.Tensor]:
@@ -71,4 +72,4 @@ def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[
 
     source = ModelSource.parse(ckpt, "ckpt")
     model, tokenizer, _ = load_for_inference(source, device)
-    return ModelEngine(model, compile=compile), tokenizer, source.describe()
+    return ModelEngine(model, compile=compile, owns_model=True), tokenizer, source.describe()

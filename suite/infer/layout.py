@@ -12,7 +12,7 @@ Together: 1.52x -> 1.78x transformers' decode at batch 1 (1.22x -> 1.48x at batc
 streamed head of suite.infer.decoder.LastTokenHead). Tokens are the same (the same dot products).
 
 The relaid model is a new module that shares every tensor it does not change (embeddings, norms, the
-head); only plain dense models on CPU are relaid (no adapters, experts, quantized or fake-quantized
+head), or the model itself relaid block by block (`in_place`); only plain dense models on CPU are relaid (no adapters, experts, quantized or fake-quantized
 layers, which bring their own kernels), anything else decodes as it is.
 """
 
@@ -23,7 +23,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from suite.models.transformer import FeedForward, Transformer, build_model, fuse_state_dict
+from suite.config.schema import ModelConfig
+from suite.models.transformer import FeedForward, Transformer, TransformerBlock, build_model, fuse_state_dict
 
 BLOCK_LINEARS = ("wq", "wk", "wv", "wqkv", "wo", "w1", "w2", "w3", "w13")
 
@@ -50,24 +51,37 @@ def _transposed_storage(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous().t()
 
 
-@torch.no_grad()
-def decode_layout(model: nn.Module) -> nn.Module:
-    """`model` relaid for eager CPU decoding (module docstring), or `model` itself when it is not
-    `relayable`. The result is in eval mode and must not be trained or saved: its block weights are
-    non-contiguous views."""
-    if not relayable(model):
-        return model
-    cfg = dataclasses.replace(model.cfg, fused_projections=True)
-    state = fuse_state_dict(cfg, model.state_dict())
+def _relaid_block(block: TransformerBlock, cfg: ModelConfig) -> TransformerBlock:
+    """`block` with fused projections and transposed block weights; its norms' tensors are shared."""
+    state = fuse_state_dict(cfg, block.state_dict())
     for name, tensor in state.items():
         module, _, kind = name.rpartition(".")
         if kind == "weight" and module.rpartition(".")[2] in BLOCK_LINEARS:
             state[name] = _transposed_storage(tensor)
-    fast = build_model(cfg)
+    with torch.device("meta"):
+        fast = TransformerBlock(cfg, block.layer_id)
     fast.load_state_dict(state, assign=True, strict=True)
-    fast.tie_weights()
-    if model.rope_inv_freq is not None:  # a non-persistent buffer: not in the state dict
-        fast.rope_inv_freq = model.rope_inv_freq
-    for parameter in fast.parameters():
-        parameter.requires_grad_(False)
+    return fast.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def decode_layout(model: nn.Module, in_place: bool = False) -> nn.Module:
+    """`model` relaid for eager CPU decoding (module docstring), or `model` itself when it is not
+    `relayable`. The result is in eval mode and must not be trained or saved (its block weights are
+    non-contiguous views). A new model by default, which shares all but the block weights with
+    `model`; `in_place=True` relays `model` itself block by block, so a large model never has two
+    copies of its weights (what `suite generate` does with the model it loaded)."""
+    if not relayable(model):
+        return model
+    cfg = dataclasses.replace(model.cfg, fused_projections=True)
+    if in_place:
+        fast = model
+    else:
+        fast = build_model(cfg)  # on meta: every module below is replaced or shared
+        for name in ("tok_embeddings", "pos_embeddings", "dropout", "norm", "output"):
+            setattr(fast, name, getattr(model, name))
+        fast.rope_inv_freq = model.rope_inv_freq  # a buffer (llama) or None
+    for key, block in list(model.layers.items()):
+        fast.layers[key] = _relaid_block(block, cfg)
+    fast.cfg = cfg
     return fast.eval()

@@ -55,15 +55,28 @@ def _export(run, out, *args):
     return json.loads(proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def exported(runs, tmp_path_factory):
+    """export(family, fmt) -> (folder, manifest): each float export made once for the module's tests."""
+    made: dict[tuple[str, str], tuple] = {}
+
+    def export(family: str, fmt: str):
+        if (family, fmt) not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{fmt}") / fmt
+            made[family, fmt] = out, _export(runs[family], out, f"format={fmt}")
+        return made[family, fmt]
+
+    return export
+
+
 def _prompts(vocab: int, batch: int, seq: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(batch * 100 + seq))
 
 
 @pytest.mark.parametrize("fmt", ["torch_export", "onnx"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_graphs_reproduce_the_suite_model(runs, tmp_path, family, fmt):
-    out = tmp_path / fmt
-    manifest = _export(runs[family], out, f"format={fmt}")
+def test_graphs_reproduce_the_suite_model(runs, exported, family, fmt):
+    out, manifest = exported(family, fmt)
     assert manifest["format"] == fmt and manifest["verification"]["greedy_tokens_equal"]
     assert manifest["verification"]["decode_max_abs_error"] < TOL
     on_disk = json.loads((out / "export_manifest.json").read_text())
@@ -94,11 +107,10 @@ def test_graphs_reproduce_the_suite_model(runs, tmp_path, family, fmt):
         assert from_artifact[row].tolist() == generate_tokens(model, prompt, greedy_cfg), f"row {row}"
 
 
-def test_onnx_int8_and_int4_are_onnxruntime_quantized(runs, tmp_path):
+def test_onnx_int8_and_int4_are_onnxruntime_quantized(runs, exported, tmp_path):
     import onnx
 
-    fp32 = tmp_path / "fp32"
-    _export(runs["llama"], fp32, "format=onnx")
+    fp32, _ = exported("llama", "onnx")
     ops = {"int8": "MatMulInteger", "int4": "MatMulNBits"}
     for method, op in ops.items():
         out = tmp_path / method

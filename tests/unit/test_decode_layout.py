@@ -64,6 +64,25 @@ def test_eager_batched_decoding_keeps_the_plain_models_tokens(name):
         assert torch.equal(got, want)
 
 
+def test_in_place_relayout_keeps_one_copy_of_the_weights():
+    model = _model(CONFIGS["llama-gqa"])
+    tokens = torch.tensor([p[:3] for p in PROMPTS])
+    with torch.no_grad():
+        want = model(tokens)
+    before = list(model.layers.parameters())  # held, so no new tensor can reuse a freed address
+    old = {p.data_ptr() for p in before}
+    embedding = model.tok_embeddings.weight.data_ptr()
+    fast = decode_layout(model, in_place=True)
+    assert fast is model and model.cfg.fused_projections and hasattr(model.layers["1"].attention, "wqkv")
+    assert model.tok_embeddings.weight.data_ptr() == embedding
+    new = {p.data_ptr() for p in model.layers.parameters()}
+    # the projections are new tensors (without `before`, the old ones go with their blocks), the norms
+    # the same
+    assert len(new - old) == 4 * 2 and len(new & old) == 2 * 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), want, rtol=0, atol=1e-5)
+
+
 def test_last_token_head_forms_agree():
     output = nn.Linear(64, 300, bias=True)
     head = LastTokenHead(output)
