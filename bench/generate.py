@@ -122,6 +122,7 @@ def cache_table(cfg, n: int, prompt_len: int, repeats: int) -> str:
     model.eval()
     prompt = torch.randint(0, big.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     engine = ModelEngine(model)
+    model = engine.decoder.model  # the same weight layout both ways: the table measures the cache alone
     pick = lambda logits: logits.argmax(-1, keepdim=True)  # noqa: E731
 
     @torch.no_grad()
