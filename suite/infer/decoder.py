@@ -114,7 +114,8 @@ class BatchDecoder:
         self.model = decode_layout(model.eval(), in_place=owns_model) if self.grow else model.eval()
         model = self.model
         # freezing: the weights become constants, so inductor packs them for oneDNN's matmuls (on CPU
-        # ~1.8x the eager decode step at batch 8, bench/generate.py); the model must not change after
+        # 1.2x the eager step at batch 1, the same at batch 8, bench/generate.py); the model must not
+        # change after
         self.step_fn: Callable = (
             _frozen(torch.compile(_decode_step, fullgraph=True)) if compile else _decode_step
         )
