@@ -6,6 +6,9 @@ whose step times the model orders as measured.
     python bench/plan_cpu.py                        # both models, every layout; the tables last
     python bench/plan_cpu.py --models gpt-tiny --layouts 1proc dp2
     python bench/plan_cpu.py --append               # also append the tables to docs/benchmarks.md
+    python bench/plan_cpu.py --repeats 3            # every layout run 3 times, in rounds
+    python bench/plan_cpu.py --models gpt-100m --repeats 1 --include earlier.json   # one more round
+    python bench/plan_cpu.py --repeats 0 --include earlier.json   # earlier runs against today's model
 
 What is compared:
 - memory: the largest rank's peak bytes of live tensor storage during a training step
@@ -14,7 +17,9 @@ What is compared:
   (the larger of backward's and the optimizer step's peak: suite.plan.cost.Memory). Not the resident
   set: that holds Python, torch's libraries and gloo's buffers, which no planner counts.
 - step time: the median seconds of the steps after the first and before the tracked last one
-  (metrics.jsonl, train.log_every=1) against Time.total, with `cluster=cpu` sized to the launch on
+  (metrics.jsonl, train.log_every=1), and over --repeats runs of each layout the median of the runs'
+  medians (the runs go in rounds, every layout once per round, so the machine's drift reaches every
+  layout alike), against Time.total, with `cluster=cpu` sized to the launch on
   this machine (suite.plan.fit.launched_cluster: one device per rank; ranks beyond the cores
   time-share them).
 
@@ -231,10 +236,15 @@ def calibrate(args: argparse.Namespace) -> str:
     return "\n".join(lines) + f"\n# per wrapper: {detail}"
 
 
-def order_agreement(rows: list[dict]) -> tuple[int, int]:
-    """(pairs the model orders as measured, pairs): step times, every pair of a model's layouts."""
+def order_agreement(rows: list[dict], resolved_only: bool = False) -> tuple[int, int]:
+    """(pairs the model orders as measured, pairs): step times, every pair of a model's layouts.
+
+    resolved_only: only the pairs whose runs do not overlap (every run of one layout faster than every
+    run of the other), the pairs the measurement itself orders beyond its run-to-run spread."""
     same = total = 0
     for a, b in itertools.combinations([r for r in rows if "error" not in r], 2):
+        if resolved_only and not resolved(a, b):
+            continue
         total += 1
         predicted = a["step_s"] - b["step_s"]
         measured = a["measured_step_s"] - b["measured_step_s"]
@@ -242,23 +252,45 @@ def order_agreement(rows: list[dict]) -> tuple[int, int]:
     return same, total
 
 
+def resolved(a: dict, b: dict) -> bool:
+    """Every measured run of one layout faster than every run of the other."""
+    ra, rb = a["measured_runs_s"], b["measured_runs_s"]
+    return max(ra) < min(rb) or max(rb) < min(ra)
+
+
+def merge_runs(runs: list[dict], args: argparse.Namespace) -> dict:
+    """One row from the repeated runs of a layout: the median of their step times (each run's own is
+    the median of its steps), every run's kept in measured_runs_s; memory is the largest run's; the
+    prediction is this code's (runs from --include were predicted by the code of their day)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    row = dict(max(ok, key=lambda r: r["measured_mem_gb"]))
+    row["measured_runs_s"] = [r["measured_step_s"] for r in ok]
+    row["measured_step_s"] = statistics.median(row["measured_runs_s"])
+    row["run_s"] = sum(r["run_s"] for r in runs)
+    world, overrides = LAYOUTS[row["layout"]]
+    return row | predict(row["model"], shape_args(row["model"], args) + overrides, world, args)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | layout | ranks | planner's name | predicted MB | measured MB (per rank) | ratio "
-        "| predicted s/step | measured s/step | ratio |",
-        "|---|---|---:|---|---:|---|---:|---:|---:|---:|",
+        "| predicted s/step | measured s/step | runs (s/step) | ratio |",
+        "|---|---|---:|---|---:|---|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['model']} | {r['layout']} | {r['world']} | failed: {r['error']} | | | | | | |"
+                f"| {r['model']} | {r['layout']} | {r['world']} | failed: {r['error']} | | | | | | | |"
             )
             continue
         ranks = " / ".join(f"{m * 1024:.0f}" for m in r["measured_mem_per_rank"])
+        runs = " / ".join(f"{t:.3f}" for t in r.get("measured_runs_s", [r["measured_step_s"]]))
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['world']} | {r['plan_layout']} | {r['mem_gb'] * 1024:.1f} "
             f"| {ranks} | {r['mem_gb'] / r['measured_mem_gb']:.2f} | {r['step_s']:.3f} "
-            f"| {r['measured_step_s']:.3f} | {r['step_s'] / r['measured_step_s']:.2f} |"
+            f"| {r['measured_step_s']:.3f} | {runs} | {r['step_s'] / r['measured_step_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -277,6 +309,13 @@ def main() -> int:
         type=int,
         help="per run (default: 8 gpt-tiny, 4 gpt-100m); the first is start-up, the last tracked",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of every layout, in rounds (the table: their median)"
+    )
+    parser.add_argument(
+        "--include", nargs="*", default=[], metavar="JSON",
+        help="earlier --json outputs whose runs join these (same model and layout): more rounds over time",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--append", action="store_true", help="append the tables to docs/benchmarks.md")
@@ -291,17 +330,29 @@ def main() -> int:
         return 0
 
     started = dt.datetime.now(dt.timezone.utc)
-    rows: list[dict] = []
+    runs: dict[tuple[str, str], list[dict]] = {(m, n): [] for m in args.models for n in args.layouts}
     with tempfile.TemporaryDirectory(prefix="suite-bench-plan-cpu-") as tmp:
-        for model in args.models:
-            for name in args.layouts:
-                row = run_layout(model, name, args, Path(tmp))
-                rows.append(row)
-                status = row.get("error") or (
-                    f"memory {row['mem_gb'] * 1024:.1f} predicted / {row['measured_mem_gb'] * 1024:.1f} MB measured, "
-                    f"step {row['step_s']:.3f} / {row['measured_step_s']:.3f} s"
-                )
-                print(f"{model} {name}: {status} ({row['run_s']:.0f} s)", flush=True)
+        for round_ in range(1, args.repeats + 1):
+            for model in args.models:
+                for name in args.layouts:
+                    row = run_layout(model, name, args, Path(tmp) / f"round{round_}")
+                    runs[model, name].append(row)
+                    status = row.get("error") or (
+                        f"memory {row['mem_gb'] * 1024:.1f} predicted / {row['measured_mem_gb'] * 1024:.1f} MB "
+                        f"measured, step {row['step_s']:.3f} / {row['measured_step_s']:.3f} s"
+                    )
+                    print(f"round {round_}: {model} {name}: {status} ({row['run_s']:.0f} s)", flush=True)
+    for path in args.include:  # earlier runs (their --json) join these, layout by layout
+        for earlier in json.loads(Path(path).read_text()):
+            if "error" in earlier:
+                continue
+            found = runs.setdefault((earlier["model"], earlier["layout"]), [])
+            found += [
+                earlier | {"measured_step_s": t}
+                for t in earlier.get("measured_runs_s", [earlier["measured_step_s"]])
+            ]
+    rows = [merge_runs(found, args) for found in runs.values() if found]
+    args.models = list(dict.fromkeys(row["model"] for row in rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -313,20 +364,23 @@ def main() -> int:
     for model in args.models:
         mine = [r for r in rows if r["model"] == model]
         same, total = order_agreement(mine)
+        apart, resolved_total = order_agreement(mine, resolved_only=True)
         within = sum(
             1 for r in mine if "error" not in r and abs(r["mem_gb"] / r["measured_mem_gb"] - 1) <= 0.15
         )
         ran = sum(1 for r in mine if "error" not in r)
         agreement.append(
             f"- {model}: memory within 15% for {within} of {ran} layouts; step-time order agrees for "
-            f"{same} of {total} pairs ({same / max(total, 1):.0%})"
+            f"{same} of {total} pairs ({same / max(total, 1):.0%}); of the {resolved_total} pairs whose "
+            f"runs do not overlap, {apart} ({apart / max(resolved_total, 1):.0%})"
         )
     text = (
         f"## The planner's `cpu` preset against runs, {started:%Y-%m-%d %H:%M} UTC: `{command}`\n\n"
         f"- machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, one thread per "
         f"rank; load average at the end {load} (1 / 5 / 15 min)\n"
         f"- shape: {shapes}, global batch {args.global_batch} (micro-batches of {args.micro_batch}), fp32, "
-        "AdamW; measured s/step: the median of the steps after the first and before the last; measured MB: peak "
+        "AdamW; measured s/step: the median of the steps after the first and before the last, and of "
+        "the runs of each layout, made in rounds (each run's in `runs`); measured MB: peak "
         "live tensor storage of the last step per rank (`train.tensor_memory=true`); predicted: "
         "`suite.plan.cost.evaluate` with `cluster=cpu` sized to the launch (worst rank)\n\n"
         + table(rows)

@@ -416,6 +416,10 @@ class ClusterConfig:
     inter_node_bandwidth_gbs: float = 1.0  # per node, per direction (all NICs together)
     inter_node_latency_us: float = 10.0
     inter_node_efficiency: float = 1.0
+    # a further factor on a link's bandwidth for one collective (all_reduce, reduce_scatter, all_gather,
+    # all_to_all, send_recv) where the backend runs it slower than the ring formula (gloo: reduce-scatter
+    # as a whole all-reduce); a kind not named is 1.0. Measured: bench/gloo_collectives.py
+    collective_efficiency: dict[str, float] = field(default_factory=dict)
     host_bandwidth_gbs: float = 16.0  # device <-> host per device (PCIe), what parallel.offload crosses
     # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
     # whose cores do both (gloo), so every collective is on the critical path

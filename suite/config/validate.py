@@ -190,6 +190,17 @@ def _check_cluster(cfg: SuiteConfig) -> None:
     for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
         if not 0.0 < getattr(c, key) <= 1.0:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1], e.g. cluster.{key}=0.8")
+    known = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")  # suite.plan.comm
+    for collective, value in c.collective_efficiency.items():
+        if collective not in known:
+            raise ConfigError(
+                f"cluster.collective_efficiency.{collective}={value}: not a collective; use one of {', '.join(known)}"
+            )
+        if not 0.0 < value <= 1.0:
+            raise ConfigError(
+                f"cluster.collective_efficiency.{collective}={value} must be in (0, 1], "
+                f"e.g. cluster.collective_efficiency.{collective}=0.5"
+            )
     for precision, value in c.peak_flops.items():
         if value <= 0:
             raise ConfigError(f"cluster.peak_flops.{precision}={value} must be positive FLOP/s per device")

@@ -16,7 +16,9 @@ Inside a node B is the per-device NVLink bandwidth; a group that spans nodes is 
 in which every rank's traffic crosses its own share of the node's network, B = inter_node_bandwidth
 / devices_per_node. NCCL's multi-channel rings can do better for groups with several ranks per node;
 the ZeRO-3 runs of Narayanan et al. 2021 (Table 2) match the flat model (docs/planner.md). Each
-bandwidth is scaled by the cluster's stated efficiency (cluster.*_efficiency).
+bandwidth is scaled by the cluster's stated efficiency (cluster.*_efficiency), and each collective's
+by its own factor where the backend runs it slower than its ring (cluster.collective_efficiency: gloo's
+reduce-scatter is a whole all-reduce; bench/gloo_collectives.py measures them).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class Link:
     inter_node: bool
     bandwidth: float  # bytes/s, efficiency applied
     latency: float  # seconds
+    per_collective: tuple[tuple[str, float], ...] = ()  # cluster.collective_efficiency's items
+
+    def bandwidth_of(self, collective: str) -> float:
+        """The bandwidth `collective` reaches on this link (its own factor applied)."""
+        return self.bandwidth * dict(self.per_collective).get(collective, 1.0)
 
     @property
     def name(self) -> str:
@@ -63,34 +70,45 @@ def group_link(cluster: ClusterConfig, layout: Layout, axis: str) -> Link:
     else:
         bandwidth = cluster.intra_node_bandwidth_gbs * 1e9 * cluster.intra_node_efficiency
         latency = cluster.intra_node_latency_us * 1e-6
-    return Link(size, inter, bandwidth, latency)
+    return Link(size, inter, bandwidth, latency, per_collective(cluster))
+
+
+def per_collective(cluster: ClusterConfig) -> tuple[tuple[str, float], ...]:
+    """cluster.collective_efficiency as a Link carries it."""
+    return tuple(sorted(cluster.collective_efficiency.items()))
 
 
 def all_reduce(link: Link, size: float) -> float:
     """Ring all-reduce of `size` bytes: 2 (n-1)/n S/B + 2 (n-1) L."""
     n = link.ranks
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * size / link.bandwidth + 2 * (n - 1) * link.latency
+    bandwidth = link.bandwidth_of("all_reduce")
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * size / bandwidth + 2 * (n - 1) * link.latency
+
+
+def _ring_pass(link: Link, size: float, collective: str) -> float:
+    """One pass of a ring over a `size`-byte buffer: (n-1)/n S/B + (n-1) L."""
+    n = link.ranks
+    return 0.0 if n <= 1 else (n - 1) / n * size / link.bandwidth_of(collective) + (n - 1) * link.latency
 
 
 def reduce_scatter(link: Link, size: float) -> float:
     """Ring reduce-scatter of a `size`-byte buffer: (n-1)/n S/B + (n-1) L."""
-    n = link.ranks
-    return 0.0 if n <= 1 else (n - 1) / n * size / link.bandwidth + (n - 1) * link.latency
+    return _ring_pass(link, size, "reduce_scatter")
 
 
 def all_gather(link: Link, size: float) -> float:
     """Ring all-gather into a `size`-byte buffer: (n-1)/n S/B + (n-1) L."""
-    return reduce_scatter(link, size)
+    return _ring_pass(link, size, "all_gather")
 
 
 def all_to_all(link: Link, size: float) -> float:
     """All-to-all of `size` bytes per rank: (n-1)/n of it leaves the rank: (n-1)/n S/B + (n-1) L."""
-    return reduce_scatter(link, size)
+    return _ring_pass(link, size, "all_to_all")
 
 
 def send_recv(link: Link, size: float) -> float:
     """Point-to-point: S/B + L."""
-    return size / link.bandwidth + link.latency
+    return size / link.bandwidth_of("send_recv") + link.latency
 
 
 def expert_exchange(
@@ -109,11 +127,12 @@ def expert_exchange(
     if nodes <= 1 or layout.ep % nodes or num_experts % nodes or extent % cluster.devices_per_node:
         return all_to_all(link, size * top_k)
     reached = nodes * (1 - comb(num_experts - num_experts // nodes, top_k) / comb(num_experts, top_k))
-    across = Link(nodes, True, link.bandwidth, link.latency)
+    across = Link(nodes, True, link.bandwidth, link.latency, link.per_collective)
     inside = Link(
         layout.ep // nodes,
         False,
         cluster.intra_node_bandwidth_gbs * 1e9 * cluster.intra_node_efficiency,
         cluster.intra_node_latency_us * 1e-6,
+        link.per_collective,
     )
     return all_to_all(across, size * reached) + all_to_all(inside, size * top_k)

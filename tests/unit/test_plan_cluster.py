@@ -44,6 +44,8 @@ def test_default_cluster_is_this_cpu():
         ("cluster.compute_efficiency=1.5", "cluster.compute_efficiency"),
         ("cluster.inter_node_bandwidth_gbs=-1", "cluster.inter_node_bandwidth_gbs"),
         ("cluster.reserved_gib=100", "cluster.reserved_gib"),
+        ("+cluster.collective_efficiency.all_gatherr=0.5", "cluster.collective_efficiency.all_gatherr"),
+        ("+cluster.collective_efficiency.all_gather=0", "cluster.collective_efficiency.all_gather"),
     ],
 )
 def test_bad_cluster_values_name_the_key(override, key):

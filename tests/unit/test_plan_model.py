@@ -153,6 +153,26 @@ def test_ring_collectives():
     assert across.bandwidth == pytest.approx(200e9 / 8 * 0.5)  # the device's share of the node's NICs
 
 
+def test_a_collective_the_backend_runs_slower_costs_more_on_the_same_link():
+    """cluster.collective_efficiency (gloo: reduce-scatter as a whole all-reduce) scales that
+    collective's bandwidth only; the others keep the link's."""
+    plain = ClusterConfig(devices_per_node=2, intra_node_bandwidth_gbs=1.0, intra_node_latency_us=0.0)
+    gloo = dataclasses.replace(plain, collective_efficiency={"reduce_scatter": 0.5, "all_gather": 0.25})
+    before, after = (comm.group_link(c, Layout(sharding=2), "sharding") for c in (plain, gloo))
+    size = 1e9
+    assert comm.all_reduce(after, size) == comm.all_reduce(before, size) == pytest.approx(1.0)
+    assert comm.reduce_scatter(after, size) == pytest.approx(2 * comm.reduce_scatter(before, size))
+    assert comm.all_gather(after, size) == pytest.approx(4 * comm.all_gather(before, size))
+    assert comm.send_recv(after, size) == comm.send_recv(before, size)
+    cfg = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_heads=4, vocab_size=512)
+    job = Job(model=cfg, cluster=plain, seq_len=32, global_batch=4)
+    zero3 = Layout(sharding=2, stage=3, micro_batch=2)
+    slower = evaluate(dataclasses.replace(job, cluster=gloo), zero3).time.data
+    assert slower > evaluate(job, zero3).time.data > 0
+    dp = Layout(dp=2, micro_batch=2)  # all-reduce only: unchanged
+    assert evaluate(dataclasses.replace(job, cluster=gloo), dp).time.data == evaluate(job, dp).time.data
+
+
 def test_layout_names_round_trip_and_bad_tokens_are_named():
     for layout in (
         Layout(
