@@ -45,8 +45,8 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], repeats: int, queu
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for mib in sizes:
-        full = torch.ones(mib * MIB // 4)
-        shard = torch.ones(full.numel() // world)
+        shard = torch.ones(mib * MIB // 4 // world)
+        full = torch.ones(shard.numel() * world)  # divisible by the ranks, as the collectives need
         for name in ("all_reduce", "reduce_scatter", "all_gather"):
             _collective(name, full, shard)  # warm-up: connections, buffers
             best = float("inf")
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], repeats: int, queu
                 start = time.perf_counter()
                 _collective(name, full, shard)
                 best = min(best, time.perf_counter() - start)
-            results[name, mib] = best
+            results[name, mib] = best, full.numel() * 4
     dist.barrier()
     if rank == 0:
         queue.put(results)
@@ -88,10 +88,11 @@ def main() -> int:
     print("| collective | MiB | seconds | bandwidth GB/s (ring formula) | vs all-reduce |")
     print("|---|---:|---:|---:|---:|")
     for mib in args.sizes:
-        ring = moved["all_reduce"] * mib * MIB / results["all_reduce", mib]
+        seconds, size = results["all_reduce", mib]
+        ring = moved["all_reduce"] * size / seconds
         for name in moved:
-            seconds = results[name, mib]
-            bandwidth = moved[name] * mib * MIB / seconds
+            seconds, size = results[name, mib]
+            bandwidth = moved[name] * size / seconds
             print(f"| {name} | {mib} | {seconds:.4f} | {bandwidth / 1e9:.3f} | {bandwidth / ring:.2f} |")
     return 0
 

@@ -253,9 +253,10 @@ def order_agreement(rows: list[dict], resolved_only: bool = False) -> tuple[int,
 
 
 def resolved(a: dict, b: dict) -> bool:
-    """Every measured run of one layout faster than every run of the other."""
+    """Every measured run of one layout faster than every run of the other (two runs each at least:
+    one run has no spread to be outside of)."""
     ra, rb = a["measured_runs_s"], b["measured_runs_s"]
-    return max(ra) < min(rb) or max(rb) < min(ra)
+    return min(len(ra), len(rb)) >= 2 and (max(ra) < min(rb) or max(rb) < min(ra))
 
 
 def merge_runs(runs: list[dict], args: argparse.Namespace) -> dict:
@@ -268,7 +269,7 @@ def merge_runs(runs: list[dict], args: argparse.Namespace) -> dict:
     row = dict(max(ok, key=lambda r: r["measured_mem_gb"]))
     row["measured_runs_s"] = [r["measured_step_s"] for r in ok]
     row["measured_step_s"] = statistics.median(row["measured_runs_s"])
-    row["run_s"] = sum(r["run_s"] for r in runs)
+    row["run_s"] = sum(r["run_s"] for r in runs)  # an included run carries its own share
     world, overrides = LAYOUTS[row["layout"]]
     return row | predict(row["model"], shape_args(row["model"], args) + overrides, world, args)
 
@@ -314,7 +315,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--include", nargs="*", default=[], metavar="JSON",
-        help="earlier --json outputs whose runs join these (same model and layout): more rounds over time",
+        help="earlier --json outputs whose runs of the --models and --layouts join these; every run is "
+        "predicted again by this code, at this command's --seq, --micro-batch and --global-batch",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -325,12 +327,24 @@ def main() -> int:
         help="measure the cpu preset's host overheads (narrow model, 2 and 6 layers, 4 wrappers) and print them",
     )
     args = parser.parse_args()
+    if args.repeats < 0 or (args.repeats == 0 and not args.include and not args.calibrate):
+        parser.error(
+            f"--repeats {args.repeats}: give 1 or more, or 0 with --include (rescoring earlier runs)"
+        )
     if args.calibrate:
         print(calibrate(args))
         return 0
 
     started = dt.datetime.now(dt.timezone.utc)
     runs: dict[tuple[str, str], list[dict]] = {(m, n): [] for m in args.models for n in args.layouts}
+    for path in args.include:  # earlier runs (their --json) first, then these: the runs in time order
+        for earlier in json.loads(Path(path).read_text()):
+            key = earlier.get("model"), earlier.get("layout")
+            if "error" in earlier or key not in runs:  # only the models and layouts asked for
+                continue
+            times = earlier.get("measured_runs_s", [earlier["measured_step_s"]])
+            share = earlier.get("run_s", 0.0) / len(times)
+            runs[key] += [earlier | {"measured_step_s": t, "run_s": share} for t in times]
     with tempfile.TemporaryDirectory(prefix="suite-bench-plan-cpu-") as tmp:
         for round_ in range(1, args.repeats + 1):
             for model in args.models:
@@ -342,15 +356,6 @@ def main() -> int:
                         f"measured, step {row['step_s']:.3f} / {row['measured_step_s']:.3f} s"
                     )
                     print(f"round {round_}: {model} {name}: {status} ({row['run_s']:.0f} s)", flush=True)
-    for path in args.include:  # earlier runs (their --json) join these, layout by layout
-        for earlier in json.loads(Path(path).read_text()):
-            if "error" in earlier:
-                continue
-            found = runs.setdefault((earlier["model"], earlier["layout"]), [])
-            found += [
-                earlier | {"measured_step_s": t}
-                for t in earlier.get("measured_runs_s", [earlier["measured_step_s"]])
-            ]
     rows = [merge_runs(found, args) for found in runs.values() if found]
     args.models = list(dict.fromkeys(row["model"] for row in rows))
     if args.json:

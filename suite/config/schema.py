@@ -390,6 +390,10 @@ class DistillConfig:
     hidden_schedule: str = "constant"
 
 
+# the collectives the planner costs (suite.plan.comm), each with its own cluster.collective_efficiency
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")
+
+
 @dataclass
 class ClusterConfig:
     """The machines a job runs on, for `suite plan` (suite/plan/): what one device computes and holds,
@@ -397,8 +401,9 @@ class ClusterConfig:
 
     Bandwidths are per direction in GB/s (1e9 bytes/s); `*_efficiency` is the fraction of a link's
     nominal bandwidth that large collectives achieve (NCCL bus bandwidth over the data sheet), and
-    `compute_efficiency` the fraction of the dense peak that a transformer's large matmuls sustain:
-    the cost model's only calibration constants (docs/planner.md)."""
+    `compute_efficiency` the fraction of the dense peak that a transformer's large matmuls sustain,
+    `collective_efficiency` a further factor per collective where the backend runs one slower than its
+    ring (gloo): the cost model's calibration constants, with the CPU's host overheads (docs/planner.md)."""
 
     name: str = "generic"
     device_type: str = "cuda"  # cuda | cpu: settles the recipe's `auto` precision and attention for the plan
@@ -416,10 +421,10 @@ class ClusterConfig:
     inter_node_bandwidth_gbs: float = 1.0  # per node, per direction (all NICs together)
     inter_node_latency_us: float = 10.0
     inter_node_efficiency: float = 1.0
-    # a further factor on a link's bandwidth for one collective (all_reduce, reduce_scatter, all_gather,
-    # all_to_all, send_recv) where the backend runs it slower than the ring formula (gloo: reduce-scatter
-    # as a whole all-reduce); a kind not named is 1.0. Measured: bench/gloo_collectives.py
-    collective_efficiency: dict[str, float] = field(default_factory=dict)
+    # a further factor on a link's bandwidth for one collective (COLLECTIVES) where the backend runs it
+    # slower than the ring formula (gloo: reduce-scatter as a whole all-reduce); 1.0 on GPUs (NCCL).
+    # Measured: bench/gloo_collectives.py
+    collective_efficiency: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 1.0))
     host_bandwidth_gbs: float = 16.0  # device <-> host per device (PCIe), what parallel.offload crosses
     # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
     # whose cores do both (gloo), so every collective is on the critical path

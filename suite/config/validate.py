@@ -8,7 +8,7 @@ them all once, in the parent, before any process starts.
 from __future__ import annotations
 
 from suite.config.errors import ConfigError
-from suite.config.schema import SuiteConfig
+from suite.config.schema import COLLECTIVES, SuiteConfig
 
 CHOICES = {
     "model.family": ("gpt", "llama"),
@@ -190,11 +190,11 @@ def _check_cluster(cfg: SuiteConfig) -> None:
     for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
         if not 0.0 < getattr(c, key) <= 1.0:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1], e.g. cluster.{key}=0.8")
-    known = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")  # suite.plan.comm
     for collective, value in c.collective_efficiency.items():
-        if collective not in known:
+        if collective not in COLLECTIVES:
             raise ConfigError(
-                f"cluster.collective_efficiency.{collective}={value}: not a collective; use one of {', '.join(known)}"
+                f"cluster.collective_efficiency.{collective}={value}: not a collective; use one of "
+                f"{', '.join(COLLECTIVES)}"
             )
         if not 0.0 < value <= 1.0:
             raise ConfigError(

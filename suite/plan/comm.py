@@ -70,12 +70,7 @@ def group_link(cluster: ClusterConfig, layout: Layout, axis: str) -> Link:
     else:
         bandwidth = cluster.intra_node_bandwidth_gbs * 1e9 * cluster.intra_node_efficiency
         latency = cluster.intra_node_latency_us * 1e-6
-    return Link(size, inter, bandwidth, latency, per_collective(cluster))
-
-
-def per_collective(cluster: ClusterConfig) -> tuple[tuple[str, float], ...]:
-    """cluster.collective_efficiency as a Link carries it."""
-    return tuple(sorted(cluster.collective_efficiency.items()))
+    return Link(size, inter, bandwidth, latency, tuple(sorted(cluster.collective_efficiency.items())))
 
 
 def all_reduce(link: Link, size: float) -> float:

@@ -181,18 +181,25 @@ def _micro_batch_comm(
     tp = cp = ep = 0.0
     moe_layers = sum(1 for layer in layers if layer in moe)
     if layout.tp > 1:
-        # per layer 2 forward + 2 backward all-reduces (AG + RS under sp: the same time), attention's
-        # and the MLP's, plus the forward's again when recomputed (full: both, full_attn: attention's);
-        # an MoE layer's MLP pair reduces its routed rows, top_k copies of the tokens
+        # per layer 2 forward + 2 backward all-reduces (under sp an all-gather + a reduce-scatter each:
+        # the same time on a ring, not where the backend runs them slower), attention's and the MLP's,
+        # plus the forward's again when recomputed (full: both, full_attn: attention's); an MoE
+        # layer's MLP pair reduces its routed rows, top_k copies of the tokens
         # (suite.parallel.expert_tensor_parallel)
         attn = 2 + (1 if layout.recompute in ("full", "full_attn") else 0)
         mlp = 2 + (1 if layout.recompute == "full" else 0)
         link = comm.group_link(c, layout, "tp")
-        tp = len(layers) * attn * comm.all_reduce(link, act)
-        tp += (len(layers) - moe_layers) * mlp * comm.all_reduce(link, act)
-        tp += moe_layers * mlp * comm.all_reduce(link, act * m.top_k)
+
+        def reduce(size: float) -> float:
+            if layout.sp:
+                return comm.all_gather(link, size) + comm.reduce_scatter(link, size)
+            return comm.all_reduce(link, size)
+
+        tp = len(layers) * attn * reduce(act)
+        tp += (len(layers) - moe_layers) * mlp * reduce(act)
+        tp += moe_layers * mlp * reduce(act * m.top_k)
         if layout.pp == 1:  # vocabulary-parallel embedding (forward) and head input (backward)
-            tp += 2 * comm.all_reduce(link, act)
+            tp += 2 * reduce(act)
     if layout.cp > 1:
         # ring attention: cp - 1 exchanges of the local K and V forward, K, V, dK, dV backward
         kv = e * tokens * 2 * kv_heads(m) * head_size(m) / layout.tp

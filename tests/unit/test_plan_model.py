@@ -171,6 +171,12 @@ def test_a_collective_the_backend_runs_slower_costs_more_on_the_same_link():
     assert slower > evaluate(job, zero3).time.data > 0
     dp = Layout(dp=2, micro_batch=2)  # all-reduce only: unchanged
     assert evaluate(dataclasses.replace(job, cluster=gloo), dp).time.data == evaluate(job, dp).time.data
+    # tp's all-reduces, and under sp the all-gather + reduce-scatter pairs that replace them
+    tp, tp_sp = Layout(tp=2, micro_batch=2), Layout(tp=2, sp=True, micro_batch=2)
+    assert evaluate(job, tp_sp).time.tp == pytest.approx(evaluate(job, tp).time.tp)  # a ring: the same
+    slow = dataclasses.replace(job, cluster=gloo)
+    assert evaluate(slow, tp).time.tp == evaluate(job, tp).time.tp
+    assert evaluate(slow, tp_sp).time.tp == pytest.approx((2 + 4) / 2 * evaluate(job, tp_sp).time.tp)
 
 
 def test_layout_names_round_trip_and_bad_tokens_are_named():
@@ -342,6 +348,13 @@ def test_experts_across_nodes_cross_once_per_node_reached():
     one_node = ClusterConfig(nodes=1, devices_per_node=4)
     assert comm.expert_exchange(one_node, layout, 1e6, 4, 2) == comm.all_to_all(
         comm.group_link(one_node, layout, "ep"), 2e6
+    )
+    # a slower all-to-all (cluster.collective_efficiency) reaches both of the hierarchical exchanges
+    halved = dataclasses.replace(cluster, collective_efficiency={"all_to_all": 0.5})
+    assert comm.expert_exchange(halved, layout, 1e6, 4, 2) == pytest.approx(
+        2 * comm.all_to_all(across, 1e6 * 5 / 3)
+        + 2 * comm.all_to_all(inside, 2e6)
+        - (across.latency + inside.latency)  # the bandwidth terms double, the latencies (n - 1 = 1) do not
     )
 
 
