@@ -429,6 +429,10 @@ class ClusterConfig:
     # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
     # whose cores do both (gloo), so every collective is on the critical path
     comm_overlap: bool = True
+    # the share of a core each process gets when a launch runs more threads than the machine has cores
+    # (cores / threads; suite.plan.fit.time_shared sets it and slows every rate by it): what lets the
+    # cost model hand an idle rank's core to the others, as the OS scheduler does
+    time_share: float = 1.0
     # Host seconds per layer per micro-batch (forward + backward) that are neither FLOPs nor link time:
     # eager dispatch and autograd on a CPU, where they order a small model's layouts; 0 on GPUs, whose
     # kernels queue ahead of the device. The tp, dp and sharding terms are what each wrapper adds to a

@@ -187,7 +187,7 @@ def _check_cluster(cfg: SuiteConfig) -> None:
             f"cluster.reserved_gib={c.reserved_gib} leaves nothing of cluster.memory_gib={c.memory_gib}; "
             "reserve less than the device holds"
         )
-    for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency"):
+    for key in ("compute_efficiency", "intra_node_efficiency", "inter_node_efficiency", "time_share"):
         if not 0.0 < getattr(c, key) <= 1.0:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1], e.g. cluster.{key}=0.8")
     for collective, value in c.collective_efficiency.items():

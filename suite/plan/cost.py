@@ -7,7 +7,8 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
               peak x compute_efficiency, plus the exposed tp, cp and ep communication of its layers
     compute   m t_mb                          (m micro-batches per step and data rank)
     bubble    (p - 1)/v t_mb                  (a bubble fraction (p - 1)/(v m); GPipe and 1F1B v = 1;
-                                               zero-bubble: a third of 1F1B's, Qi et al. 2023 ZB-H1)
+                                               zero-bubble: a third of 1F1B's, Qi et al. 2023 ZB-H1;
+                                               where ranks time-share the cores, `pipeline`)
     pp p2p    2 (m v + p - 1) t_send          (activations forward, gradients back, on the critical path)
     data      data-parallel / sharding collectives not hidden under compute
     optimizer AdamW's bytes over memory bandwidth (+ the host transfers of offload)
@@ -265,6 +266,29 @@ def _optimizer_time(job: Job, layout: Layout, full: float, sharded: float) -> fl
     return updated * per / (c.memory_bandwidth_gbs * 1e9)
 
 
+def pipeline(
+    layout: Layout, stages: list[tuple[float, ...]], m: int, time_share: float = 1.0
+) -> tuple[tuple[float, ...], float]:
+    """The pipeline's seconds per step: (m x each part of a micro-batch on the rank that sets the
+    pace, the bubble). `stages` holds each stage's micro-batch parts (compute, tp, cp, ep, host).
+
+    With a core per rank (time_share 1) the slowest stage sets the pace: m of its micro-batches plus
+    its fill and drain, b = (p - 1)/v of them (Narayanan et al. 2021, section 2.2.1; zero-bubble a
+    third, Qi et al. 2023 ZB-H1). Where processes time-share the cores (time_share = cores / threads
+    < 1, the parts timed at that share), a rank that waits lends its core to the others, as the OS
+    scheduler does: the step is the larger of the work bound, every stage's m micro-batches over the
+    shared cores (m x the stages' mean), and the critical path with at most one core per rank,
+    (m + b) x the slowest stage at time_share of its shared time. At time_share 1 the second is the
+    first formula."""
+    b = (layout.pp - 1) / layout.vpp / (3 if layout.schedule == "zero_bubble" else 1)
+    slowest = max(stages, key=sum)
+    critical = (m + b) * time_share * sum(slowest)
+    mean = tuple(sum(parts) / len(stages) for parts in zip(*stages))
+    if critical >= m * sum(mean):
+        return tuple(m * time_share * x for x in slowest), b * time_share * sum(slowest)
+    return tuple(m * x for x in mean), 0.0
+
+
 def evaluate(job: Job, layout: Layout) -> Cost:
     """The cost of one step of `job` under `layout` (assumed valid: suite.plan.layout.check_layout)."""
     from suite.models.moe import moe_layer_ids
@@ -277,16 +301,17 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     moe = set(moe_layer_ids(model))
     rate = _rate(job)
     capacity = (c.memory_gib - c.reserved_gib) * GIB
-    worst_t, worst_parts, worst_mem = 0.0, (0.0, 0.0, 0.0, 0.0, 0.0), None
-    t_forward = 0.0
+    worst_t, worst_mem, stages = 0.0, None, []
+    t_forward = worst_host = 0.0
     for rank, (params, layers) in enumerate(zip(table, layers_of)):
         flops, forward, core = _rank_compute(job, layout, layers, last=rank == layout.pp - 1)
         compute = flops / rate
         tp, cp, ep = _micro_batch_comm(job, layout, layers, core / rate)
         host = _host_per_micro_batch(job, layout, layers)
         t = compute + tp + cp + ep + host
+        stages.append((compute, tp, cp, ep, host))
         if t > worst_t:
-            worst_t, worst_parts, t_forward = t, (compute, tp, cp, ep, host), forward / rate
+            worst_t, t_forward, worst_host = t, forward / rate, host
         state = state_bytes(job, layout, params)
         acts = rank_activations(job, layout, len(layers), sum(1 for x in layers if x in moe), rank)
         mem = Memory(
@@ -304,11 +329,8 @@ def evaluate(job: Job, layout: Layout) -> Cost:
             worst_mem = (mem, state, params)
     assert worst_mem is not None
     memory, _, params = worst_mem
-    compute, tp, cp, ep, host = worst_parts
+    (compute, tp, cp, ep, host), bubble = pipeline(layout, stages, m, c.time_share)
     p, v = layout.pp, layout.vpp
-    bubble = (p - 1) / v * worst_t
-    if layout.schedule == "zero_bubble":
-        bubble /= 3
     pp_time = 0.0
     if p > 1:
         sp_div = layout.tp if layout.sp else 1
@@ -317,11 +339,11 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     full = max(r.unsharded for r in table)
     sharded = max(r.sharded for r in table)
     # collectives hide under the device's work, not under the host's (overlap windows exclude `host`)
-    windows = (t_forward, worst_t - host - t_forward) if c.comm_overlap else (0.0, 0.0)
+    windows = (t_forward, worst_t - worst_host - t_forward) if c.comm_overlap else (0.0, 0.0)
     data = _data_comm(job, layout, full, sharded, *windows, m)
     optimizer = _optimizer_time(job, layout, full, sharded)
-    host_time = m * host + _host_per_step(job, layout)
-    time = Time(m * compute, m * tp, m * cp, m * ep, bubble, pp_time, data, optimizer, host_time)
+    host_time = host + _host_per_step(job, layout)
+    time = Time(compute, tp, cp, ep, bubble, pp_time, data, optimizer, host_time)
     model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)
     step = time.total
     return Cost(

@@ -76,12 +76,14 @@ def launched_cluster(cfg: SuiteConfig, here: bool = True) -> ClusterConfig:
 def time_shared(cluster: ClusterConfig, threads: int, cores: int) -> ClusterConfig:
     """A CPU cluster whose processes run `threads` threads on `cores` cores in all: with more threads
     than cores they time-share them, so each computes, copies and communicates (gloo runs on the same
-    cores) at cores / threads of its speed alone (bench/plan_cpu.py: 4 processes on 2 cores)."""
+    cores) at cores / threads of its speed alone (bench/plan_cpu.py: 4 processes on 2 cores); `time_share` records
+    the factor for what runs while other ranks idle (suite.plan.cost.pipeline_bubble)."""
     if threads <= cores:
         return cluster
     f = cores / threads
     return replace(
         cluster,
+        time_share=cluster.time_share * f,
         peak_flops={k: v * f for k, v in cluster.peak_flops.items()},
         memory_bandwidth_gbs=cluster.memory_bandwidth_gbs * f,
         intra_node_bandwidth_gbs=cluster.intra_node_bandwidth_gbs * f,

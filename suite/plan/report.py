@@ -148,7 +148,8 @@ def explain(job: Job, cost: Cost) -> str:
     for axis in (*comm.AXES, "ep"):
         link = comm.group_link(job.cluster, cost.layout, axis)
         if link.ranks > 1:
-            links.append(f"{axis} {link.ranks} ranks on {link.name} ({link.bandwidth / 1e9:.1f} GB/s)")
+            slower = "".join(f"; {name} x{f:g}" for name, f in link.per_collective if f != 1.0)
+            links.append(f"{axis} {link.ranks} ranks on {link.name} ({link.bandwidth / 1e9:.1f} GB/s{slower})")
     if links:
         lines.append("links: " + ", ".join(links))
     return "\n".join(lines)

@@ -42,6 +42,7 @@ def test_default_cluster_is_this_cpu():
     [
         ("cluster.nodes=0", "cluster.nodes"),
         ("cluster.compute_efficiency=1.5", "cluster.compute_efficiency"),
+        ("cluster.time_share=0", "cluster.time_share=0.0 must be in"),
         ("cluster.inter_node_bandwidth_gbs=-1", "cluster.inter_node_bandwidth_gbs"),
         ("cluster.reserved_gib=100", "cluster.reserved_gib"),
         ("cluster.collective_efficiency.all_gatherr=0.5", "cluster.collective_efficiency.all_gatherr"),

@@ -331,6 +331,36 @@ def test_processes_beyond_the_cores_time_share_them():
     assert slow.time.total == pytest.approx(2 * evaluate(job, Layout(dp=4)).time.total)
 
 
+def test_time_shared_pipeline_stages_lend_their_cores_to_the_busier_stage():
+    """4 ranks on 2 cores (bench/plan_cpu.py pp2-dp2): a pipeline rank that waits, in the fill and drain
+    or for a slower stage, leaves its core to the others, so the step is the larger of all stages'
+    work over the shared cores and the critical path at one core per rank; a core each keeps the
+    slowest stage's pace and bubble (Narayanan et al. 2021)."""
+    from suite.plan.cost import pipeline
+
+    stages = [(1.0, 0.0, 0.0, 0.0, 0.2), (2.0, 0.0, 0.0, 0.0, 0.2)]  # compute, tp, cp, ep, host (shared)
+    one_each = pipeline(Layout(pp=2), stages, m=4, time_share=1.0)
+    assert one_each == ((8.0, 0.0, 0.0, 0.0, 0.8), pytest.approx(2.2))  # m x the slowest, + 1 of it
+    pooled, bubble = pipeline(Layout(pp=2), stages, m=4, time_share=0.5)
+    assert pooled == pytest.approx((6.0, 0.0, 0.0, 0.0, 0.8)) and bubble == 0.0  # m x the mean: 6.8
+    # one stage far slower: its ranks cannot run faster than one core each, (m + 1) x 0.5 x 8.2
+    lopsided = [(1.0, 0.0, 0.0, 0.0, 0.0), (8.0, 0.0, 0.0, 0.0, 0.2)]
+    parts, bubble = pipeline(Layout(pp=2), lopsided, m=4, time_share=0.5)
+    assert sum(parts) + bubble == pytest.approx(5 * 0.5 * 8.2) and bubble == pytest.approx(0.5 * 8.2)
+    # no pipeline: the stages' mean is the one stage; the cores' speed is in its time already
+    assert pipeline(Layout(dp=4), stages[:1], m=2, time_share=0.5) == ((2.0, 0.0, 0.0, 0.0, 0.4), 0.0)
+
+    from suite.plan.fit import time_shared
+
+    job = _cpu_job(global_batch=8)
+    shared = dataclasses.replace(time_shared(job.cluster, threads=4, cores=2), devices_per_node=4)
+    assert shared.time_share == 0.5
+    layout = Layout(pp=2, dp=2, micro_batch=2)
+    cost = evaluate(dataclasses.replace(job, cluster=shared), layout)
+    naive = evaluate(dataclasses.replace(job, cluster=dataclasses.replace(shared, time_share=1.0)), layout)
+    assert cost.time.bubble == 0.0 < naive.time.bubble and cost.time.total < naive.time.total
+
+
 def test_experts_across_nodes_cross_once_per_node_reached():
     """ep spanning nodes is dispatched hierarchically (parallel.ep_dispatch=auto): the network carries
     each token once per node it reaches (E=4, k=2, N=2: 2 (1 - C(2,2)/C(4,2)) = 5/3 copies, not 2),

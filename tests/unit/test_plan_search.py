@@ -62,6 +62,20 @@ def test_cli_table_json_and_explain_agree(capsys):
     assert "pipeline bubble" in capsys.readouterr().out
 
 
+def test_explain_names_the_collectives_a_link_runs_slower(capsys):
+    """The cpu preset's gloo factors (cluster.collective_efficiency) show beside the link they slow;
+    a GPU preset's links, at 1.0 throughout, show bare."""
+    assert main(["plan", "recipe=gpt-tiny", "cluster=cpu", "--explain", "sh2z3-mb2"]) == 0
+    links = capsys.readouterr().out.splitlines()[-1]
+    assert (
+        links.startswith("links: sharding 2 ranks on")
+        and "(1.4 GB/s; all_gather x0.52; reduce_scatter x0.39)" in links
+    )
+    assert main(["plan", *GPT13B, "--explain", "tp8sp-pp4-mb1"]) == 0
+    links = capsys.readouterr().out.splitlines()[-1]
+    assert "tp 8 ranks on nvlink" in links and " x" not in links
+
+
 def test_help_names_the_keys_and_clusters(capsys):
     assert main(["plan", "--help"]) == 0
     text = capsys.readouterr().out
