@@ -429,9 +429,10 @@ class ClusterConfig:
     # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
     # whose cores do both (gloo), so every collective is on the critical path
     comm_overlap: bool = True
-    # the share of a core each process gets when a launch runs more threads than the machine has cores
-    # (cores / threads; suite.plan.fit.time_shared sets it and slows every rate by it): what lets the
-    # cost model hand an idle rank's core to the others, as the OS scheduler does
+    # the share of a core each process gets (1.0: one each; 0.5: two processes per core): the cost model
+    # runs every rate that much slower (suite.plan.cost.at_time_share) and lends an idle pipeline rank's
+    # core to the others; a launch with more threads than cores caps it at cores / threads
+    # (suite.plan.fit.time_shared)
     time_share: float = 1.0
     # Host seconds per layer per micro-batch (forward + backward) that are neither FLOPs nor link time:
     # eager dispatch and autograd on a CPU, where they order a small model's layouts; 0 on GPUs, whose

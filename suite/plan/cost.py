@@ -25,8 +25,9 @@ exceeds the window is exposed); ZeRO-1's parameter all-gather after the step is 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from suite.config.schema import ClusterConfig
 from suite.plan import comm
 from suite.plan.activations import rank_activations
 from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
@@ -80,7 +81,7 @@ class Memory:
 class Time:
     """Seconds of one optimizer step on the critical path, by part."""
 
-    compute: float  # m x the micro-batch's FLOPs at the sustained rate
+    compute: float  # m x the micro-batch's FLOPs at the sustained rate (time-shared: see `pipeline`)
     tp: float
     cp: float
     ep: float
@@ -273,26 +274,62 @@ def pipeline(
     pace, the bubble). `stages` holds each stage's micro-batch parts (compute, tp, cp, ep, host).
 
     With a core per rank (time_share 1) the slowest stage sets the pace: m of its micro-batches plus
-    its fill and drain, b = (p - 1)/v of them (Narayanan et al. 2021, section 2.2.1; zero-bubble a
-    third, Qi et al. 2023 ZB-H1). Where processes time-share the cores (time_share = cores / threads
-    < 1, the parts timed at that share), a rank that waits lends its core to the others, as the OS
-    scheduler does: the step is the larger of the work bound, every stage's m micro-batches over the
-    shared cores (m x the stages' mean), and the critical path with at most one core per rank,
-    (m + b) x the slowest stage at time_share of its shared time. At time_share 1 the second is the
-    first formula."""
-    b = (layout.pp - 1) / layout.vpp / (3 if layout.schedule == "zero_bubble" else 1)
+    its fill and drain, (p - 1)/v of them (Narayanan et al. 2021, section 2.2.1; zero-bubble a third,
+    Qi et al. 2023 ZB-H1). Where processes time-share the cores (time_share = cores / threads < 1,
+    the parts timed at that share), a rank that waits lends its core to the others, as the OS
+    scheduler does. The step is then the larger of two bounds: the work, every stage's m
+    micro-batches over the shared cores (m x the stages' mean); and the critical path, the formula
+    above with the slowest stage run as fast as it can alone, at one core per rank and its ranks'
+    1/p of the threads sharing all the cores (max(time_share, 1/p) of its shared time). At
+    time_share 1 the second is the first formula."""
     slowest = max(stages, key=sum)
-    critical = (m + b) * time_share * sum(slowest)
+    alone = max(time_share, 1 / layout.pp)
+    bubble = (layout.pp - 1) / layout.vpp * sum(slowest)
+    if layout.schedule == "zero_bubble":
+        bubble /= 3
     mean = tuple(sum(parts) / len(stages) for parts in zip(*stages))
-    if critical >= m * sum(mean):
-        return tuple(m * time_share * x for x in slowest), b * time_share * sum(slowest)
+    if (m * sum(slowest) + bubble) * alone >= m * sum(mean):
+        return tuple(m * alone * x for x in slowest), bubble * alone
     return tuple(m * x for x in mean), 0.0
+
+
+# what a process that gets a share of a core does that many times slower: rates, and delays
+SHARED_RATES = ("memory_bandwidth_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs")
+SHARED_DELAYS = (
+    "intra_node_latency_us",
+    "inter_node_latency_us",
+    "layer_overhead_us",
+    "tp_layer_overhead_us",
+    "dp_layer_overhead_us",
+    "shard_layer_overhead_us",
+    "step_overhead_ms",
+    "tp_step_overhead_ms",
+    "dp_step_overhead_ms",
+    "shard_step_overhead_ms",
+)
+
+
+def at_time_share(cluster: ClusterConfig) -> ClusterConfig:
+    """The cluster as one process sees it when it gets `time_share` of a core: compute, memory and
+    links (gloo runs on the cores) that many times slower, latencies and host overheads that many
+    times longer (suite.plan.fit.time_shared sets the share for a launch with more threads than
+    cores)."""
+    f = cluster.time_share
+    if f == 1.0:
+        return cluster
+    return replace(
+        cluster,
+        peak_flops={k: v * f for k, v in cluster.peak_flops.items()},
+        **{key: getattr(cluster, key) * f for key in SHARED_RATES},
+        **{key: getattr(cluster, key) / f for key in SHARED_DELAYS},
+    )
 
 
 def evaluate(job: Job, layout: Layout) -> Cost:
     """The cost of one step of `job` under `layout` (assumed valid: suite.plan.layout.check_layout)."""
     from suite.models.moe import moe_layer_ids
 
+    job = replace(job, cluster=at_time_share(job.cluster))
     c, model = job.cluster, job.model
     m = layout.micro_batches(job.global_batch)
     shards = layout.sharding if layout.sharding > 1 else 1
@@ -329,7 +366,9 @@ def evaluate(job: Job, layout: Layout) -> Cost:
             worst_mem = (mem, state, params)
     assert worst_mem is not None
     memory, _, params = worst_mem
-    (compute, tp, cp, ep, host), bubble = pipeline(layout, stages, m, c.time_share)
+    # cores are lent between stages on one machine, not across nodes
+    pooled = c.time_share if not comm.group_link(c, layout, "pp").inter_node else 1.0
+    (compute, tp, cp, ep, host), bubble = pipeline(layout, stages, m, pooled)
     p, v = layout.pp, layout.vpp
     pp_time = 0.0
     if p > 1:

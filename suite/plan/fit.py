@@ -75,30 +75,12 @@ def launched_cluster(cfg: SuiteConfig, here: bool = True) -> ClusterConfig:
 
 def time_shared(cluster: ClusterConfig, threads: int, cores: int) -> ClusterConfig:
     """A CPU cluster whose processes run `threads` threads on `cores` cores in all: with more threads
-    than cores they time-share them, so each computes, copies and communicates (gloo runs on the same
-    cores) at cores / threads of its speed alone (bench/plan_cpu.py: 4 processes on 2 cores); `time_share` records
-    the factor for what runs while other ranks idle (suite.plan.cost.pipeline_bubble)."""
+    than cores they time-share them, each at cores / threads of its speed alone (gloo runs on the same
+    cores; bench/plan_cpu.py: 4 processes on 2 cores). The share caps `cluster.time_share`, by which
+    the cost model slows every rate (suite.plan.cost.at_time_share)."""
     if threads <= cores:
         return cluster
-    f = cores / threads
-    return replace(
-        cluster,
-        time_share=cluster.time_share * f,
-        peak_flops={k: v * f for k, v in cluster.peak_flops.items()},
-        memory_bandwidth_gbs=cluster.memory_bandwidth_gbs * f,
-        intra_node_bandwidth_gbs=cluster.intra_node_bandwidth_gbs * f,
-        intra_node_latency_us=cluster.intra_node_latency_us / f,
-        inter_node_bandwidth_gbs=cluster.inter_node_bandwidth_gbs * f,
-        inter_node_latency_us=cluster.inter_node_latency_us / f,
-        layer_overhead_us=cluster.layer_overhead_us / f,
-        tp_layer_overhead_us=cluster.tp_layer_overhead_us / f,
-        dp_layer_overhead_us=cluster.dp_layer_overhead_us / f,
-        shard_layer_overhead_us=cluster.shard_layer_overhead_us / f,
-        step_overhead_ms=cluster.step_overhead_ms / f,
-        tp_step_overhead_ms=cluster.tp_step_overhead_ms / f,
-        dp_step_overhead_ms=cluster.dp_step_overhead_ms / f,
-        shard_step_overhead_ms=cluster.shard_step_overhead_ms / f,
-    )
+    return replace(cluster, time_share=min(cluster.time_share, cores / threads))
 
 
 def recipe_layout(cfg: SuiteConfig, dims: ParallelDims) -> Layout:

@@ -149,7 +149,9 @@ def explain(job: Job, cost: Cost) -> str:
         link = comm.group_link(job.cluster, cost.layout, axis)
         if link.ranks > 1:
             slower = "".join(f"; {name} x{f:g}" for name, f in link.per_collective if f != 1.0)
-            links.append(f"{axis} {link.ranks} ranks on {link.name} ({link.bandwidth / 1e9:.1f} GB/s{slower})")
+            links.append(
+                f"{axis} {link.ranks} ranks on {link.name} ({link.bandwidth / 1e9:.1f} GB/s{slower})"
+            )
     if links:
         lines.append("links: " + ", ".join(links))
     return "\n".join(lines)

@@ -317,13 +317,19 @@ def test_the_plain_loss_keeps_three_fp32_logits_the_chunked_one_a_chunk():
 
 
 def test_processes_beyond_the_cores_time_share_them():
+    from suite.plan.cost import at_time_share
     from suite.plan.fit import time_shared
 
     cluster = ClusterConfig(device_type="cpu", peak_flops={"fp32": 100e9}, intra_node_latency_us=200)
     assert time_shared(cluster, threads=2, cores=2) == cluster
     shared = time_shared(cluster, threads=4, cores=2)
-    assert shared.peak_flops == {"fp32": 50e9} and shared.intra_node_latency_us == 400
-    assert shared.memory_bandwidth_gbs == cluster.memory_bandwidth_gbs / 2
+    assert shared.time_share == 0.5 and at_time_share(cluster) == cluster
+    rates = at_time_share(shared)  # what the cost model computes with
+    assert rates.peak_flops == {"fp32": 50e9} and rates.intra_node_latency_us == 400
+    assert rates.memory_bandwidth_gbs == cluster.memory_bandwidth_gbs / 2
+    assert rates.host_bandwidth_gbs == cluster.host_bandwidth_gbs  # offload's link is not the cores
+    # a share set by hand stands when the launch leaves more
+    assert time_shared(dataclasses.replace(cluster, time_share=0.25), threads=4, cores=2).time_share == 0.25
     job = _cpu_job(cluster=dataclasses.replace(cluster, devices_per_node=4))
     slow = evaluate(
         dataclasses.replace(job, cluster=dataclasses.replace(shared, devices_per_node=4)), Layout(dp=4)
@@ -347,8 +353,18 @@ def test_time_shared_pipeline_stages_lend_their_cores_to_the_busier_stage():
     lopsided = [(1.0, 0.0, 0.0, 0.0, 0.0), (8.0, 0.0, 0.0, 0.0, 0.2)]
     parts, bubble = pipeline(Layout(pp=2), lopsided, m=4, time_share=0.5)
     assert sum(parts) + bubble == pytest.approx(5 * 0.5 * 8.2) and bubble == pytest.approx(0.5 * 8.2)
+    # 8 threads on 2 cores: a stage's ranks, half the threads, share all the cores when the other
+    # stage waits, 1/p of the shared time and not time_share of it: (4 x 8.2 + 8.2) x 0.5
+    parts, bubble = pipeline(Layout(pp=2), lopsided, m=4, time_share=0.25)
+    assert sum(parts) + bubble == pytest.approx(5 * 0.5 * 8.2)
     # no pipeline: the stages' mean is the one stage; the cores' speed is in its time already
     assert pipeline(Layout(dp=4), stages[:1], m=2, time_share=0.5) == ((2.0, 0.0, 0.0, 0.0, 0.4), 0.0)
+    # a core each: exactly the slowest stage's m micro-batches and its bubble, zero-bubble's a third
+    for layout, b in (
+        (Layout(pp=2, vpp=2), 2.2 / 2),
+        (Layout(pp=2, vpp=2, schedule="zero_bubble"), 2.2 / 2 / 3),
+    ):
+        assert pipeline(layout, stages, m=4) == ((8.0, 0.0, 0.0, 0.0, 0.8), pytest.approx(b, rel=1e-15))
 
     from suite.plan.fit import time_shared
 
@@ -357,8 +373,11 @@ def test_time_shared_pipeline_stages_lend_their_cores_to_the_busier_stage():
     assert shared.time_share == 0.5
     layout = Layout(pp=2, dp=2, micro_batch=2)
     cost = evaluate(dataclasses.replace(job, cluster=shared), layout)
-    naive = evaluate(dataclasses.replace(job, cluster=dataclasses.replace(shared, time_share=1.0)), layout)
-    assert cost.time.bubble == 0.0 < naive.time.bubble and cost.time.total < naive.time.total
+    assert cost.time.bubble == 0.0
+    # the same ranks as two nodes of two, the stages on different nodes: no core crosses a node
+    nodes = dataclasses.replace(shared, nodes=2, devices_per_node=2)
+    apart = evaluate(dataclasses.replace(job, cluster=nodes), layout)
+    assert apart.time.bubble > 0.0 and apart.time.compute > cost.time.compute
 
 
 def test_experts_across_nodes_cross_once_per_node_reached():
@@ -406,6 +425,7 @@ def test_ep_with_zero1_shards_the_dense_state_and_keeps_the_experts_whole():
 
 
 def test_host_overhead_is_per_layer_per_micro_batch_and_per_wrapper():
+    from suite.plan.cost import at_time_share
     from suite.plan.fit import time_shared
 
     cfg = ModelConfig(family="gpt", num_layers=4, hidden_size=64, num_heads=4, vocab_size=512)
@@ -433,5 +453,5 @@ def test_host_overhead_is_per_layer_per_micro_batch_and_per_wrapper():
     assert rank_layers(cfg, 2, 1) == [[0], [1, 2, 3]]
     added = evaluate(job, pp).time.bubble - evaluate(bare, pp).time.bubble
     assert added == pytest.approx(3 * 100e-6, rel=1e-6)  # the bubble carries the slowest stage's overhead
-    shared = time_shared(job.cluster, threads=4, cores=2)  # 4 ranks on 2 cores: each at half speed
+    shared = at_time_share(time_shared(job.cluster, threads=4, cores=2))  # 4 ranks on 2 cores: half speed
     assert shared.layer_overhead_us == 200.0 and shared.step_overhead_ms == 14.0
