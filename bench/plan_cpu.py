@@ -201,7 +201,15 @@ def run_layout(model: str, name: str, args: argparse.Namespace, root: Path, bare
 def calibrate(args: argparse.Namespace) -> str:
     """Run the narrow model at both depths under each wrapper; per wrapper, the seconds a layer adds
     per micro-batch beyond the bare cost model (the slope between the depths) and the per-step rest
-    (the intercept). Prints the preset's lines."""
+    (the intercept). Prints the preset's lines. The preset's overheads are a process's on a core of
+    its own (suite.plan.cost.at_time_share stretches them for time-shared launches), so the 2-rank
+    runs must not time-share: 2 cores at least."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        raise SystemExit(
+            f"--calibrate runs 2 ranks of one thread each and this process may use {cores} core; "
+            "run it where 2 cores are free (taskset -c 0,1 ...)"
+        )
     rows = {}
     with tempfile.TemporaryDirectory(prefix="suite-bench-plan-calibrate-") as tmp:
         for name in CALIBRATION_LAYOUTS:

@@ -313,12 +313,14 @@ def at_time_share(cluster: ClusterConfig) -> ClusterConfig:
     """The cluster as one process sees it when it gets `time_share` of a core: compute, memory and
     links (gloo runs on the cores) that many times slower, latencies and host overheads that many
     times longer (suite.plan.fit.time_shared sets the share for a launch with more threads than
-    cores)."""
+    cores). The result's own share is 1: its rates are already the shared ones, so scaling twice is
+    scaling once."""
     f = cluster.time_share
     if f == 1.0:
         return cluster
     return replace(
         cluster,
+        time_share=1.0,
         peak_flops={k: v * f for k, v in cluster.peak_flops.items()},
         **{key: getattr(cluster, key) * f for key in SHARED_RATES},
         **{key: getattr(cluster, key) / f for key in SHARED_DELAYS},
@@ -329,6 +331,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     """The cost of one step of `job` under `layout` (assumed valid: suite.plan.layout.check_layout)."""
     from suite.models.moe import moe_layer_ids
 
+    share = job.cluster.time_share
     job = replace(job, cluster=at_time_share(job.cluster))
     c, model = job.cluster, job.model
     m = layout.micro_batches(job.global_batch)
@@ -367,7 +370,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     assert worst_mem is not None
     memory, _, params = worst_mem
     # cores are lent between stages on one machine, not across nodes
-    pooled = c.time_share if not comm.group_link(c, layout, "pp").inter_node else 1.0
+    pooled = share if not comm.group_link(c, layout, "pp").inter_node else 1.0
     (compute, tp, cp, ep, host), bubble = pipeline(layout, stages, m, pooled)
     p, v = layout.pp, layout.vpp
     pp_time = 0.0

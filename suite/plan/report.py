@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from suite.plan import comm
-from suite.plan.cost import GIB, Cost
+from suite.plan.cost import GIB, Cost, at_time_share
 from suite.plan.layout import Job
 from suite.plan.search import SearchResult
 
@@ -33,7 +33,9 @@ def describe_job(job: Job) -> str:
     return (
         f"{job.model.name} ({_count(job)} parameters), seq {job.seq_len}, global batch {job.global_batch}, "
         f"{job.precision} on {c.nodes} x {c.devices_per_node} {c.name} = {job.world} devices "
-        f"({c.memory_gib - c.reserved_gib:.1f} GiB usable each)"
+        f"({c.memory_gib - c.reserved_gib:.1f} GiB usable each"
+        + (f"; {c.time_share:g} of a core per process: time-shared" if c.time_share < 1 else "")
+        + ")"
     )
 
 
@@ -146,7 +148,7 @@ def explain(job: Job, cost: Cost) -> str:
     )
     links = []
     for axis in (*comm.AXES, "ep"):
-        link = comm.group_link(job.cluster, cost.layout, axis)
+        link = comm.group_link(at_time_share(job.cluster), cost.layout, axis)  # as the step time saw it
         if link.ranks > 1:
             slower = "".join(f"; {name} x{f:g}" for name, f in link.per_collective if f != 1.0)
             links.append(

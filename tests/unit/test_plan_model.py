@@ -328,6 +328,7 @@ def test_processes_beyond_the_cores_time_share_them():
     assert rates.peak_flops == {"fp32": 50e9} and rates.intra_node_latency_us == 400
     assert rates.memory_bandwidth_gbs == cluster.memory_bandwidth_gbs / 2
     assert rates.host_bandwidth_gbs == cluster.host_bandwidth_gbs  # offload's link is not the cores
+    assert rates.time_share == 1.0 and at_time_share(rates) == rates  # shared rates are not shared again
     # a share set by hand stands when the launch leaves more
     assert time_shared(dataclasses.replace(cluster, time_share=0.25), threads=4, cores=2).time_share == 0.25
     job = _cpu_job(cluster=dataclasses.replace(cluster, devices_per_node=4))
@@ -335,6 +336,8 @@ def test_processes_beyond_the_cores_time_share_them():
         dataclasses.replace(job, cluster=dataclasses.replace(shared, devices_per_node=4)), Layout(dp=4)
     )
     assert slow.time.total == pytest.approx(2 * evaluate(job, Layout(dp=4)).time.total)
+    once = dataclasses.replace(job, cluster=dataclasses.replace(rates, devices_per_node=4))
+    assert evaluate(once, Layout(dp=4)).time.total == pytest.approx(slow.time.total)
 
 
 def test_time_shared_pipeline_stages_lend_their_cores_to_the_busier_stage():

@@ -71,6 +71,13 @@ def test_explain_names_the_collectives_a_link_runs_slower(capsys):
         links.startswith("links: sharding 2 ranks on")
         and "(1.4 GB/s; all_gather x0.52; reduce_scatter x0.39)" in links
     )
+    # half a core per process: the links run at half their bandwidth, and the job line says why
+    assert (
+        main(["plan", "recipe=gpt-tiny", "cluster=cpu", "cluster.time_share=0.5", "--explain", "sh2z3-mb2"])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert "0.5 of a core per process: time-shared" in lines[0] and "(0.7 GB/s; all_gather" in lines[-1]
     assert main(["plan", *GPT13B, "--explain", "tp8sp-pp4-mb1"]) == 0
     links = capsys.readouterr().out.splitlines()[-1]
     assert "tp 8 ranks on nvlink" in links and " x" not in links
