@@ -124,7 +124,7 @@ def predict(
     (`bare`: with its host overheads zeroed, what --calibrate subtracts)."""
     from suite.config.compose import compose_config, to_object
     from suite.parallel.dims import resolve_dims
-    from suite.plan.cost import evaluate
+    from suite.plan.cost import HOST_OVERHEADS, evaluate
     from suite.plan.fit import launched_cluster, recipe_layout
     from suite.plan.layout import Job
 
@@ -135,7 +135,7 @@ def predict(
     # the preset sized to this launch on this machine: time-shared cores when ranks outnumber them
     cluster = launched_cluster(cfg, here=True)
     if bare:
-        cluster = replace(cluster, **{k: 0.0 for k in OVERHEAD_KEYS})
+        cluster = replace(cluster, **dict.fromkeys(HOST_OVERHEADS, 0.0))
     job = replace(Job.from_config(cfg), cluster=cluster)
     layout = recipe_layout(cfg, dims)
     cost = evaluate(job, layout)
@@ -153,18 +153,6 @@ def predict(
         "micro_batches": cost.micro_batches,
         "layers": cfg.model.num_layers,
     }
-
-
-OVERHEAD_KEYS = (
-    "layer_overhead_us",
-    "tp_layer_overhead_us",
-    "dp_layer_overhead_us",
-    "shard_layer_overhead_us",
-    "step_overhead_ms",
-    "tp_step_overhead_ms",
-    "dp_step_overhead_ms",
-    "shard_step_overhead_ms",
-)
 
 
 def run_layout(model: str, name: str, args: argparse.Namespace, root: Path, bare: bool = False) -> dict:

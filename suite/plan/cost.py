@@ -293,11 +293,8 @@ def pipeline(
     return tuple(m * x for x in mean), 0.0
 
 
-# what a process that gets a share of a core does that many times slower: rates, and delays
-SHARED_RATES = ("memory_bandwidth_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs")
-SHARED_DELAYS = (
-    "intra_node_latency_us",
-    "inter_node_latency_us",
+# the cluster's host seconds beyond FLOPs and links (ClusterConfig; bench/plan_cpu.py --calibrate)
+HOST_OVERHEADS = (
     "layer_overhead_us",
     "tp_layer_overhead_us",
     "dp_layer_overhead_us",
@@ -307,6 +304,9 @@ SHARED_DELAYS = (
     "dp_step_overhead_ms",
     "shard_step_overhead_ms",
 )
+# what a process that gets a share of a core does that many times slower: rates, and delays
+SHARED_RATES = ("memory_bandwidth_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs")
+SHARED_DELAYS = ("intra_node_latency_us", "inter_node_latency_us", *HOST_OVERHEADS)
 
 
 def at_time_share(cluster: ClusterConfig) -> ClusterConfig:
