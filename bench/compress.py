@@ -6,6 +6,9 @@
     python bench/compress.py --base --methods int4 gptq   # the pretrained models instead
     python bench/compress.py --base --families gpt --methods int4 --qat-steps 100 --qat-set optim.lr=1e-4
     python bench/compress.py --families llama --no-qat               # llama-tiny only, no QAT arm
+    python bench/compress.py --base --families llama --methods int4 --qat-steps 400 \
+        --qat-set optim.lr=1e-4 sched.warmup_steps=5 compress.group_size=64 'compress.skip=[tok_embeddings]' \
+        --set compress.group_size=64 'compress.skip=[tok_embeddings]'   # QAT and PTQ on another int4 grid
 
 Per family (gpt: recipe gpt-tiny, llama: recipe llama-tiny), as a user would, each made only when its
 folder is missing:
@@ -18,7 +21,9 @@ and, unless --no-qat, quantization-aware training of the same finetune, converte
 With --base the pretrained models are quantized instead, measured on their pretraining held-out
 windows (a finetuned model nearly certain of every answer changes its perplexity too little to rank
 methods by), and QAT is --qat-steps of continued pretraining (`suite pretrain model.init_from=<base>`)
-with compress=qat-int4, against the same continued pretraining without it, quantized to int4. Every report (report.json) measures the same held-out rows: perplexity per assistant token on the
+with compress=qat-int4, against the same continued pretraining without it, quantized to int4 (--set
+reaches every quantize, the continued arm's included; the QAT arm converts with its own compress keys,
+so a grid other than the default goes in both --qat-set and --set). Every report (report.json) measures the same held-out rows: perplexity per assistant token on the
 task's held-out questions, greedy exact match on all 200 of them, bytes on disk, decode tokens/s.
 Prints one markdown table per family, the figures issue 17's acceptance names, and writes them to
 <out>/results.json. Output folders that already hold a report are kept (delete one to redo it).
@@ -131,8 +136,9 @@ def main() -> int:
                 f"train.max_steps={args.qat_steps}", "log.progress=false", *args.qat_set,
             ]  # fmt: skip
             if not (Path(f"{ctrl}-int4") / "report.json").exists():
-                suite(*more, f"run.dir={ctrl}")
-                suite("quantize", f"ckpt={ctrl}", "compress=int4", f"run.dir={ctrl}-int4", *REPORT)
+                if not (ctrl / "checkpoints").exists():
+                    suite(*more, f"run.dir={ctrl}")
+                suite("quantize", f"ckpt={ctrl}", "compress=int4", f"run.dir={ctrl}-int4", *REPORT, *args.set)
             if not (Path(f"{qat}-int4") / "report.json").exists():
                 suite(*more, "compress=qat-int4", f"run.dir={qat}", *REPORT[:2])
             ptq = json.loads((Path(f"{ctrl}-int4") / "report.json").read_text())
