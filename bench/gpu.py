@@ -6,6 +6,8 @@ and off.
     python bench/gpu.py --models gpt345m --steps 5 --quick
     python bench/gpu.py --append                         # also append the table to docs/benchmarks.md
     python bench/gpu.py --llama-layers 12                # more Llama-3-8B layers (a bigger GPU)
+    python bench/gpu.py --models gpt1.3b --variants base --set parallel.micro_batch_size=8
+    python bench/gpu.py --deadline 300 --json rows.json  # stop starting rows after 300 s; rows as JSON
 
 Models: `model=gpt345m`, `model=gpt1.3b`, and `model=llama3-8b` with `model.num_layers` reduced to
 `--llama-layers` (default 8: its full 32 layers with fp32 AdamW state need ~130 GB, more than one
@@ -17,10 +19,17 @@ each row's compile caches and peak memory are its own. Rows, each one option awa
     fp8         train.precision=fp8 (torchao float8 linears; needs compute capability 8.9+)
     eager       train.compile=false
     math-sdpa   SDPA restricted to the math backend (torch.nn.attention.sdpa_kernel)
+    cudnn-sdpa  SDPA restricted to cuDNN's attention (Hopper's fastest causal kernel in recent torch)
+    offload     parallel.offload=true in one process (FSDP2 CPUOffloadPolicy: state in host memory)
+    bf16-params train.param_dtype=bf16 (bf16 parameters and gradients, AdamW on fp32 master copies)
+    no-loss-chunks  train.loss_chunk_tokens=0 (the head and cross-entropy over all logits at once)
+    foreach-adamw   optim.fused=false (the multi-tensor AdamW instead of the fused kernel)
     fsdp2 / fsdp2+offload   parallel.sharding=2 (stage 3) without / with parallel.offload=true, through
                 `suite pretrain` on the embedded corpus (2 processes: needs 2 GPUs, else not run)
 
-tokens/s: median over `--steps` timed steps after `--warmup` steps (compile happens in the warm-up).
+tokens/s: median over `--steps` timed steps after `--warmup` steps (compile happens in the warm-up);
+a step is the optimizer step: parallel.global_batch_size / parallel.micro_batch_size micro-batches
+(1 unless `--set parallel.global_batch_size=...`), so accumulation amortises AdamW as in training.
 MFU: tokens/s x suite.models.flops_per_token / the device's data-sheet dense bf16 peak
 (suite.train.flops; an fp8 row is against the bf16 peak too, so rows compare). A device the table
 lacks prints no MFU. Memory: torch.cuda.max_memory_allocated / max_memory_reserved over the timed
@@ -52,6 +61,11 @@ VARIANTS = {  # name -> (overrides, SDPA backend)
     "fp8": (["train.precision=fp8"], "flash"),
     "eager": (["train.compile=false"], "flash"),
     "math-sdpa": ([], "math"),
+    "cudnn-sdpa": ([], "cudnn"),
+    "offload": (["parallel.offload=true"], "flash"),
+    "bf16-params": (["train.param_dtype=bf16"], "flash"),
+    "no-loss-chunks": (["train.loss_chunk_tokens=0"], "flash"),
+    "foreach-adamw": (["optim.fused=false"], "flash"),
 }
 MULTI_GPU = ("fsdp2", "fsdp2+offload")
 
@@ -92,13 +106,21 @@ def one_row(model: str, variant: str, args) -> dict:
     _, seq, micro = MODELS[model]
     seq, micro = args.seq_len or seq, args.micro_batch or micro
     extra, backend = VARIANTS[variant]
-    cfg = to_object(resolve_auto(compose_config(overrides_for(model, args.llama_layers, seq, micro) + extra)))
+    overrides = overrides_for(model, args.llama_layers, seq, micro) + extra + list(args.set)
+    cfg = to_object(resolve_auto(compose_config(overrides)))
+    seq, micro = cfg.data.seq_len, cfg.parallel.micro_batch_size  # --set may change them
     dims = validate(cfg, needs_data=False, writes_run=False)
     device = torch.device("cuda", 0)
-    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[backend]
+    kernel = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
     gen = torch.Generator().manual_seed(0)
+    accumulation = dims.accumulation(cfg.parallel)  # micro-batches per optimizer step (global batch / micro)
     batches = [
         Batch.from_windows(torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), generator=gen).to(device))
+        for _ in range(accumulation)
     ]
     with sdpa_kernel(kernel):
         start = time.perf_counter()
@@ -114,7 +136,7 @@ def one_row(model: str, variant: str, args) -> dict:
             step(batches, cfg.optim.lr)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-    tokens_per_s = micro * seq / statistics.median(times)
+    tokens_per_s = accumulation * micro * seq / statistics.median(times)
     peak = peak_flops(device, cfg.train.precision, cfg.train.peak_flops)
     fpt = flops_per_token(cfg.model, seq)
     return {
@@ -124,6 +146,8 @@ def one_row(model: str, variant: str, args) -> dict:
         "layers": cfg.model.num_layers,
         "seq": seq,
         "micro": micro,
+        "accumulation": accumulation,
+        "flops_per_token": fpt,
         **cuda_memory_stats(device),
     }
 
@@ -179,6 +203,8 @@ def run_row(model: str, variant: str, args) -> dict:
         cmd += ["--seq-len", str(args.seq_len)]
     if args.micro_batch:
         cmd += ["--micro-batch", str(args.micro_batch)]
+    if args.set:
+        cmd += ["--set", *args.set]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.row_timeout)
     except subprocess.TimeoutExpired:
@@ -200,6 +226,8 @@ def table(results: list[tuple[str, str, dict]], args) -> str:
             out.append(f"| {model} | {variant} | - | - | - | - | - | not run: {r['error']} |")
             continue
         note = f"seq {r.get('seq')}, micro batch {r.get('micro')}"
+        if r.get("accumulation", 1) > 1:
+            note += f" x {r['accumulation']} accumulated per optimizer step"
         if model == "llama3-8b":
             note += f", {args.llama_layers} of 32 layers (to fit one GPU)"
         if r.get("per_gpu"):
@@ -229,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=None, help="override every model's micro batch")
     parser.add_argument("--row-timeout", type=int, default=900)
     parser.add_argument("--quick", action="store_true", help="2 timed steps, 1 warm-up, seq 512")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides for every one-GPU row"
+    )
+    parser.add_argument("--deadline", type=float, default=None, help="start no row after this many seconds")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     parser.add_argument("--append", action="store_true", help="append the table to docs/benchmarks.md")
     parser.add_argument("--row", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -251,9 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0)
     started = datetime.now(timezone.utc)
     results = []
+    t0 = time.monotonic()
     for model in args.models:
         for variant in args.variants:
-            if variant in MULTI_GPU:
+            if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+                row = {"error": f"not started: past --deadline {args.deadline:.0f}s"}
+            elif variant in MULTI_GPU:
                 if torch.cuda.device_count() < 2:
                     row = {"error": "parallel.sharding=2 needs 2 GPUs"}
                 else:
@@ -262,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_row(model, variant, args)
             print(f"{model} {variant}: {json.dumps(row)}", file=sys.stderr, flush=True)
             results.append((model, variant, row))
+            if args.json:
+                rows = [{"model": m, "variant": v, "device": device, **r} for m, v, r in results]
+                args.json.write_text(json.dumps(rows, indent=1))
     text = table(results, args)
     command = "python bench/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (

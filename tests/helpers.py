@@ -61,6 +61,12 @@ def _forked_cli() -> ForkedCLI:
     return _SERVER
 
 
+def _cuda_machine() -> bool:
+    import torch
+
+    return torch.cuda.is_available()  # asks the driver; does not initialise CUDA in this process
+
+
 def _forkable(env: dict[str, str], server: dict[str, str]) -> dict[str, str] | None:
     """What `env` sets beyond the server's environment, or None when a forked child cannot honour it."""
     if set(server) - set(env):
@@ -76,8 +82,9 @@ def run_suite(
     forked from a server that imported torch and the suite once, which saves every call the ~4 s of
     a fresh interpreter; `python -m suite` itself when `env` changes what the interpreter reads at start."""
     env = env or suite_env()
-    server = _forked_cli()
-    extra = _forkable(env, server.env)
+    # a machine with a CUDA GPU: a fresh interpreter every call (CUDA cannot run in a forked child of a
+    # server whose imports, torchao's among them, already initialised it)
+    extra = None if _cuda_machine() else _forkable(env, _forked_cli().env)
     if extra is None:
         proc = subprocess.run(
             [sys.executable, "-m", "suite", *args],
@@ -89,7 +96,9 @@ def run_suite(
         )
     else:
         with tempfile.TemporaryDirectory(prefix="suite-call-") as out:
-            proc = server.run(list(args), cwd=Path(cwd or REPO), env=extra, timeout=timeout, out=Path(out))
+            proc = _forked_cli().run(
+                list(args), cwd=Path(cwd or REPO), env=extra, timeout=timeout, out=Path(out)
+            )
         if proc.returncode == 124:
             raise subprocess.TimeoutExpired(["suite", *args], timeout, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:

@@ -29,7 +29,10 @@ def _offloaded(module: nn.Module) -> bool:
     """Whether FSDP2 keeps this module's parameter group on the host (CPUOffloadPolicy)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    groups = getattr(fully_shard.state(module), "_fsdp_param_groups", None) or []
+    state = fully_shard.state(module)
+    groups = getattr(state, "_fsdp_param_groups", None) or []  # torch 2.13: a list
+    if not groups and getattr(state, "_fsdp_param_group", None) is not None:  # older torch: one group
+        groups = [state._fsdp_param_group]
     return any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
 
 

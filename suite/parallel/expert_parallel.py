@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -236,6 +236,10 @@ def shard_experts(
     are DTensors on it, Replicate over edp): parameters, gradients and optimizer state sharded over
     edp (and offloaded with `offload_policy`). Gradients are reduce-scattered over edp and divided
     by `average_size` (data ranks x cp), the mean the dense engine takes: no reduce hook is needed."""
+    # torch 2.13's FSDP2 names the mesh axis to shard over; imported here so the rest of the suite
+    # also imports on the older torch of some GPU images (offloaded experts need 2.13, the pin)
+    from torch.distributed.fsdp import DataParallelMeshDims
+
     for module in model.modules():
         if isinstance(module, ExpertParallelExperts):
             fully_shard(
