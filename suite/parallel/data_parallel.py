@@ -70,14 +70,16 @@ def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
-def data_parallel_kind(dims, stage: int) -> str:
+def data_parallel_kind(dims, stage: int, offload: bool = False) -> str:
     """none | replicate | zero1 | fsdp | hsdp.
 
     Context-parallel ranks hold the same parameters and each computes gradients from its part of
     the sequence, so they join the data-parallel ranks in the gradient average (cp alone: replicate).
+    A single process that offloads (`offload`, world size 1) is a one-rank FSDP group: FSDP2's
+    CPUOffloadPolicy keeps parameters, gradients and AdamW state in host memory between uses.
     """
     if dims.data_parallel_size * dims.cp == 1:
-        return "none"
+        return "fsdp" if offload and dims.world_size == 1 else "none"
     if dims.sharding == 1:
         return "replicate"
     if stage == 1:
@@ -105,7 +107,7 @@ def apply_data_parallel(
     all-gathering ahead. 0 forward / 1 backward are FSDP2's own implicit behaviour; more overlaps
     more communication with compute and holds that many more blocks' parameters whole.
     """
-    kind = data_parallel_kind(dims, stage)
+    kind = data_parallel_kind(dims, stage, offload)
     if kind == "none":
         return kind
     mp = mixed_precision(precision)

@@ -159,11 +159,11 @@ class ParallelDims:
                 f"parallel.sp=true splits the sequence across parallel.tp={self.tp} ranks but data.seq_len="
                 f"{cfg.data.seq_len} is not divisible by {self.tp}; use a multiple of {self.tp}"
             )
-        if pcfg.offload and (self.sharding == 1 or pcfg.sharding_stage == 1):
+        if pcfg.offload and self.world_size > 1 and (self.sharding == 1 or pcfg.sharding_stage == 1):
             raise ConfigError(
                 "parallel.offload=true offloads sharded parameters, gradients and optimizer state (FSDP); "
                 f"it needs parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
-                f"stage {pcfg.sharding_stage})"
+                f"stage {pcfg.sharding_stage}), or a single process"
             )
         if pcfg.fsdp_forward_prefetch < 0 or pcfg.fsdp_backward_prefetch < 1:
             raise ConfigError(

@@ -48,11 +48,13 @@ def node_of(rank: int, per_node: int | None = None) -> int:
 
 
 def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
-    """nccl on GPUs, gloo on CPU, unless the recipe forces one (launch.backend, train.collective_timeout_s)."""
+    """auto: nccl for CUDA tensors and gloo for CPU ones on GPUs (an offloaded run's gradient-norm and
+    clipping collectives run on host tensors; nccl alone has no CPU backend), gloo on CPU; or what the
+    recipe forces (launch.backend, train.collective_timeout_s)."""
     if not env.distributed or dist.is_initialized():
         return
     if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,
         rank=env.rank,
@@ -61,6 +63,24 @@ def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout
         device_id=device if device.type == "cuda" else None,
         **_restart_store(env, timeout_s),
     )
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A one-rank process group for a single process whose layout still runs on FSDP2 (parallel.offload
+    on one device: FSDP2's CPUOffloadPolicy is the offload engine, and FSDP2 needs a group). An
+    in-memory store: nothing listens on a port. Destroyed at exit."""
+    if dist.is_initialized():
+        return
+    import atexit
+
+    dist.init_process_group(
+        backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
+    atexit.register(destroy_process_group)
 
 
 def _restart_store(env: DistEnv, timeout_s: float) -> dict:

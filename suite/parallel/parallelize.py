@@ -282,7 +282,11 @@ def parallelize(
     `materialize=False` leaves the placed parameters on the meta device (a dry run)."""
     num_params = model.num_params()
     prepare_float8(model, precision)  # train.precision=fp8: Float8Linear before any wrapping
-    if dims.world_size == 1:
+    if dims.world_size == 1 and cfg.parallel.offload:
+        from suite.parallel.env import init_single_process_group
+
+        init_single_process_group(device)  # FSDP2 (the offload engine) needs a process group
+    elif dims.world_size == 1:
         _apply_recompute(model, cfg)
         if compile_enabled(cfg, dims, device, precision):
             _compile_blocks(model)

@@ -158,6 +158,10 @@ BAD_INPUTS = [
     (["recipe=moe-tiny", "model.moe_every=5"], "no layer is MoE"),
     (["train.keep_host_memory=always"], "train.keep_host_memory='always' is not supported; use auto"),
     (["parallel.fsdp_backward_prefetch=0"], "parallel.fsdp_backward_prefetch=0: use counts of blocks"),
+    (  # several processes offload sharded state; one process offloads all of it (ZeRO-Offload)
+        ["parallel.offload=true", "parallel.dp=2", "launch.nproc_per_node=2"],
+        "it needs parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding=1",
+    ),
     (
         ["parallel.fsdp_forward_prefetch=1", "parallel.dp=2", "launch.nproc_per_node=2"],
         "need parallel.sharding>1 with parallel.sharding_stage 2 or 3",

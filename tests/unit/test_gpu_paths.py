@@ -71,6 +71,28 @@ def test_fp8_trains_on_a_gpu(tmp_path, tiny_data):
     assert records[-1]["loss"] < records[0]["loss"] + 0.5 and "mem_reserved_gb" in records[-1]
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (offload moves state to the host)"
+)
+def test_offload_trains_on_one_gpu(tmp_path, tiny_data):
+    """parallel.offload=true in one process on a GPU (FSDP2 CPUOffloadPolicy on a one-rank group):
+    parameters, gradients and AdamW state live in pinned host memory, so the GPU's allocator peak
+    falls below the plain run's, and the losses follow the plain run's."""
+    from tests.helpers import TINY_MODEL, read_metrics, run_suite, summary
+
+    wider = ["model.hidden_size=256", "model.num_layers=4", "train.max_steps=3", "train.log_every=1"]
+    common = [f"data.path={tiny_data}", *TINY_MODEL, *wider, "train.device=cuda"]
+    run_suite("pretrain", *common, f"run.dir={tmp_path / 'plain'}", check=True)
+    run_suite("pretrain", *common, "parallel.offload=true", f"run.dir={tmp_path / 'off'}", check=True)
+    assert summary(tmp_path / "off")["layout"]["ranks"][0]["modules"]["fsdp_offload"]
+    plain = {r["step"]: r for r in read_metrics(tmp_path / "plain") if "loss" in r}
+    off = {r["step"]: r for r in read_metrics(tmp_path / "off") if "loss" in r}
+    assert plain.keys() == off.keys() == {1, 2, 3}
+    for step in plain:
+        assert off[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4), step
+    assert off[3]["mem_allocated_gb"] < plain[3]["mem_allocated_gb"], (off[3], plain[3])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="parallel.offload needs 2 CUDA GPUs (sharding=2)")
 def test_offload_trains_on_gpus(tmp_path, tiny_data):
     """parallel.offload=true: FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and
