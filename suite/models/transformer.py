@@ -113,10 +113,20 @@ class KVCache:
         p = next(model.parameters())
         shape = (batch, model.num_kv_heads, max_len, model.head_dim)
         n = len(model.layers)
-        return cls([p.new_zeros(shape) for _ in range(n)], [p.new_zeros(shape) for _ in range(n)])
+        # plain tensors even where the parameters are wrapped (a sharded parameter's new_zeros would be
+        # sharded too, and the keys computed from the gathered weights are not)
+        return cls(
+            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(n)],
+            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(n)],
+        )
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
         """Write k, v [b, kv heads, s, d] at `start`; the keys and values of positions 0 .. start + s."""
+        if self.keys[layer].device != k.device or self.keys[layer].dtype != k.dtype:
+            # stored parameters elsewhere than the compute (offloaded to the host) or in another dtype
+            # (fp32 masters, bf16 compute): the buffers follow the keys, once
+            self.keys[layer] = self.keys[layer].to(device=k.device, dtype=k.dtype)
+            self.values[layer] = self.values[layer].to(device=v.device, dtype=v.dtype)
         end = start + k.shape[2]
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
