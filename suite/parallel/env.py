@@ -47,14 +47,18 @@ def node_of(rank: int, per_node: int | None = None) -> int:
     return rank // per_node if per_node else 0
 
 
+def auto_backend(device: torch.device) -> str:
+    """nccl for CUDA tensors plus gloo for host ones on GPUs (an offloaded run's gradient-norm and
+    clipping collectives run on host tensors; nccl alone has no CPU backend); gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_process_group(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
-    """auto: nccl for CUDA tensors and gloo for CPU ones on GPUs (an offloaded run's gradient-norm and
-    clipping collectives run on host tensors; nccl alone has no CPU backend), gloo on CPU; or what the
-    recipe forces (launch.backend, train.collective_timeout_s)."""
+    """`auto_backend`, or what the recipe forces (launch.backend, train.collective_timeout_s)."""
     if not env.distributed or dist.is_initialized():
         return
     if backend == "auto":
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        backend = auto_backend(device)
     dist.init_process_group(
         backend=backend,
         rank=env.rank,
@@ -74,7 +78,7 @@ def init_single_process_group(device: torch.device) -> None:
     import atexit
 
     dist.init_process_group(
-        backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+        backend=auto_backend(device),
         store=dist.HashStore(),
         rank=0,
         world_size=1,
