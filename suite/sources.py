@@ -34,9 +34,18 @@ from suite.models.hf import from_hf_state_dict, model_config_from_hf
 from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
 
 HF_PREFIX = "hf:"
-# parameters a training verb adds beside the model's own (suite distill's hidden-state projections):
-# saved in its checkpoints for resume, never part of the model a run's weights are read as
+# parameters a training verb adds beside the model's own (suite distill's hidden-state projections;
+# compress=qat-*'s learned scales, which only the conversion to int4/int8 reads): saved in its
+# checkpoints for resume, never part of the model a run's weights are read as
 TRAINING_ONLY = ("distill_proj.",)
+TRAINING_ONLY_PARTS = (".weight_fake_quantizer.",)
+
+
+def training_only(key: str) -> bool:
+    """A parameter name (suite names) that is no part of the model a run's weights are read as."""
+    return key.startswith(TRAINING_ONLY) or any(part in key for part in TRAINING_ONLY_PARTS)
+
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -125,6 +134,16 @@ class ModelSource:
 
         return not self.is_hf and is_quantized(self.folder)
 
+    def learned_scales(self) -> dict[str, torch.Tensor]:
+        """A compress=qat-* run's trained quantization scales by Linear name (compress.learn_scales;
+        suite.models.qat), which its conversion stores; empty for any other source."""
+        if self.is_hf or self.quantized:
+            return {}
+        from suite.models.qat import LEARNED_SCALE
+
+        found = checkpoint_tensors(self.folder, lambda key: key.endswith(LEARNED_SCALE))
+        return {key.removesuffix(LEARNED_SCALE): tensor.read() for key, tensor in found.items()}
+
     @cached_property
     def quantized_base(self) -> ModelSource | None:
         """For a LoRA run trained over a quantized checkpoint (QLoRA): that checkpoint, else None."""
@@ -210,9 +229,7 @@ class ModelSource:
         )
 
         state = {  # adapters and training-only modules (distill_proj) are no part of any source
-            k: v
-            for k, v in get_model_state_dict(model).items()
-            if ".lora_" not in k and not k.startswith(TRAINING_ONLY)
+            k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k and not training_only(k)
         }
         dcp.load({"model": state}, checkpoint_id=str(self.folder))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
@@ -302,6 +319,26 @@ def checkpoint_weights(folder: Path, lora_scaling: float | None = None) -> dict[
     With `lora_scaling` (a LoRA run), `X.weight` reads as X.weight + (lora_b @ lora_a) * scaling and
     the adapter tensors themselves are left out, as `merge_lora` does in memory.
     """
+    raw = checkpoint_tensors(folder, lambda key: not training_only(key))
+    if lora_scaling is None:
+        return raw
+    out = {k: v for k, v in raw.items() if ".lora_a." not in k and ".lora_b." not in k}
+    for name in list(out):
+        prefix = name.removesuffix(".weight")
+        a, b = raw.get(prefix + ".lora_a.weight"), raw.get(prefix + ".lora_b.weight")
+        if a is not None and b is not None:
+            out[name] = _Merged(out[name], a, b, lora_scaling)
+            continue
+        # stacked expert weights (`experts.w1`): per-expert factors `experts.lora_a.w1` [E, r, in]
+        head, _, leaf = name.rpartition(".")
+        a, b = raw.get(f"{head}.lora_a.{leaf}"), raw.get(f"{head}.lora_b.{leaf}")
+        if a is not None and b is not None:
+            out[name] = _MergedExperts(out[name], a, b, lora_scaling)
+    return out
+
+
+def checkpoint_tensors(folder: Path, keep: Callable[[str], bool]) -> dict[str, LazyTensor]:
+    """The model tensors of a suite checkpoint whose plain names `keep` accepts, read on demand."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -319,28 +356,13 @@ def checkpoint_weights(folder: Path, lora_scaling: float | None = None) -> dict[
 
         return Source(info.size, info.properties.dtype, read)
 
-    raw = {
+    return {
         key.removeprefix("model."): stored(key, info)
         for key, info in metadata.items()
         if key.startswith("model.")
         and isinstance(info, TensorStorageMetadata)
-        and not key.removeprefix("model.").startswith(TRAINING_ONLY)
+        and keep(key.removeprefix("model."))
     }
-    if lora_scaling is None:
-        return raw
-    out = {k: v for k, v in raw.items() if ".lora_a." not in k and ".lora_b." not in k}
-    for name in list(out):
-        prefix = name.removesuffix(".weight")
-        a, b = raw.get(prefix + ".lora_a.weight"), raw.get(prefix + ".lora_b.weight")
-        if a is not None and b is not None:
-            out[name] = _Merged(out[name], a, b, lora_scaling)
-            continue
-        # stacked expert weights (`experts.w1`): per-expert factors `experts.lora_a.w1` [E, r, in]
-        head, _, leaf = name.rpartition(".")
-        a, b = raw.get(f"{head}.lora_a.{leaf}"), raw.get(f"{head}.lora_b.{leaf}")
-        if a is not None and b is not None:
-            out[name] = _MergedExperts(out[name], a, b, lora_scaling)
-    return out
 
 
 class _Merged(LazyTensor):
@@ -390,7 +412,8 @@ def load_suite_weights(
 ) -> None:
     """Copy `weights` (suite names) into `model`, reading only each rank's shard of each tensor.
 
-    Parameters missing from `weights` are an error, except LoRA adapters (not in any base).
+    Parameters missing from `weights` are an error, except LoRA adapters (not in any base) and
+    training-only parameters (`training_only`).
     """
     from torch.distributed.tensor import DTensor
 
@@ -399,7 +422,7 @@ def load_suite_weights(
     missing = []
     for name, param in model.named_parameters():
         key = canonical_name(name)
-        if ".lora_a." in key or ".lora_b." in key:
+        if ".lora_a." in key or ".lora_b." in key or training_only(key):
             continue
         if key not in weights:
             missing.append(key)

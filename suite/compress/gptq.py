@@ -191,10 +191,10 @@ def gptq_quantize(
     quantize_(model, rtn_config(method, group_size), lambda m, n: n in wanted)  # the tensor type and layout
     for name, (q, scales) in results.items():
         linear = modules[name]
-        linear.weight = nn.Parameter(_with_values(linear.weight, q, scales), requires_grad=False)
+        linear.weight = nn.Parameter(with_values(linear.weight, q, scales), requires_grad=False)
 
 
-def _with_values(like, q: torch.Tensor, scales: torch.Tensor):
+def with_values(like, q: torch.Tensor, scales: torch.Tensor):
     """A tensor of `like`'s torchao type and attributes holding GPTQ's integers and scales."""
     fields = {n: getattr(like, n) for n in like.tensor_data_names + like.tensor_attribute_names}
     for n in getattr(like, "optional_tensor_data_names", []) + getattr(

@@ -17,7 +17,7 @@ Only nn.Linear modules are quantized; names matching a compress.skip pattern sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -130,10 +130,12 @@ def quantize_model(
     cfg: CompressConfig,
     device: torch.device,
     calibrate: Callable[[nn.Module], None] | None = None,
+    learned_scales: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Quantize `model`'s Linear layers in place; returns (quantized names, skipped Linear names).
 
     `calibrate(model)` runs the calibration forwards (smoothquant) between observing and converting.
+    `learned_scales` (a compress=qat-* run's, usable_scales): int4 / int8 on those scales.
     """
     quiet_torchao()
     from torchao.quantization import quantize_
@@ -144,6 +146,9 @@ def quantize_model(
     def only_targets(module: nn.Module, name: str) -> bool:
         return name in wanted
 
+    if learned_scales:
+        _quantize_on_scales(model, targets, cfg, learned_scales)
+        return targets, skip
     if cfg.method.startswith("gptq"):
         from suite.compress.gptq import gptq_quantize
 
@@ -162,3 +167,51 @@ def quantize_model(
     else:
         quantize_(model, base, only_targets)
     return targets, skip
+
+
+LEARNED_GRIDS = {"int4": "gptq", "int8": "gptq-int8"}  # a QAT conversion's method -> the GPTQ grid it shares
+
+
+def usable_scales(model: nn.Module, cfg: CompressConfig, scales: Mapping[str, torch.Tensor]) -> dict:
+    """The learned scales (by Linear name) that fit cfg's grid: int4 at compress.group_size or int8 per
+    row, the shape the QAT run trained; {} when the method or the grid differs (round to nearest)."""
+    if cfg.method not in LEARNED_GRIDS or not scales:
+        return {}
+    modules = dict(model.named_modules())
+    fits = {}
+    for name, scale in scales.items():
+        module = modules.get(name)
+        if not isinstance(module, nn.Linear):
+            continue
+        rows, cols = module.weight.shape
+        groups = cols // cfg.group_size if cfg.method == "int4" else 1
+        if tuple(scale.shape) != (rows, groups):
+            return {}
+        fits[name] = scale
+    return fits
+
+
+def _quantize_on_scales(
+    model: nn.Module, targets: list[str], cfg: CompressConfig, scales: Mapping[str, torch.Tensor]
+) -> None:
+    """Each target with a learned scale rounded on it exactly as QAT's forward rounded (the integers
+    training saw), stored in round to nearest's tensor types on any device (GPTQ's: the CPU int4 layout
+    with bf16 scales, int8 per row); targets without one are rounded to nearest."""
+    from torchao.quantization import quantize_
+
+    from suite.compress.gptq import grid_for, with_values
+
+    grid = grid_for(LEARNED_GRIDS[cfg.method], cfg.group_size)
+    modules = dict(model.named_modules())
+    trained = {}
+    for name in targets:
+        if name in scales:
+            weight = modules[name].weight.float()
+            scale = scales[name].to(weight.device, torch.float32)
+            grouped = weight.reshape(weight.shape[0], scale.shape[1], -1)
+            trained[name] = (grid.quantize(grouped, scale.unsqueeze(-1)).reshape(weight.shape), scale)
+    wanted = set(targets)
+    quantize_(model, rtn_config(LEARNED_GRIDS[cfg.method], cfg.group_size), lambda m, n: n in wanted)
+    for name, (q, scale) in trained.items():
+        linear = modules[name]
+        linear.weight = nn.Parameter(with_values(linear.weight, q, scale), requires_grad=False)

@@ -142,7 +142,7 @@ def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
 
 def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
-    from suite.compress.methods import METHODS, linear_plan, quantize_model
+    from suite.compress.methods import METHODS, linear_plan, quantize_model, usable_scales
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
     from suite.models import build_model
     from suite.models.quantized import (
@@ -190,8 +190,12 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     before = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
     before["file_bytes"], before["block_bytes"] = stored_bytes(save_plain(model, tmp / "plain.safetensors"))
 
+    # a compress=qat-* run with learned scales: its conversion rounds on them (suite.models.qat)
+    learned = usable_scales(model, c, source.learned_scales())
+    on_scales = f", {len(learned)} on the scales QAT learned" if learned else ""
     progress(
-        3, f"quantizing {len(targets)} Linear layers with {c.method} on {device.type} ({len(skip)} skipped)"
+        3,
+        f"quantizing {len(targets)} Linear layers with {c.method} on {device.type} ({len(skip)} skipped{on_scales})",
     )
 
     def calibrate(m) -> None:
@@ -199,7 +203,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
             batch = batch.to(device)
             m(batch.tokens, **batch.model_kwargs())
 
-    quantize_model(model, c, device, calibrate)
+    quantize_model(model, c, device, calibrate, learned)
     narrow_block_floats(model)  # norms and biases at bf16 values, stored as bf16 (suite.models.quantized)
 
     progress(4, f"writing {out}")
@@ -211,6 +215,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         "device": device.type,
         "quantized": targets,
         "skipped": skip,
+        "learned_scales": sorted(learned),
     }
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(saved))
     out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +242,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         "torchao": info["torchao"],
         "quantized_layers": len(targets),
         "skipped_layers": skip,
+        "learned_scale_layers": len(learned),
         "weight_types": weight_types,
         "all_quantized": all(is_quantized_tensor(dict(model.named_modules())[t].weight) for t in targets),
         "held_out": "none (HF folder: no recipe)"

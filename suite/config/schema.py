@@ -116,6 +116,12 @@ class CompressConfig:
     # module-name patterns (fnmatch, on names like layers.0.attention.wq) left in full precision;
     # the embedding is never a Linear, the output head is usually tied to it
     skip: list[str] = field(default_factory=lambda: ["tok_embeddings", "pos_embeddings", "output"])
+    # qat-*: the fake quantizer's scales are trained with the weights (learned step size, LSQ; torchao's
+    # range learning) and the conversion stores them; false: each step recomputes them from the weights
+    learn_scales: bool = True
+    # learned scales' learning rate as a multiple of optim.lr: int4's; int8's, whose steps are ~17x finer
+    # (max / 127.5 against max / 7.5), get 7.5 / 127.5 of it, the same change relative to the scale
+    scale_lr: float = 1.0
     calib_samples: int = 32  # smoothquant, gptq: sequences of the recipe's data calibration sees
     smoothquant_alpha: float = 0.5  # smoothquant: migration strength (0: none, 1: all onto the weights)
     gptq_damp: float = 0.01  # gptq: fraction of the mean Hessian diagonal added to it (numerical damping)

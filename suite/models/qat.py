@@ -9,6 +9,12 @@ those of any run; at the end the CLI converts the final checkpoint with `suite q
 `<run.dir>-<int4|int8>` (suite.compress). Fake quantization sees whole weights: data parallelism and
 FSDP (which gathers the weight before the forward) run it as one process does; tp, pp, cp and ep are
 refused for now (suite.compress.checks).
+
+compress.learn_scales (the default): the scales are parameters trained with the weights (learned step
+size quantization, torchao's range learning), each starting at the max|w| / 7.5 (int8: 127.5) that the
+per-step computation gives; they live in the checkpoint beside the weights (`<linear>` + LEARNED_SCALE,
+left out wherever the run is read as a float model: suite.sources.training_only) and the conversion
+stores them with the integers training rounded to (suite.compress.methods).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from suite.config.schema import CompressConfig
 from suite.models.quantized import quiet_torchao
 
 QAT_METHODS = {"qat-int4": "int4", "qat-int8": "int8"}  # the training option -> the post-training method
+LEARNED_SCALE = ".weight_fake_quantizer.scale"  # a learned scale's key: the Linear's name + this
 
 
 def skipped(name: str, patterns: Iterable[str]) -> bool:
@@ -41,17 +48,79 @@ def prepare_qat(model: nn.Module, compress: CompressConfig) -> list[str]:
     from torchao.quantization.granularity import PerAxis
     from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
 
+    learn = compress.learn_scales
+    learned = {"is_dynamic": not learn, "range_learning": learn}
     if QAT_METHODS[compress.method] == "int4":
         # the grid suite quantize's int4 stores: symmetric, one bf16 scale per group (with torchao's
-        # default derived from IntxWeightOnlyConfig the fake-quantized weights differed from it)
+        # default derived from IntxWeightOnlyConfig the fake-quantized weights differed from it); learned
+        # scales train in fp32 and are stored in bf16 (within 2^-9 of what training saw)
+        precision = torch.float32 if learn else torch.bfloat16
         weights = IntxFakeQuantizeConfig(
-            torch.int4, group_size=compress.group_size, is_symmetric=True, scale_precision=torch.bfloat16
+            torch.int4,
+            group_size=compress.group_size,
+            is_symmetric=True,
+            scale_precision=precision,
+            **learned,
         )
     else:
-        weights = IntxFakeQuantizeConfig(torch.int8, granularity=PerAxis(0), is_symmetric=True)
-    names = [
-        n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not skipped(n, compress.skip)
-    ]
+        weights = IntxFakeQuantizeConfig(torch.int8, granularity=PerAxis(0), is_symmetric=True, **learned)
+    modules = dict(model.named_modules())
+    names = [n for n, m in modules.items() if isinstance(m, nn.Linear) and not skipped(n, compress.skip)]
     wanted = set(names)
     quantize_(model, QATConfig(weight_config=weights, step="prepare"), lambda module, name: name in wanted)
+    if learn:  # the parameters exist before placement (FSDP shards them with the weight); values: below
+        modules = dict(model.named_modules())
+        for name in names:
+            linear = modules[name]
+            rows, cols = linear.weight.shape
+            group = compress.group_size if QAT_METHODS[compress.method] == "int4" else cols
+            linear.weight_fake_quantizer.scale = nn.Parameter(
+                torch.empty(rows, cols // group, device=linear.weight.device, dtype=torch.float32)
+            )
     return names
+
+
+@torch.no_grad()
+def init_learned_scales(model: nn.Module, device: torch.device) -> int:
+    """Give every learned scale (compress.learn_scales) the value the per-step computation would:
+    max|w| / ((qmax - qmin) / 2) per group of the weight as it now stands (seeded or model.init_from;
+    int4: rounded to bf16, as suite quantize stores it),
+    zero points zero on the compute device. Call after the weights are in place, before the optimizer;
+    a resumed checkpoint then overwrites the scales. Works on FSDP's row shards (the scale is sharded
+    on the same rows as its weight). Returns how many scales were set."""
+    from torch.distributed.tensor import DTensor
+
+    count = 0
+    for module in model.modules():
+        quantizer = getattr(module, "weight_fake_quantizer", None)
+        scale = getattr(quantizer, "scale", None)
+        if not isinstance(scale, nn.Parameter):
+            continue
+        weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
+        local = scale.to_local() if isinstance(scale, DTensor) else scale
+        qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
+        amax = weight.detach().float().reshape(weight.shape[0], scale.shape[1], -1).abs().amax(dim=-1)
+        start = (amax / ((qmax - qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+        local.copy_(start.to(_STORED_SCALE[quantizer.config.dtype]))  # int4: at the bf16 value PTQ stores
+        quantizer.zero_point = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=device)
+        quantizer._initialized = True  # torchao's flag: the scales are set, do not compute them
+        count += 1
+    return count
+
+
+def learned_scale_ratios(model: nn.Module, scale_lr: float) -> dict[int, float]:
+    """id(learned scale parameter) -> its learning rate as a multiple of optim.lr: compress.scale_lr,
+    times 7.5 / ((qmax - qmin) / 2) so that a step moves every grid's scales by the same fraction
+    (AdamW steps by ~lr whatever the gradient's size: a step of 1e-4 is 1% of an int4 scale near 0.01)."""
+    ratios = {}
+    for module in model.modules():
+        quantizer = getattr(module, "weight_fake_quantizer", None)
+        scale = getattr(quantizer, "scale", None)
+        if isinstance(scale, nn.Parameter):
+            qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
+            ratios[id(scale)] = scale_lr * 7.5 / ((qmax - qmin) / 2)
+    return ratios
+
+
+_QVALUE_BOUNDS = {torch.int4: (-8, 7), torch.int8: (-128, 127)}
+_STORED_SCALE = {torch.int4: torch.bfloat16, torch.int8: torch.float32}  # what the conversion stores

@@ -1,4 +1,5 @@
-"""AdamW with Megatron's parameter groups: no weight decay on biases, norms and 1-D tensors."""
+"""AdamW with Megatron's parameter groups: no weight decay on biases, norms, 1-D tensors and learned
+quantization scales."""
 
 from __future__ import annotations
 
@@ -9,27 +10,34 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from suite.config.schema import OptimConfig
+from suite.models.qat import learned_scale_ratios
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, scale_lr: float = 1.0) -> list[dict]:
+    """Decayed weights, undecayed 1-D tensors, and (compress=qat-* with learned scales) the scales:
+    step sizes, not weights (no decay; `lr_ratio` times the scheduled lr, suite.models.qat)."""
+    decay, no_decay, scales = [], [], {}
+    ratios = learned_scale_ratios(model, scale_lr)
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 else decay).append(param)
+        if id(param) in ratios:
+            scales.setdefault(ratios[id(param)], []).append(param)
+        else:
+            (no_decay if param.ndim < 2 else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
-    ]
+    ] + [{"params": ps, "weight_decay": 0.0, "lr_ratio": ratio} for ratio, ps in scales.items()]
 
 
-def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
+def optimizer_for(placement, cfg: OptimConfig, scale_lr: float = 1.0) -> torch.optim.Optimizer:
     """AdamW over what this rank holds (a suite.parallel.Placement); ZeRO-1: over its slice of it.
     With a data-parallel wrapper FSDP2's MixedPrecisionPolicy keeps the fp32 masters
     (suite.parallel.data_parallel), so train.param_dtype applies only without one."""
     device = placement.optim_device or placement.param_device()
     param_dtype = placement.param_dtype if placement.dp_kind == "none" else torch.float32
-    optimizer = build_optimizer(placement.model, cfg, device, param_dtype)
+    optimizer = build_optimizer(placement.model, cfg, device, param_dtype, scale_lr)
     if placement.dp_kind == "zero1":
         from suite.train.zero1 import ZeroOneOptimizer
 
@@ -38,7 +46,7 @@ def optimizer_for(placement, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device, param_dtype: torch.dtype
+    model: nn.Module, cfg: OptimConfig, device: torch.device, param_dtype: torch.dtype, scale_lr: float = 1.0
 ) -> torch.optim.Optimizer:
     """AdamW, fused by default where it is known to work: CUDA, and CPU with plain (non-DTensor)
     parameters; foreach otherwise. optim.fused=true/false forces the choice.
@@ -57,7 +65,7 @@ def build_optimizer(
     def adamw(groups: list[dict]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, scale_lr)  # scale_lr: compress.scale_lr
     if param_dtype != torch.float32:
         from suite.train.master_weights import MasterWeightOptimizer
 

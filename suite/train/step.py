@@ -211,8 +211,10 @@ class TrainStep:
         trainer's hooks.
         """
         self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for (
+            group
+        ) in self.optimizer.param_groups:  # lr_ratio: learned quantization scales (optim.param_groups)
+            group["lr"] = lr * group.get("lr_ratio", 1.0)
         loss = self.forward_backward(micro_batches)
         if adjust_loss is not None:
             loss = adjust_loss(loss)

@@ -26,7 +26,7 @@ from suite.data.batch import Batch
 from suite.data.prepare import verify_prepared
 from suite.models import build_model, flops_per_token, materialize
 from suite.models.float8 import prepare_float8
-from suite.models.qat import prepare_qat
+from suite.models.qat import init_learned_scales, prepare_qat
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
 from suite.parallel.expert_parallel import moe_step_metrics
@@ -124,7 +124,8 @@ class Trainer:
         if self.placement.materialized is False:
             materialize(self.model, self.device, cfg.train.seed)
         self._load_initial_weights()
-        self.optimizer = optimizer_for(self.placement, cfg.optim)
+        init_learned_scales(self.model, self.device)  # compress.learn_scales: from the weights now in place
+        self.optimizer = optimizer_for(self.placement, cfg.optim, cfg.compress.scale_lr)
         self.scaler = loss_scaler(self.device, self.precision)  # fp16: overflow checked over every rank
         self.autocast = autocast_factory(self.device, self.precision)
         self._build_loaders()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from suite.models.qat import LEARNED_SCALE
 from tests.distributed.conftest import pretrain
 from tests.helpers import assert_close_losses, assert_equivalent, assert_layout, run_suite, train_losses
 
@@ -54,6 +56,72 @@ def test_qat_trains_through_fake_quantization_and_converts(tmp_path, tiny_data, 
     assert abs(after - before) <= 0.01 * before, (before, after)
     out = run_suite("generate", f"ckpt={converted}", "prompt=The", "generate.max_new_tokens=4", check=True)
     assert out.returncode == 0
+    # compress.learn_scales (the default): the scales trained, and the conversion stored them
+    assert report["learned_scale_layers"] == report["quantized_layers"] > 0
+
+
+def test_learned_scales_resume_exactly_and_stay_out_of_the_float_model(tmp_path, tiny_data, qat_single):
+    """The learned scales live in the checkpoint: a run resumed from step 2 continues with every loss
+    equal; the run read as a float model (export, eval, model.init_from) has no scales, and a new QAT run
+    started from it initialises its own from the weights."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from suite.sources import ModelSource
+
+    saved = FileSystemReader(str(qat_single / "checkpoints" / f"step_{STEPS}")).read_metadata()
+    scales = [k for k in saved.state_dict_metadata if k.startswith("model.") and k.endswith(LEARNED_SCALE)]
+    assert scales, sorted(saved.state_dict_metadata)[:5]
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(qat_single / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    pretrain(resumed, tiny_data, 1, *QAT, steps=STEPS)
+    want = {s: v for s, v in train_losses(qat_single).items() if s > 2}
+    assert train_losses(resumed) == want, (train_losses(resumed), want)
+    with ModelSource.parse(str(qat_single), "ckpt").weights() as weights:
+        assert weights and not any("fake_quantizer" in name for name in weights)
+    again = pretrain(tmp_path / "again", tiny_data, 1, *QAT, f"model.init_from={qat_single}", steps=2)
+    assert sorted(train_losses(again)) == [1, 2]
+
+
+def _fake_quantized(run):
+    """The QAT run's final model as training computed it: fake-quantized Linear layers holding the
+    checkpoint's weights and learned scales."""
+    from suite.models import build_model, materialize
+    from suite.models.qat import init_learned_scales, prepare_qat
+    from suite.sources import ModelSource
+    from suite.train.checkpoint import load_model_weights
+
+    source = ModelSource.parse(str(run))
+    model = build_model(source.saved.model, "meta")
+    prepare_qat(model, source.saved.compress)
+    materialize(model, "cpu", seed=0)
+    init_learned_scales(model, torch.device("cpu"))
+    load_model_weights(source.folder, model)  # the scales too: they are the model's parameters here
+    return model.eval(), source
+
+
+@torch.no_grad()
+def test_qat_conversion_computes_what_training_computed(qat_single):
+    """The int4 model in <run.dir>-int4 gives the logits of the fake-quantized model training ended
+    with (the learned scales stored in bf16), and round to nearest on the same weights does not."""
+    from suite.compress.methods import quantize_model
+    from suite.models.quantized import load_quantized_model
+    from suite.sources import ModelSource
+
+    trained, source = _fake_quantized(qat_single)
+    assert any(n.endswith(LEARNED_SCALE) for n, _ in trained.named_parameters())
+    probe = torch.arange(1, 65).reshape(2, 32)
+    want = trained(probe)
+    converted = ModelSource.parse(str(qat_single.parent / f"{qat_single.name}-int4"))
+    got = load_quantized_model(converted.folder, source.saved.model)(probe)
+    rtn = source.load_model()
+    quantize_model(rtn, source.saved.compress.__class__(method="int4"), torch.device("cpu"))
+    rounded = rtn(probe)
+    stored, nearest = (got - want).abs().max().item(), (rounded - want).abs().max().item()
+    print(f"max |logit difference| from training's: stored {stored:.2e}, round to nearest {nearest:.2e}")
+    assert stored < 0.1 * nearest, (stored, nearest)
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,8 @@ def test_qat_trains_on_the_grid_the_conversion_stores(method):
         model = nn.Sequential(nn.Linear(128, 32, bias=False))
         model[0].weight.data.copy_(weight)
         if name == "qat":
-            assert prepare_qat(model, CompressConfig(method=method, skip=[])) == ["0"]
+            cfg = CompressConfig(method=method, skip=[], learn_scales=False)
+            assert prepare_qat(model, cfg) == ["0"]
         else:
             cfg = CompressConfig(method=QAT_METHODS[method])
             quantize_(model, torchao_config(cfg, torch.device("cpu")))
@@ -51,3 +52,67 @@ def test_qat_trains_on_the_grid_the_conversion_stores(method):
             effective[name] = model(torch.eye(128)).t()
     assert not torch.equal(effective["qat"], weight)  # it does quantize
     assert torch.equal(effective["qat"], effective["converted"])
+
+
+@pytest.mark.parametrize("method", ["qat-int4", "qat-int8"])
+def test_learned_scales_start_at_round_to_nearest_and_the_conversion_stores_them(method):
+    """compress.learn_scales: the scales are parameters that start where the per-step computation puts
+    them (the same forward as without learning), take gradients, and the conversion rounds on the
+    trained values (int8: exactly what training saw; int4: bf16-stored scales, within 2^-8 of it)."""
+    from suite.compress.methods import quantize_model, usable_scales
+    from suite.config.schema import CompressConfig
+    from suite.models.qat import LEARNED_SCALE, QAT_METHODS, init_learned_scales, prepare_qat
+    from suite.train.optim import param_groups
+
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
+    probe = torch.eye(128)
+
+    def fake_quantized(learn: bool) -> nn.Module:
+        model = nn.Sequential(nn.Linear(128, 32, bias=False))
+        model[0].weight.data.copy_(weight)
+        prepare_qat(model, CompressConfig(method=method, skip=[], learn_scales=learn))
+        return model
+
+    fixed, learned = fake_quantized(False), fake_quantized(True)
+    assert init_learned_scales(learned, torch.device("cpu")) == 1
+    scale = learned[0].weight_fake_quantizer.scale
+    groups = 128 // CompressConfig().group_size if method == "qat-int4" else 1
+    assert isinstance(scale, nn.Parameter) and tuple(scale.shape) == (32, groups)
+    assert [n for n, _ in learned.named_parameters()] == ["0.weight", "0" + LEARNED_SCALE]
+    groups = param_groups(learned, 0.1, scale_lr=2.0)
+    decayed = {id(p) for g in groups if g["weight_decay"] for p in g["params"]}
+    assert id(scale) not in decayed and id(learned[0].weight) in decayed
+    (ratio,) = [g["lr_ratio"] for g in groups if any(p is scale for p in g["params"])]
+    assert ratio == (2.0 if method == "qat-int4" else 2.0 * 7.5 / 127.5)  # the same relative step
+    with torch.no_grad():  # the per-step scales' start: the same scales, so the same integers except
+        # where w / scale sits on a rounding tie that the reciprocal's precision (bf16 there) decides
+        moved = (fixed(probe) != learned(probe)).float().mean().item()
+    assert moved < 0.01, moved
+    learned(probe).square().sum().backward()
+    assert scale.grad is not None and scale.grad.abs().sum() > 0  # the scales train
+    with torch.no_grad():
+        scale.mul_(1 + 0.05 * torch.rand(scale.shape, generator=torch.Generator().manual_seed(1)))
+        trained = learned(probe).t()  # what the model trained with the moved scales computes
+    plain = nn.Sequential(nn.Linear(128, 32, bias=False))
+    plain[0].weight.data.copy_(weight)
+    cfg = CompressConfig(method=QAT_METHODS[method], skip=[])
+    scales = usable_scales(plain, cfg, {"0": scale.detach().clone()})
+    assert set(scales) == {"0"}
+    other_grid = CompressConfig(
+        method="int4", group_size=64, skip=[]
+    )  # not the grid trained: rounded to nearest
+    assert usable_scales(plain, other_grid, scales) == {}
+    assert usable_scales(plain, CompressConfig(method="w8a8", skip=[]), scales) == {}
+    quantize_model(plain, cfg, torch.device("cpu"), learned_scales=scales)
+    with torch.no_grad():
+        converted = plain(probe).t()
+    rtn = nn.Sequential(nn.Linear(128, 32, bias=False))
+    rtn[0].weight.data.copy_(weight)
+    quantize_model(rtn, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        rounded = rtn(probe).t()
+    assert not torch.allclose(rounded, trained, rtol=1e-3, atol=0)  # the moved scales make a difference
+    if method == "qat-int8":
+        assert torch.equal(converted, trained)
+    else:
+        torch.testing.assert_close(converted, trained, rtol=2**-8, atol=0)
