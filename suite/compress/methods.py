@@ -5,6 +5,7 @@
                    token on the fly, int8 matmuls
     int4           group-wise 4-bit weights (compress.group_size per scale): on CPU
                    IntxWeightOnlyConfig(int4, PerGroup, bf16 scales), on CUDA Int4WeightOnlyConfig
+                   (a QAT run's learned scales: the CPU layout on any device, as gptq)
     int4-tinygemm  Int4WeightOnlyConfig on any device: CUDA only (torchao's tinygemm kernels)
     smoothquant    w8a8 after SmoothQuant (activation outliers moved onto the weights, with scales
                    observed on compress.calib_samples sequences of the recipe's data)
@@ -172,10 +173,15 @@ def quantize_model(
 LEARNED_GRIDS = {"int4": "gptq", "int8": "gptq-int8"}  # a QAT conversion's method -> the GPTQ grid it shares
 
 
-def usable_scales(model: nn.Module, cfg: CompressConfig, scales: Mapping[str, torch.Tensor]) -> dict:
-    """The learned scales (by Linear name) that fit cfg's grid: int4 at compress.group_size or int8 per
-    row, the shape the QAT run trained; {} when the method or the grid differs (round to nearest)."""
-    if cfg.method not in LEARNED_GRIDS or not scales:
+def usable_scales(
+    model: nn.Module, cfg: CompressConfig, scales: Mapping[str, torch.Tensor], trained_for: str
+) -> dict:
+    """The learned scales (by Linear name) of a run trained with compress.method=`trained_for` that fit
+    cfg's grid: the method that run converts to (qat-int4 -> int4 at compress.group_size, qat-int8 ->
+    int8 per row) and the shape it trained; {} otherwise (round to nearest)."""
+    from suite.models.qat import QAT_METHODS
+
+    if cfg.method not in LEARNED_GRIDS or not scales or QAT_METHODS.get(trained_for) != cfg.method:
         return {}
     modules = dict(model.named_modules())
     fits = {}
@@ -195,8 +201,9 @@ def _quantize_on_scales(
     model: nn.Module, targets: list[str], cfg: CompressConfig, scales: Mapping[str, torch.Tensor]
 ) -> None:
     """Each target with a learned scale rounded on it exactly as QAT's forward rounded (the integers
-    training saw), stored in round to nearest's tensor types on any device (GPTQ's: the CPU int4 layout
-    with bf16 scales, int8 per row); targets without one are rounded to nearest."""
+    training saw), stored as GPTQ stores on any device: the CPU int4 layout (IntxUnpackedToInt8Tensor,
+    bf16 scales; not CUDA's tinygemm layout, whose grid is another) or int8 per row; targets without
+    one are rounded to nearest."""
     from torchao.quantization import quantize_
 
     from suite.compress.gptq import grid_for, with_values

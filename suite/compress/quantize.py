@@ -191,7 +191,8 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     before["file_bytes"], before["block_bytes"] = stored_bytes(save_plain(model, tmp / "plain.safetensors"))
 
     # a compress=qat-* run with learned scales: its conversion rounds on them (suite.models.qat)
-    learned = usable_scales(model, c, source.learned_scales())
+    trained_for = source.saved.compress.method if source.saved is not None else "none"
+    learned = usable_scales(model, c, source.learned_scales(), trained_for)
     on_scales = f", {len(learned)} on the scales QAT learned" if learned else ""
     progress(
         3,

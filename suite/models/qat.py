@@ -4,8 +4,8 @@ Before the model is placed, torchao's QATConfig(step="prepare") swaps every Line
 quantization will convert (those not matched by `compress.skip`) for a FakeQuantizedLinear: the
 forward rounds its weight to the target grid (int4 in groups of `compress.group_size` along the input,
 or int8 per output row: the same schemes `suite quantize` applies on this device), the backward passes
-gradients straight through. Parameter names do not change, so placement, checkpoints and resume are
-those of any run; at the end the CLI converts the final checkpoint with `suite quantize`'s code into
+gradients straight through. The weights keep their names, so placement, checkpoints and resume are
+those of any run (learned scales add parameters beside them: below); at the end the CLI converts the final checkpoint with `suite quantize`'s code into
 `<run.dir>-<int4|int8>` (suite.compress). Fake quantization sees whole weights: data parallelism and
 FSDP (which gathers the weight before the forward) run it as one process does; tp, pp, cp and ep are
 refused for now (suite.compress.checks).
@@ -14,7 +14,10 @@ compress.learn_scales (the default): the scales are parameters trained with the 
 size quantization, torchao's range learning), each starting at the max|w| / 7.5 (int8: 127.5) that the
 per-step computation gives; they live in the checkpoint beside the weights (`<linear>` + LEARNED_SCALE,
 left out wherever the run is read as a float model: suite.sources.training_only) and the conversion
-stores them with the integers training rounded to (suite.compress.methods).
+stores them with the integers training rounded to (suite.compress.methods): exactly, where the
+parameters are fp32; under bf16 parameters (FSDP's mixed precision, train.param_dtype) the forward
+rounds bf16 weights on bf16 scales, as the weights themselves were only ever seen in bf16 there.
+A scale the optimizer drives below zero still rounds symmetrically (w / s and q * s both change sign).
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ def init_learned_scales(model: nn.Module, device: torch.device) -> int:
         weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
         local = scale.to_local() if isinstance(scale, DTensor) else scale
         qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
-        amax = weight.detach().float().reshape(weight.shape[0], scale.shape[1], -1).abs().amax(dim=-1)
+        groups = scale.shape[1]  # an empty FSDP shard (more ranks than rows) has no rows to reshape by -1
+        grouped = weight.detach().float().reshape(weight.shape[0], groups, weight.shape[1] // groups)
+        amax = grouped.abs().amax(dim=-1)
         start = (amax / ((qmax - qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
         local.copy_(start.to(_STORED_SCALE[quantizer.config.dtype]))  # int4: at the bf16 value PTQ stores
         quantizer.zero_point = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=device)

@@ -65,6 +65,14 @@ def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> d
     out: dict[str, Any] = {"verb": verb}
     out |= {f"model.{k}": getattr(cfg.model, k) for k in ARCHITECTURE}
     out["optim.name"] = cfg.optim.name
+    # compress=qat-*: learned scales are parameters of the checkpoint, on one grid (checkpoints from
+    # before this key have none to compare)
+    c = cfg.compress
+    out["compress.qat"] = (
+        f"{c.method}, group {c.group_size}, learned scales {c.learn_scales}"
+        if c.method.startswith("qat-")
+        else "none"
+    )
     if verb == "finetune":
         out["finetune.method"] = cfg.finetune.method
         if cfg.finetune.method == "lora":

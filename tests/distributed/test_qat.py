@@ -83,6 +83,16 @@ def test_learned_scales_resume_exactly_and_stay_out_of_the_float_model(tmp_path,
         assert weights and not any("fake_quantizer" in name for name in weights)
     again = pretrain(tmp_path / "again", tiny_data, 1, *QAT, f"model.init_from={qat_single}", steps=2)
     assert sorted(train_losses(again)) == [1, 2]
+    # resuming it without learned scales (a checkpoint with parameters the model lacks) refuses in one line
+    from tests.helpers import TINY_MODEL
+
+    proc = run_suite(
+        "pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={resumed}", *QAT,
+        "compress.learn_scales=false", f"train.max_steps={STEPS + 1}",
+    )  # fmt: skip
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "compress.qat" in err and "learned scales True" in err, err
 
 
 def _fake_quantized(run):

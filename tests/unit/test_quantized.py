@@ -96,13 +96,15 @@ def test_learned_scales_start_at_round_to_nearest_and_the_conversion_stores_them
     plain = nn.Sequential(nn.Linear(128, 32, bias=False))
     plain[0].weight.data.copy_(weight)
     cfg = CompressConfig(method=QAT_METHODS[method], skip=[])
-    scales = usable_scales(plain, cfg, {"0": scale.detach().clone()})
+    scales = usable_scales(plain, cfg, {"0": scale.detach().clone()}, method)
     assert set(scales) == {"0"}
     other_grid = CompressConfig(
         method="int4", group_size=64, skip=[]
     )  # not the grid trained: rounded to nearest
-    assert usable_scales(plain, other_grid, scales) == {}
-    assert usable_scales(plain, CompressConfig(method="w8a8", skip=[]), scales) == {}
+    assert usable_scales(plain, other_grid, scales, method) == {}
+    assert usable_scales(plain, CompressConfig(method="w8a8", skip=[]), scales, method) == {}
+    other = "qat-int8" if method == "qat-int4" else "qat-int4"  # scales a run trained for another grid
+    assert usable_scales(plain, cfg, scales, other) == {}
     quantize_model(plain, cfg, torch.device("cpu"), learned_scales=scales)
     with torch.no_grad():
         converted = plain(probe).t()
