@@ -83,6 +83,19 @@ def test_learned_scales_resume_exactly_and_stay_out_of_the_float_model(tmp_path,
         assert weights and not any("fake_quantizer" in name for name in weights)
     again = pretrain(tmp_path / "again", tiny_data, 1, *QAT, f"model.init_from={qat_single}", steps=2)
     assert sorted(train_losses(again)) == [1, 2]
+    # the step applies compress.scale_lr, and a resume takes this config's: resumed from step 2 with
+    # scale_lr=0 the scales stay as step 2 left them, where the run itself moved them
+    frozen = tmp_path / "frozen"
+    (frozen / "checkpoints").mkdir(parents=True)
+    shutil.copytree(qat_single / "checkpoints" / "step_2", frozen / "checkpoints" / "step_2")
+    pretrain(frozen, tiny_data, 1, *QAT, "compress.scale_lr=0", steps=STEPS)
+    at = {
+        name: _scales(run / "checkpoints" / f"step_{step}")
+        for name, run, step in (("two", qat_single, 2), ("end", qat_single, STEPS), ("frozen", frozen, STEPS))
+    }
+    assert all(torch.equal(at["two"][k], at["frozen"][k]) for k in at["two"]), "scale_lr=0 moved the scales"
+    assert not all(torch.equal(at["two"][k], at["end"][k]) for k in at["two"]), "the scales never moved"
+    assert train_losses(frozen) != want  # the same weights' updates, other scales: other losses
     # resuming it without learned scales (a checkpoint with parameters the model lacks) refuses in one line
     from tests.helpers import TINY_MODEL
 
@@ -93,6 +106,15 @@ def test_learned_scales_resume_exactly_and_stay_out_of_the_float_model(tmp_path,
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "compress.qat" in err and "learned scales True" in err, err
+
+
+def _scales(folder):
+    """A checkpoint's learned scales by parameter name."""
+    from suite.sources import checkpoint_tensors
+
+    return {
+        k: v.read() for k, v in checkpoint_tensors(folder, lambda key: key.endswith(LEARNED_SCALE)).items()
+    }
 
 
 def _fake_quantized(run):
