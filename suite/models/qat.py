@@ -5,8 +5,8 @@ quantization will convert (those not matched by `compress.skip`) for a FakeQuant
 forward rounds its weight to the target grid (int4 in groups of `compress.group_size` along the input,
 or int8 per output row: the same schemes `suite quantize` applies on this device), the backward passes
 gradients straight through. The weights keep their names, so placement, checkpoints and resume are
-those of any run (learned scales add parameters beside them: below); at the end the CLI converts the final checkpoint with `suite quantize`'s code into
-`<run.dir>-<int4|int8>` (suite.compress). Fake quantization sees whole weights: data parallelism and
+those of any run (learned scales add parameters beside them: below); at the end the CLI converts
+the final checkpoint with `suite quantize`'s code into `<run.dir>-<int4|int8>` (suite.compress). Fake quantization sees whole weights: data parallelism and
 FSDP (which gathers the weight before the forward) run it as one process does; tp, pp, cp and ep are
 refused for now (suite.compress.checks).
 
@@ -23,7 +23,7 @@ A scale the optimizer drives below zero still rounds symmetrically (w / s and q 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -94,11 +94,7 @@ def init_learned_scales(model: nn.Module, device: torch.device) -> int:
     from torch.distributed.tensor import DTensor
 
     count = 0
-    for module in model.modules():
-        quantizer = getattr(module, "weight_fake_quantizer", None)
-        scale = getattr(quantizer, "scale", None)
-        if not isinstance(scale, nn.Parameter):
-            continue
+    for module, quantizer, scale in _learned(model):
         weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
         local = scale.to_local() if isinstance(scale, DTensor) else scale
         qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
@@ -118,13 +114,19 @@ def learned_scale_ratios(model: nn.Module, scale_lr: float) -> dict[int, float]:
     times 7.5 / ((qmax - qmin) / 2) so that a step moves every grid's scales by the same fraction
     (AdamW steps by ~lr whatever the gradient's size: a step of 1e-4 is 1% of an int4 scale near 0.01)."""
     ratios = {}
+    for _, quantizer, scale in _learned(model):
+        qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
+        ratios[id(scale)] = scale_lr * 7.5 / ((qmax - qmin) / 2)
+    return ratios
+
+
+def _learned(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.Parameter]]:
+    """(fake-quantized Linear, its weight quantizer, the learned scale) for every learned scale."""
     for module in model.modules():
         quantizer = getattr(module, "weight_fake_quantizer", None)
         scale = getattr(quantizer, "scale", None)
         if isinstance(scale, nn.Parameter):
-            qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
-            ratios[id(scale)] = scale_lr * 7.5 / ((qmax - qmin) / 2)
-    return ratios
+            yield module, quantizer, scale
 
 
 _QVALUE_BOUNDS = {torch.int4: (-8, 7), torch.int8: (-128, 127)}
