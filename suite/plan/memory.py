@@ -72,7 +72,7 @@ def state_bytes(job: Job, layout: Layout, params: RankParams | None = None) -> S
     if stage == 2:
         copies = full * c
     elif stage == 3:
-        copies = 2 * _block_params(job, layout) * c
+        copies = 2 * block_params(job, layout) * c
     else:
         copies = full * c if low else 0.0
         if layout.data_ranks * layout.cp > 1:  # replicate: FSDP2's unsharded parameters
@@ -98,7 +98,7 @@ def foreach_adamw(job: Job, layout: Layout) -> bool:
 _BLOCKS: dict[tuple, int] = {}
 
 
-def _block_params(job: Job, layout: Layout) -> int:
+def block_params(job: Job, layout: Layout) -> int:
     """tp/ep-local parameters of the largest block (what one FSDP unit gathers)."""
     key = (repr(job.model), layout.tp, layout.ep)
     if key not in _BLOCKS:
