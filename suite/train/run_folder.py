@@ -92,15 +92,23 @@ def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
     """A checkpoint's fingerprint; for one written before fingerprints, what its config.yaml tells
     (the architecture, optimizer and LoRA keys; not the tokenizer). None when neither is readable."""
     try:
-        return json.loads((folder / FINGERPRINT).read_text())
+        found = json.loads((folder / FINGERPRINT).read_text())
     except (OSError, ValueError):
-        pass
+        found = None
+    if found is not None and "compress.qat" in found:
+        return found
     try:
         from suite.config.compose import load_saved_config
 
         saved = load_saved_config(folder / "config.yaml")
     except Exception:  # noqa: BLE001 (an old or hand-edited config: nothing to compare)
-        return None
+        return found
+    # written before the compress.qat key: QAT then recomputed its scales at every step, so the
+    # checkpoint holds no learned scales (its config.yaml reads back with today's default, true)
+    saved.compress.learn_scales = False
+    qat = fingerprint(saved, "finetune")["compress.qat"]
+    if found is not None:
+        return found | {"compress.qat": qat}
     found = fingerprint(saved, "finetune")  # its finetune keys count only where the config has them too
     del found["verb"]
     return found
@@ -155,11 +163,13 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     if saved is None:
         return
     changed = differences(saved, of_run(cfg, verb, data_dir))
+    qat = any(line.startswith("compress.qat:") for line in changed)
     if changed:
         raise ConfigError(
             f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "
             f"pass a new run.dir=... to start another run, or model.init_from={cfg.run.dir} with a new "
             f"run.dir=... to start from those weights (their architecture)"
+            + (", or the checkpoint's compress settings (e.g. compress.learn_scales=false)" if qat else "")
         )
 
 

@@ -108,6 +108,32 @@ def test_learned_scales_resume_exactly_and_stay_out_of_the_float_model(tmp_path,
     assert "compress.qat" in err and "learned scales True" in err, err
 
 
+def test_a_checkpoint_from_before_learned_scales_refuses_the_default_and_resumes_without(tmp_path, tiny_data):
+    """A QAT checkpoint written before learned scales (per-step scales, no `compress.qat` fingerprint
+    key) resumed under today's default would miss the scale parameters deep in DCP: the parent refuses in
+    one line naming compress.qat and the setting that resumes it, which then continues the run."""
+    from suite.train.checkpoint import write_manifest
+    from tests.helpers import TINY_MODEL
+
+    old = pretrain(tmp_path / "old", tiny_data, 1, *QAT, "compress.learn_scales=false", steps=2)
+    for fingerprint in (old / "checkpoints").glob("step_*/fingerprint.json"):
+        saved = json.loads(fingerprint.read_text())
+        del saved["compress.qat"]
+        fingerprint.write_text(json.dumps(saved))
+        write_manifest(fingerprint.parent, int(fingerprint.parent.name.removeprefix("step_")))  # still whole
+    before = sorted(p.name for p in (old / "checkpoints").iterdir())
+    proc = run_suite(
+        "pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={old}", *QAT, "train.max_steps=3"
+    )
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "compress.qat: checkpoint qat-int4, group 32, learned scales False" in err, err
+    assert "compress.learn_scales=false" in err, err
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == before
+    pretrain(old, tiny_data, 1, *QAT, "compress.learn_scales=false", steps=3)
+    assert sorted(train_losses(old)) == [1, 2, 3]
+
+
 def _scales(folder):
     """A checkpoint's learned scales by parameter name."""
     from suite.sources import checkpoint_tensors
