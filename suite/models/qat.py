@@ -94,14 +94,14 @@ def init_learned_scales(model: nn.Module, device: torch.device) -> int:
     from torch.distributed.tensor import DTensor
 
     count = 0
-    for module, quantizer, scale in _learned(model):
+    for module, quantizer, scale in learned_scales(model):
         weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
         local = scale.to_local() if isinstance(scale, DTensor) else scale
         qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
         groups = scale.shape[1]  # an empty FSDP shard (more ranks than rows) has no rows to reshape by -1
         grouped = weight.detach().float().reshape(weight.shape[0], groups, weight.shape[1] // groups)
         amax = grouped.abs().amax(dim=-1)
-        start = (amax / ((qmax - qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+        start = (amax / ((qmax - qmin) / 2)).clamp(min=SCALE_FLOOR)
         local.copy_(start.to(_STORED_SCALE[quantizer.config.dtype]))  # int4: at the bf16 value PTQ stores
         quantizer.zero_point = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=device)
         quantizer._initialized = True  # torchao's flag: the scales are set, do not compute them
@@ -114,13 +114,13 @@ def learned_scale_ratios(model: nn.Module, scale_lr: float) -> dict[int, float]:
     times 7.5 / ((qmax - qmin) / 2) so that a step moves every grid's scales by the same fraction
     (AdamW steps by ~lr whatever the gradient's size: a step of 1e-4 is 1% of an int4 scale near 0.01)."""
     ratios = {}
-    for _, quantizer, scale in _learned(model):
+    for _, quantizer, scale in learned_scales(model):
         qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
         ratios[id(scale)] = scale_lr * 7.5 / ((qmax - qmin) / 2)
     return ratios
 
 
-def _learned(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.Parameter]]:
+def learned_scales(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.Parameter]]:
     """(fake-quantized Linear, its weight quantizer, the learned scale) for every learned scale."""
     for module in model.modules():
         quantizer = getattr(module, "weight_fake_quantizer", None)
@@ -129,5 +129,7 @@ def _learned(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.Parame
             yield module, quantizer, scale
 
 
+# the smallest learned scale: a step past zero would divide by zero or mirror the grid
+SCALE_FLOOR = torch.finfo(torch.float32).eps
 _QVALUE_BOUNDS = {torch.int4: (-8, 7), torch.int8: (-128, 127)}
 _STORED_SCALE = {torch.int4: torch.bfloat16, torch.int8: torch.float32}  # what the conversion stores

@@ -134,6 +134,18 @@ def test_a_checkpoint_from_before_learned_scales_refuses_the_default_and_resumes
     assert sorted(train_losses(old)) == [1, 2, 3]
 
 
+def test_learned_scales_never_step_through_zero(tmp_path, tiny_data):
+    """A learning rate that steps the scales far past zero (compress.scale_lr=1000: AdamW moves each by
+    ~10 where they start near 0.02) leaves them at the floor, not negative, and the run finite."""
+    from suite.models.qat import SCALE_FLOOR
+
+    run = pretrain(tmp_path / "run", tiny_data, 1, *QAT, "compress.scale_lr=1000", steps=2)
+    scales = _scales(run / "checkpoints" / "step_2")
+    assert scales and all(bool((s >= SCALE_FLOOR).all()) for s in scales.values())
+    assert any(bool((s == SCALE_FLOOR).any()) for s in scales.values()), "no scale reached the floor"
+    assert all(torch.isfinite(torch.tensor(v)) for v in train_losses(run).values())
+
+
 def _scales(folder):
     """A checkpoint's learned scales by parameter name."""
     from suite.sources import checkpoint_tensors
