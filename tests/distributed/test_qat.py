@@ -24,8 +24,12 @@ def qat_single(tmp_path_factory, tiny_data):
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.dp=2"], ["parallel.sharding=2", "parallel.sharding_stage=3"]],
-    ids=["dp2", "sharding2"],
+    [
+        ["parallel.dp=2"],
+        ["parallel.sharding=2", "parallel.sharding_stage=3"],
+        ["parallel.sharding=2", "parallel.sharding_stage=1"],
+    ],
+    ids=["dp2", "sharding2", "zero1"],
 )
 def test_qat_layout_matches_single_process(tmp_path, tiny_data, qat_single, layout):
     run = pretrain(tmp_path / "run", tiny_data, 2, *QAT, *layout, steps=STEPS)
