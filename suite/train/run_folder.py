@@ -7,6 +7,7 @@ parent checks its run folder (`check_run_folder`):
 
 - resuming checkpoints whose fingerprint differs from the config refuses, naming the keys;
 - `train.resume=false` on a folder with checkpoints refuses: the new run would mix with the old;
+- a folder whose checkpoints all fail their manifests refuses: a new run would write over them;
 - `train.overwrite=true` moves whatever the folder holds aside (`<run.dir>.old-<N>`), never
   deleting it, and the run starts clean.
 
@@ -158,8 +159,14 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
             f"into them; pass train.overwrite=true to move that run aside ({run_dir}.old-N) and start "
             f"clean, or a new run.dir=..."
         )
-    newest = ckpt.latest_checkpoint(run_dir, log=lambda _: None)
-    saved = None if newest is None else saved_fingerprint(newest)
+    broken: list[str] = []
+    newest = ckpt.latest_checkpoint(run_dir, log=broken.append)
+    if newest is None:  # a new run would write its step_N over them
+        raise ConfigError(
+            f"{named} holds checkpoints and none verifies ({'; '.join(broken)}); pass "
+            f"train.overwrite=true to move that run aside ({run_dir}.old-N) and start clean, or a new run.dir=..."
+        )
+    saved = saved_fingerprint(newest)
     if saved is None:
         return
     changed = differences(saved, of_run(cfg, verb, data_dir))

@@ -147,6 +147,24 @@ def test_every_checkpoint_reader_names_the_step_and_verifies_a_step_folder(base_
     assert weights.stat().st_mode & 0o777 == (tmp_path / "hf2" / "config.json").stat().st_mode & 0o777
 
 
+def test_a_run_folder_whose_checkpoints_all_fail_verification_refuses(base_run, tiny_data, tmp_path):
+    """Resuming where no checkpoint verifies would start at step 0 and write over them: one line naming
+    each broken step, nothing written; train.overwrite=true moves them aside and starts clean."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run, run_dir)
+    for step in (1, 2):
+        (run_dir / "checkpoints" / f"step_{step}" / "trainer_state.pt").write_bytes(b"broken")
+    before = snapshot(run_dir)
+    proc = pretrain(run_dir, tiny_data, "train.max_steps=3")
+    assert_one_line(
+        proc, 2, f"run.dir={run_dir}", "none verifies", "step_2", "step_1", "train.overwrite=true"
+    )
+    assert snapshot(run_dir) == before
+    proc = pretrain(run_dir, tiny_data, "train.overwrite=true")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run.old-1" / "checkpoints" / "step_2" / "trainer_state.pt").read_bytes() == b"broken"
+
+
 def test_a_cluster_recipe_stops_in_seconds_naming_what_it_needs(tmp_path):
     start = time.monotonic()
     proc = run_suite(
