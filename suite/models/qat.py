@@ -17,7 +17,12 @@ left out wherever the run is read as a float model: suite.sources.training_only)
 stores them with the integers training rounded to (suite.compress.methods): exactly, where the
 parameters are fp32; under bf16 parameters (FSDP's mixed precision, train.param_dtype) the forward
 rounds bf16 weights on bf16 scales, as the weights themselves were only ever seen in bf16 there.
-A scale the optimizer drives below zero still rounds symmetrically (w / s and q * s both change sign).
+A scale the optimizer drives below zero still rounds symmetrically (w / s and q * s both change sign;
+the grid's one extra negative step moves to the positive side) and the conversion stores it as it is.
+That happens: AdamW steps a scale by ~lr whatever its size, and near-zero groups (attention output
+projections) have scales of that order. Flooring them at float32's eps instead was tried and not kept:
+it zeroes a floored group, so at a large learning rate the float model and its int4 drift apart
+(docs/compression.md).
 """
 
 from __future__ import annotations
@@ -94,14 +99,14 @@ def init_learned_scales(model: nn.Module, device: torch.device) -> int:
     from torch.distributed.tensor import DTensor
 
     count = 0
-    for module, quantizer, scale in learned_scales(model):
+    for module, quantizer, scale in _learned(model):
         weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
         local = scale.to_local() if isinstance(scale, DTensor) else scale
         qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
         groups = scale.shape[1]  # an empty FSDP shard (more ranks than rows) has no rows to reshape by -1
         grouped = weight.detach().float().reshape(weight.shape[0], groups, weight.shape[1] // groups)
         amax = grouped.abs().amax(dim=-1)
-        start = (amax / ((qmax - qmin) / 2)).clamp(min=SCALE_FLOOR)
+        start = (amax / ((qmax - qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
         local.copy_(start.to(_STORED_SCALE[quantizer.config.dtype]))  # int4: at the bf16 value PTQ stores
         quantizer.zero_point = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=device)
         quantizer._initialized = True  # torchao's flag: the scales are set, do not compute them
@@ -114,13 +119,13 @@ def learned_scale_ratios(model: nn.Module, scale_lr: float) -> dict[int, float]:
     times 7.5 / ((qmax - qmin) / 2) so that a step moves every grid's scales by the same fraction
     (AdamW steps by ~lr whatever the gradient's size: a step of 1e-4 is 1% of an int4 scale near 0.01)."""
     ratios = {}
-    for _, quantizer, scale in learned_scales(model):
+    for _, quantizer, scale in _learned(model):
         qmin, qmax = _QVALUE_BOUNDS[quantizer.config.dtype]
         ratios[id(scale)] = scale_lr * 7.5 / ((qmax - qmin) / 2)
     return ratios
 
 
-def learned_scales(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.Parameter]]:
+def _learned(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.Parameter]]:
     """(fake-quantized Linear, its weight quantizer, the learned scale) for every learned scale."""
     for module in model.modules():
         quantizer = getattr(module, "weight_fake_quantizer", None)
@@ -129,7 +134,5 @@ def learned_scales(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module, nn.
             yield module, quantizer, scale
 
 
-# the smallest learned scale: a step past zero would divide by zero or mirror the grid
-SCALE_FLOOR = torch.finfo(torch.float32).eps
 _QVALUE_BOUNDS = {torch.int4: (-8, 7), torch.int8: (-128, 127)}
 _STORED_SCALE = {torch.int4: torch.bfloat16, torch.int8: torch.float32}  # what the conversion stores

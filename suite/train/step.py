@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from suite.data.batch import Batch
-from suite.models.qat import SCALE_FLOOR, learned_scales
 from suite.parallel import memory
 from suite.parallel.parallelize import Placement
 
@@ -102,7 +101,6 @@ class TrainStep:
         self.spike_detection = spike_detection
         self.host_group = host_group
         self.state_peaks: dict[str, int] = {}
-        self.learned_scales: list[nn.Parameter] | None = None  # compress=qat-*: found at the first step
 
     # ---- inputs and losses ------------------------------------------------------------------------
     def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -235,7 +233,6 @@ class TrainStep:
                 self.optimizer.step()  # fused AdamW leaves parameters and state alone when found_inf
             finally:
                 del self.optimizer.found_inf, self.optimizer.grad_scale
-            self.floor_learned_scales()
             self.note_optimizer()
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss, grad_norm, found_inf == 0)
@@ -247,21 +244,10 @@ class TrainStep:
         ok = not not_finite and not spiked
         if ok:
             self.scaler.step(self.optimizer)
-            self.floor_learned_scales()
             self.note_optimizer()
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, ok, spiked)
-
-    @torch.no_grad()
-    def floor_learned_scales(self) -> None:
-        """Keep QAT's learned scales at or above SCALE_FLOOR: a large learning rate can step one through
-        zero (a no-op otherwise, the loss unchanged). On the model's parameters, whole or FSDP shards,
-        after the step (ZeRO-1 has all-gathered its slices by then)."""
-        if self.learned_scales is None:
-            self.learned_scales = [scale for _, _, scale in learned_scales(self.model)]
-        for scale in self.learned_scales:
-            scale.clamp_(min=SCALE_FLOOR)
 
     def skips_on_device(self) -> bool:
         """The non-finite skip can stay on the device: a fused torch Adam/AdamW (it honours
