@@ -70,10 +70,10 @@ def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> d
     # before this key have none to compare)
     c = cfg.compress
     out["compress.qat"] = (
-        f"{c.method}, group {c.group_size}, learned scales {c.learn_scales}"
+        f"compress={c.method} compress.group_size={c.group_size} compress.learn_scales={str(c.learn_scales).lower()}"
         if c.method.startswith("qat-")
-        else "none"
-    )
+        else "compress=none"
+    )  # as overrides: the refusal tells them back
     if verb == "finetune":
         out["finetune.method"] = cfg.finetune.method
         if cfg.finetune.method == "lora":
@@ -91,7 +91,8 @@ def of_run(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> dict[st
 
 def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
     """A checkpoint's fingerprint; for one written before fingerprints, what its config.yaml tells
-    (the architecture, optimizer and LoRA keys; not the tokenizer). None when neither is readable."""
+    (the architecture, optimizer and LoRA keys; not the tokenizer); for one written before the
+    `compress.qat` key, that key from its config.yaml. None when neither is readable."""
     try:
         found = json.loads((folder / FINGERPRINT).read_text())
     except (OSError, ValueError):
@@ -99,20 +100,21 @@ def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
     if found is not None and "compress.qat" in found:
         return found
     try:
+        from omegaconf import OmegaConf
+
         from suite.config.compose import load_saved_config
 
         saved = load_saved_config(folder / "config.yaml")
+        written = OmegaConf.load(folder / "config.yaml").get("compress") or {}
     except Exception:  # noqa: BLE001 (an old or hand-edited config: nothing to compare)
         return found
-    # written before the compress.qat key: QAT then recomputed its scales at every step, so the
-    # checkpoint holds no learned scales (its config.yaml reads back with today's default, true)
-    saved.compress.learn_scales = False
-    qat = fingerprint(saved, "finetune")["compress.qat"]
+    if "learn_scales" not in written:  # before learned scales: QAT recomputed them at every step, so
+        saved.compress.learn_scales = False  # the checkpoint holds none (the schema's default is true)
+    recorded = fingerprint(saved, "finetune")  # its finetune keys count only where the config has them too
     if found is not None:
-        return found | {"compress.qat": qat}
-    found = fingerprint(saved, "finetune")  # its finetune keys count only where the config has them too
-    del found["verb"]
-    return found
+        return found | {"compress.qat": recorded["compress.qat"]}
+    del recorded["verb"]
+    return recorded
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -162,21 +164,23 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     broken: list[str] = []
     newest = ckpt.latest_checkpoint(run_dir, log=broken.append)
     if newest is None:  # a new run would write its step_N over them
+        more = f"; and {len(broken) - 3} more" if len(broken) > 3 else ""
         raise ConfigError(
-            f"{named} holds checkpoints and none verifies ({'; '.join(broken)}); pass "
+            f"{named} holds checkpoints and none verifies ({'; '.join(broken[:3])}{more}); pass "
             f"train.overwrite=true to move that run aside ({run_dir}.old-N) and start clean, or a new run.dir=..."
         )
     saved = saved_fingerprint(newest)
     if saved is None:
         return
-    changed = differences(saved, of_run(cfg, verb, data_dir))
-    qat = any(line.startswith("compress.qat:") for line in changed)
+    now = of_run(cfg, verb, data_dir)
+    changed = differences(saved, now)
+    qat = saved.get("compress.qat", now["compress.qat"]) != now["compress.qat"]
     if changed:
         raise ConfigError(
             f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "
             f"pass a new run.dir=... to start another run, or model.init_from={cfg.run.dir} with a new "
             f"run.dir=... to start from those weights (their architecture)"
-            + (", or the checkpoint's compress settings (e.g. compress.learn_scales=false)" if qat else "")
+            + (f", or resume it with {saved['compress.qat']}" if qat else "")
         )
 
 
