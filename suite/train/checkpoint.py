@@ -464,6 +464,12 @@ def _merge_param_groups(optim_sd: dict[str, Any]) -> dict[str, Any]:
     return {**optim_sd, "param_groups": groups}
 
 
+# param_group options that loading would set to the saving run's, but that belong to how this process
+# built its optimizer: `fused`/`foreach` to its layout (a tp=2 run's DTensor params are not fused, a
+# resumed single-process run's are), `lr_ratio` (QAT's learned scales) to its compress.scale_lr
+BUILT_OPTIONS = ("fused", "foreach", "lr_ratio")
+
+
 def load_checkpoint(
     folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
@@ -481,8 +487,10 @@ def load_checkpoint(
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(folder))
+        built = [{k: group[k] for k in BUILT_OPTIONS if k in group} for group in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        _keep_implementation_flags(optimizer)
+        for group, options in zip(optimizer.param_groups, built):
+            group.update(options)
     else:
         load_model_weights(folder, model)
     rng_file = folder / f"rng_rank{_rank()}.pt"
@@ -492,16 +500,6 @@ def load_checkpoint(
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return torch.load(folder / "trainer_state.pt", weights_only=True)
-
-
-def _keep_implementation_flags(optimizer: torch.optim.Optimizer) -> None:
-    """Loading restores the saving run's param_group options, `fused`/`foreach` among them; those
-    belong to this process's layout (a tp=2 run's DTensor params are not fused, a resumed
-    single-process run's are), so put back the ones this optimizer was built with."""
-    for key in ("fused", "foreach"):
-        if key in optimizer.defaults:
-            for group in optimizer.param_groups:
-                group[key] = optimizer.defaults[key]
 
 
 def load_model_weights(folder: Path, model: nn.Module) -> None:

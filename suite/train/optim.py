@@ -31,14 +31,6 @@ def param_groups(model: nn.Module, weight_decay: float, scale_lr: float = 1.0) -
     ] + [{"params": ps, "weight_decay": 0.0, "lr_ratio": ratio} for ratio, ps in scales.items()]
 
 
-def restore_lr_ratios(optimizer, model: nn.Module, scale_lr: float) -> None:
-    """After a checkpoint is loaded: the learned scales' `lr_ratio` from this config
-    (compress.scale_lr), not the one the optimizer's saved param groups brought back."""
-    for group, want in zip(optimizer.param_groups, param_groups(model, 0.0, scale_lr)):
-        if "lr_ratio" in want:
-            group["lr_ratio"] = want["lr_ratio"]
-
-
 def optimizer_for(placement, cfg: OptimConfig, scale_lr: float = 1.0) -> torch.optim.Optimizer:
     """AdamW over what this rank holds (a suite.parallel.Placement); ZeRO-1: over its slice of it.
     With a data-parallel wrapper FSDP2's MixedPrecisionPolicy keeps the fp32 masters

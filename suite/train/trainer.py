@@ -38,7 +38,7 @@ from suite.train.flops import Ceiling, memory_gb, memory_metrics
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.loss_scale import inject_inf_gradient, loss_scaler, restore_scaler, scaler_state
-from suite.train.optim import optimizer_for, restore_lr_ratios
+from suite.train.optim import optimizer_for
 from suite.train.profile import StepProfiler
 from suite.train.saver import RunStopped, Saver
 from suite.train.schedule import lr_at
@@ -263,7 +263,6 @@ class Trainer:
     def _load(self, folder: Path) -> dict:
         """Model, optimizer, RNG, step and data position from `folder` (collective)."""
         state = ckpt.load_checkpoint(folder, self.model, self.optimizer)
-        restore_lr_ratios(self.optimizer, self.model, self.cfg.compress.scale_lr)
         self.step = int(state["step"])
         self.bad_steps = int(state.get("bad_steps", 0))
         self.skipped_batches = sorted(set(self.skipped_batches) | set(state.get("skipped_batches", [])))
