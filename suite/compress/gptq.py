@@ -157,11 +157,9 @@ def gptq_quantize(
 ) -> None:
     """Quantize the Linear layers `targets` of `model` in place with GPTQ, to the tensor types torchao's
     round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU)."""
-    from suite.compress.methods import rtn_config
     from suite.models.quantized import quiet_torchao
 
     quiet_torchao()
-    from torchao.quantization import quantize_
 
     grid = grid_for(method, group_size)
     modules = dict(model.named_modules())
@@ -187,9 +185,26 @@ def gptq_quantize(
             dequant = q.float() * scales.float().repeat_interleave(group, dim=1)
             linear.weight.copy_(dequant.to(linear.weight.dtype))  # the next blocks see quantized outputs
 
+    store_values(model, targets, method, group_size, results)
+
+
+def store_values(
+    model: nn.Module,
+    targets: list[str],
+    method: str,
+    group_size: int,
+    values: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """`targets` converted to `method`'s torchao tensor type and layout (round to nearest), then the
+    layers in `values` given those integers and scales instead (GPTQ's, or QAT's learned grid)."""
+    from torchao.quantization import quantize_
+
+    from suite.compress.methods import rtn_config
+
+    modules = dict(model.named_modules())
     wanted = set(targets)
-    quantize_(model, rtn_config(method, group_size), lambda m, n: n in wanted)  # the tensor type and layout
-    for name, (q, scales) in results.items():
+    quantize_(model, rtn_config(method, group_size), lambda m, n: n in wanted)
+    for name, (q, scales) in values.items():
         linear = modules[name]
         linear.weight = nn.Parameter(with_values(linear.weight, q, scales), requires_grad=False)
 

@@ -204,9 +204,7 @@ def _quantize_on_scales(
     training saw), stored as GPTQ stores on any device: the CPU int4 layout (IntxUnpackedToInt8Tensor,
     bf16 scales; not CUDA's tinygemm layout, whose grid is another) or int8 per row; targets without
     one are rounded to nearest."""
-    from torchao.quantization import quantize_
-
-    from suite.compress.gptq import grid_for, with_values
+    from suite.compress.gptq import grid_for, store_values
 
     grid = grid_for(LEARNED_GRIDS[cfg.method], cfg.group_size)
     modules = dict(model.named_modules())
@@ -217,8 +215,4 @@ def _quantize_on_scales(
             scale = scales[name].to(weight.device, torch.float32)
             grouped = weight.reshape(weight.shape[0], scale.shape[1], -1)
             trained[name] = (grid.quantize(grouped, scale.unsqueeze(-1)).reshape(weight.shape), scale)
-    wanted = set(targets)
-    quantize_(model, rtn_config(LEARNED_GRIDS[cfg.method], cfg.group_size), lambda m, n: n in wanted)
-    for name, (q, scale) in trained.items():
-        linear = modules[name]
-        linear.weight = nn.Parameter(with_values(linear.weight, q, scale), requires_grad=False)
+    store_values(model, targets, LEARNED_GRIDS[cfg.method], cfg.group_size, trained)
