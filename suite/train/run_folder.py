@@ -172,9 +172,8 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     saved = saved_fingerprint(newest)
     if saved is None:
         return
-    now = of_run(cfg, verb, data_dir)
-    changed = differences(saved, now)
-    qat = saved.get("compress.qat", now["compress.qat"]) != now["compress.qat"]
+    changed = differences(saved, of_run(cfg, verb, data_dir))
+    qat = any(line.startswith("compress.qat:") for line in changed)
     if changed:
         raise ConfigError(
             f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "
