@@ -432,6 +432,11 @@ class ClusterConfig:
     # Measured: bench/gloo_collectives.py
     collective_efficiency: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 1.0))
     host_bandwidth_gbs: float = 16.0  # device <-> host per device (PCIe), what parallel.offload crosses
+    # host (CPU) memory per node, shared by the node's processes: what parallel.offload's state must fit
+    # in (suite.plan.cost.Memory.fits_host); None: not bounded (the planner says so in --explain)
+    host_memory_gib: Optional[float] = None
+    # the node's CPU memory bandwidth (all sockets), over which an offloaded optimizer step runs on the host
+    host_memory_bandwidth_gbs: float = 100.0
     # whether collectives can run under compute (GPUs: separate engines and streams); false on a CPU,
     # whose cores do both (gloo), so every collective is on the critical path
     comm_overlap: bool = True

@@ -176,9 +176,14 @@ def _check_cluster(cfg: SuiteConfig) -> None:
         "intra_node_bandwidth_gbs",
         "inter_node_bandwidth_gbs",
         "host_bandwidth_gbs",
+        "host_memory_bandwidth_gbs",
     ):
         if getattr(c, key) <= 0:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be positive")
+    if c.host_memory_gib is not None and c.host_memory_gib <= 0:
+        raise ConfigError(
+            f"cluster.host_memory_gib={c.host_memory_gib} must be positive GiB per node (or null: not bounded)"
+        )
     for key in ("reserved_gib", "intra_node_latency_us", "inter_node_latency_us"):
         if getattr(c, key) < 0:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be >= 0")

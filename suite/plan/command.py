@@ -6,9 +6,9 @@ from dataclasses import replace
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
-from suite.plan.cost import GIB, evaluate
+from suite.plan.cost import evaluate
 from suite.plan.layout import Job, check_layout, parse_layout
-from suite.plan.report import as_json, explain, table
+from suite.plan.report import as_json, explain, leanest, table
 from suite.plan.search import search, smallest_cluster
 
 
@@ -47,12 +47,9 @@ def run_plan(cfg: SuiteConfig, layout_name: str | None = None) -> tuple[dict, st
 def no_fit(job: Job, result) -> str:
     """One line: nothing fits here; the leanest layout's need, and the nodes the planner would need."""
     c = job.cluster
-    where = f"{c.nodes} x {c.devices_per_node} {c.name} ({c.memory_gib - c.reserved_gib:.1f} GiB usable per device)"
-    lean = (
-        f"; the leanest, {result.too_big[0].layout.name}, needs {result.too_big[0].memory.total / GIB:.1f} GiB"
-        if result.too_big
-        else ""
-    )
+    host = f", {c.host_memory_gib:g} GiB host memory per node" if c.host_memory_gib is not None else ""
+    where = f"{c.nodes} x {c.devices_per_node} {c.name} ({c.memory_gib - c.reserved_gib:.1f} GiB usable per device{host})"
+    lean = leanest(job, result)
     nodes = smallest_cluster(replace(job, cluster=replace(c, nodes=1)))
     need = (
         f"the smallest {c.name} cluster it fits is cluster.nodes={nodes} ({nodes * c.devices_per_node} devices)"

@@ -11,7 +11,12 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
                                                where ranks time-share the cores, `pipeline`)
     pp p2p    2 (m v + p - 1) t_send          (activations forward, gradients back, on the critical path)
     data      data-parallel / sharding collectives not hidden under compute
-    optimizer AdamW's bytes over memory bandwidth (+ the host transfers of offload)
+    optimizer AdamW's bytes over memory bandwidth (offload: on the host, over the node's CPU memory
+              bandwidth shared by its ranks)
+    offload   the host link's transfers of offload not hidden under compute: each micro-batch's
+              parameter shards up before FSDP gathers them (forward, and backward at stage 3) and
+              reduced gradient shards down (FSDP2's CPUOffloadPolicy), in the gather's and the
+              reduce-scatter's streams
     host      m x the micro-batch's per-layer runtime overhead (cluster.layer_overhead_us and what tp,
               dp and sharding add per layer; in t_mb, so the bubble carries it) + their per-step terms:
               0 on GPU presets, measured on the cpu preset, where a small model's steps are mostly this
@@ -58,6 +63,9 @@ class Memory:
     capacity: float  # what the job may use: memory_gib - reserved_gib
     optimizer_work: float = 0.0
     accumulating: bool = True  # more than one micro-batch per step: gradients held through backward
+    # the worst rank's share of its node's host memory (cluster.host_memory_gib / devices_per_node:
+    # every rank of the node offloads as much); None: host memory not bounded
+    host_capacity: float | None = None
 
     @property
     def backward(self) -> float:
@@ -73,8 +81,17 @@ class Memory:
         return max(self.backward, self.optimizer_step)
 
     @property
-    def fits(self) -> bool:
+    def fits_device(self) -> bool:
         return self.total <= self.capacity
+
+    @property
+    def fits_host(self) -> bool:
+        """Whether the offloaded state of the node's ranks fits in its host memory."""
+        return self.host_capacity is None or self.host <= self.host_capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
 
 
 @dataclass(frozen=True)
@@ -90,11 +107,12 @@ class Time:
     data: float
     optimizer: float
     host: float = 0.0  # m x the micro-batch's host overhead, + the step's (cluster.layer_overhead_us)
+    offload: float = 0.0  # exposed host-link transfers of offload (module docstring)
 
     @property
     def total(self) -> float:
         parts = (self.compute, self.tp, self.cp, self.ep, self.bubble, self.pp, self.data, self.optimizer)
-        return sum(parts) + self.host
+        return sum(parts) + self.host + self.offload
 
 
 @dataclass(frozen=True)
@@ -113,7 +131,10 @@ class Cost:
             "layout": self.layout.name,
             "parallel": asdict(self.layout),
             "fits": self.memory.fits,
-            "memory_gib": {k: v / GIB for k, v in asdict(self.memory).items() if k != "accumulating"}
+            "fits_host": self.memory.fits_host,
+            "memory_gib": {
+                k: v / GIB for k, v in asdict(self.memory).items() if k != "accumulating" and v is not None
+            }
             | {"total": self.memory.total / GIB},
             "time_s": asdict(self.time) | {"total": self.time.total},
             "tokens_per_s": self.tokens_per_s,
@@ -214,33 +235,48 @@ def _micro_batch_comm(
     return tp, cp, ep
 
 
+def offloads(job: Job, layout: Layout) -> bool:
+    """Whether the layout's state crosses the host link (a CPU's offload stays where it is)."""
+    return layout.offload and job.cluster.device_type != "cpu"
+
+
 def _data_comm(
     job: Job, layout: Layout, full: float, sharded: float, forward: float, backward: float, m: int
-) -> float:
-    """Exposed seconds of data-parallel and sharding collectives per step (module docstring): FSDP's
-    forward all-gather hides under the micro-batch's forward, the backward all-gather and the
-    reduce-scatter under its backward (with the recompute); a gradient all-reduce under the last
-    micro-batch's backward."""
+) -> tuple[float, float]:
+    """Exposed seconds per step of data-parallel and sharding collectives, and of offload's host-link
+    transfers (module docstring): FSDP's forward all-gather (after its shard's copy up) hides under the
+    micro-batch's forward, the backward all-gather and the reduce-scatter (and the copy down) under its
+    backward (with the recompute); a gradient all-reduce under the last micro-batch's backward. The
+    host link's share is what exposure the transfers add."""
     c = job.cluster
     if layout.data_ranks == 1:
-        return 0.0
+        return 0.0, 0.0
     data_link = comm.group_link(c, _merged_data(layout), "dp")
     if layout.sharding == 1 or layout.stage == 1:  # replicate or ZeRO-1: all-reduce at the last micro-batch
         exposed = max(0.0, comm.all_reduce(data_link, full * job.reduce_bytes) - backward)
         if layout.sharding > 1:  # ZeRO-1: updated slices all-gathered after the step
             exposed += comm.all_gather(data_link, full * job.param_bytes)
-        return exposed
+        return exposed, 0.0
     shard_link = comm.group_link(c, layout, "sharding")
     gather = comm.all_gather(shard_link, full * job.compute_bytes)
-    in_backward = comm.reduce_scatter(shard_link, full * job.reduce_bytes) + (
-        gather if layout.stage == 3 else 0.0
-    )
-    exposed = m * (max(0.0, gather - forward) + max(0.0, in_backward - backward))
+    reduce = comm.reduce_scatter(shard_link, full * job.reduce_bytes)
+    up = down = 0.0
+    if offloads(job, layout):  # the shard (param dtype) up before each gather, its reduced gradient down
+        link = c.host_bandwidth_gbs * 1e9
+        up, down = sharded * job.param_bytes / link, sharded * job.reduce_bytes / link
+    gathers = 2 if layout.stage == 3 else 1
+
+    def exposed_per_micro_batch(up: float, down: float) -> float:
+        in_backward = reduce + down + (gathers - 1) * (gather + up)
+        return max(0.0, gather + up - forward) + max(0.0, in_backward - backward)
+
+    exposed = m * exposed_per_micro_batch(0.0, 0.0)
+    host_link = m * exposed_per_micro_batch(up, down) - exposed
     if layout.dp > 1:  # HSDP: the sharded gradients all-reduced across replicas once
         exposed += max(
             0.0, comm.all_reduce(comm.group_link(c, layout, "dp"), sharded * job.reduce_bytes) - backward
         )
-    return exposed
+    return exposed, host_link
 
 
 def _merged_data(layout: Layout) -> Layout:
@@ -254,16 +290,17 @@ def _optimizer_time(job: Job, layout: Layout, full: float, sharded: float) -> fl
     """AdamW reads and writes its moments, the parameters and master copies, reads the gradients:
     (2 x 8 + 2 p + p (+ 2 x 4 master)) bytes per updated parameter over memory bandwidth, in one
     pass (fused). torch's foreach AdamW makes eight passes instead (decay, lerp, mul, addcmul, sqrt,
-    div, add, addcdiv: 80 bytes per fp32 parameter, FOREACH_ADAMW_BYTES). Offload moves gradients
-    down and parameters up over the host link instead."""
+    div, add, addcdiv: 80 bytes per fp32 parameter, FOREACH_ADAMW_BYTES). Offloaded, the step runs
+    on the host (FSDP2's CPUOffloadPolicy), over the node's CPU memory bandwidth that its ranks share
+    at once; the transfers to and from the host are `Time.offload`'s."""
     c = job.cluster
     p = job.param_bytes
     updated = sharded if layout.sharding > 1 else full
     per = 2 * ADAM_STATE_BYTES + 3 * p + (2 * MASTER_BYTES if p < 4 else 0)
     if foreach_adamw(job, layout):
         per = FOREACH_ADAMW_BYTES + (2 * MASTER_BYTES if p < 4 else 0)
-    if layout.offload:
-        return 2 * updated * p / (c.host_bandwidth_gbs * 1e9)
+    if offloads(job, layout):
+        return updated * per / (c.host_memory_bandwidth_gbs * 1e9 / c.devices_per_node)
     return updated * per / (c.memory_bandwidth_gbs * 1e9)
 
 
@@ -341,6 +378,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     moe = set(moe_layer_ids(model))
     rate = _rate(job)
     capacity = (c.memory_gib - c.reserved_gib) * GIB
+    host_capacity = None if c.host_memory_gib is None else c.host_memory_gib * GIB / c.devices_per_node
     worst_t, worst_mem, stages = 0.0, None, []
     t_forward = worst_host = 0.0
     for rank, (params, layers) in enumerate(zip(table, layers_of)):
@@ -364,6 +402,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
             capacity,
             state.optimizer_work,
             m > 1,
+            host_capacity,
         )
         if worst_mem is None or mem.total > worst_mem[0].total:
             worst_mem = (mem, state, params)
@@ -382,10 +421,10 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     sharded = max(r.sharded for r in table)
     # collectives hide under the device's work, not under the host's (overlap windows exclude `host`)
     windows = (t_forward, worst_t - worst_host - t_forward) if c.comm_overlap else (0.0, 0.0)
-    data = _data_comm(job, layout, full, sharded, *windows, m)
+    data, offload = _data_comm(job, layout, full, sharded, *windows, m)
     optimizer = _optimizer_time(job, layout, full, sharded)
     host_time = host + _host_per_step(job, layout)
-    time = Time(compute, tp, cp, ep, bubble, pp_time, data, optimizer, host_time)
+    time = Time(compute, tp, cp, ep, bubble, pp_time, data, optimizer, host_time, offload)
     model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)
     step = time.total
     return Cost(

@@ -6,7 +6,8 @@ traffic, less memory), pp dividing the layers with 1F1B, interleaved 1F1B (v = 2
 sharding group at ZeRO stage 1, 2 or 3 (stage 3 also offloaded), or as HSDP (sharded inside a node,
 replicated across nodes), micro-batches of 1 to 16 sequences, and each recompute granularity. What
 the trainer would refuse is dropped (suite.plan.layout.check_layout), then what does not fit in
-memory; the rest is ranked by step time, then by memory.
+memory (the device's, or for offload the node's host memory: suite.plan.cost.Memory.fits); the rest is
+ranked by step time, then by memory.
 """
 
 from __future__ import annotations

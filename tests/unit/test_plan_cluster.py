@@ -77,3 +77,25 @@ def test_every_collective_has_a_factor_the_command_line_can_set():
         ConfigError, match="collective_efficiency.allreduce=0.5: not a collective; use one of"
     ):
         check_values(cfg)
+
+
+def test_gpu_presets_bound_host_memory_per_node_from_the_data_sheets():
+    """DGX A100 640GB, DGX H100 and DGX H200: 2 TB of system memory per node; DGX A100 320GB: 1 TB.
+    The cpu preset leaves it unbounded (offload is not searched there)."""
+    expected = {"a100-40g": 1024, "a100-80g": 2048, "h100-80g": 2048, "h200": 2048}
+    for name, gib in expected.items():
+        c = _cluster(f"cluster={name}").cluster
+        assert c.host_memory_gib == gib and c.host_memory_bandwidth_gbs > 100, name
+    assert _cluster("cluster=cpu").cluster.host_memory_gib is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.host_memory_gib=0", "cluster.host_memory_gib=0.0 must be positive GiB per node"),
+        ("cluster.host_memory_bandwidth_gbs=-1", "cluster.host_memory_bandwidth_gbs=-1.0 must be positive"),
+    ],
+)
+def test_bad_host_memory_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        check_values(_cluster("cluster=a100-80g", override))

@@ -10,7 +10,7 @@ import pytest
 from suite.cli import main
 from suite.config.compose import compose_config, to_object
 from suite.plan.cost import evaluate
-from suite.plan.layout import Job, Layout, check_layout
+from suite.plan.layout import Job, Layout, check_layout, parse_layout
 from suite.plan.search import search
 
 GPT13B = ["recipe=gpt13b", "cluster=h100-80g", "cluster.nodes=4"]
@@ -122,3 +122,56 @@ def test_cpu_cluster_overlaps_no_communication():
     assert not job.cluster.comm_overlap and cost.time.data > 0  # the gradient all-reduce is exposed
     gpu = _job("recipe=gpt-tiny", "cluster=cpu", "cluster.comm_overlap=true")
     assert evaluate(gpu, Layout(dp=2, micro_batch=8)).time.data < cost.time.data
+
+
+GPT175B_ONE_NODE = ["recipe=gpt175b", "cluster=a100-80g", "cluster.nodes=1"]
+
+
+def test_offload_beyond_the_nodes_host_memory_fits_nowhere(capsys):
+    """Issue 39: one 8 x A100-80G node ranked first a ZeRO-3 offload layout whose ranks' host state
+    is ~5.2 TiB against the node's 2 TiB. Now nothing fits, and the one line says it is host memory."""
+    assert main(["plan", *GPT175B_ONE_NODE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "no layout of gpt175b fits 1 x 8 a100-80g (77.2 GiB usable per device, 2048 GiB host memory" in err
+    assert "fits the devices (17.9 GiB) but not host memory: 2602 GiB of host memory per node > 2048" in err
+    assert "the smallest a100-80g cluster it fits is cluster.nodes=2" in err
+
+
+def test_explain_shows_the_host_memory_an_offloaded_layout_needs(capsys):
+    assert main(["plan", *GPT175B_ONE_NODE, "--explain", "sh4z3off-cp2-mb1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "host memory per node (its 8 ranks' offloaded state): 5203.6 GiB of 2048 (cluster.host_memory_gib): "
+        "does NOT fit: the search drops this layout" in out
+    )
+    job = _job(*GPT175B_ONE_NODE)
+    memory = evaluate(job, parse_layout("sh4z3off-cp2-mb1")).memory
+    assert memory.fits_device and not memory.fits_host and not memory.fits
+
+
+def test_ranked_offload_layouts_fit_their_nodes_host_memory():
+    """Two nodes: offload fits, and every ranked layout's host state fits its node's 2 TiB; the
+    layouts dropped for host memory alone are counted in the table's second line."""
+    job = _job("recipe=gpt175b", "cluster=a100-80g", "cluster.nodes=2")
+    result = search(job, recompute=("full",), micro_batches=(1, 2))
+    offloaded = [c for c in result.ranked if c.layout.offload]
+    assert offloaded and all(c.memory.host * 8 <= 2048 * 2**30 for c in offloaded)
+    assert any(c.memory.fits_device and not c.memory.fits_host for c in result.too_big)
+
+
+def test_offload_prices_the_host_link_and_the_hosts_adamw():
+    """FSDP2's CPUOffloadPolicy copies each micro-batch's parameter shard up before every gather
+    (twice at stage 3) and the reduced fp32 gradient shard down, over cluster.host_bandwidth_gbs;
+    AdamW then runs on the host, over the node's memory bandwidth shared by its 8 ranks. With
+    nothing overlapped (comm_overlap=false) the host link's part is exactly those bytes."""
+    job = _job("recipe=gpt13b", "cluster=h100-80g", "cluster.nodes=1", "cluster.comm_overlap=false")
+    layout = parse_layout("sh8z3off-mb1-full")
+    cost = evaluate(job, layout)
+    c, shard, m = job.cluster, cost.params_per_device, cost.micro_batches
+    per_micro_batch = (2 * shard * job.param_bytes + shard * job.reduce_bytes) / (c.host_bandwidth_gbs * 1e9)
+    assert cost.time.offload == pytest.approx(m * per_micro_batch, rel=1e-6) and cost.time.offload > 1.0
+    adamw = shard * (2 * 8 + 3 * job.param_bytes) / (c.host_memory_bandwidth_gbs * 1e9 / c.devices_per_node)
+    assert cost.time.optimizer == pytest.approx(adamw, rel=1e-6)
+    on_device = evaluate(job, parse_layout("sh8z3-mb1-full"))
+    assert on_device.time.offload == 0 and cost.time.total > on_device.time.total + cost.time.offload * 0.99
