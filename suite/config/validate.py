@@ -94,6 +94,17 @@ def check_values(cfg: SuiteConfig) -> None:
     m = cfg.model
     if m.num_experts < 0:
         raise ConfigError(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model)")
+    if m.num_kv_heads is not None and m.num_kv_heads < 1:
+        divisors = ", ".join(str(d) for d in range(1, m.num_heads + 1) if m.num_heads % d == 0)
+        raise ConfigError(
+            f"model.num_kv_heads={m.num_kv_heads} is not a head count; use null (as many as "
+            f"model.num_heads={m.num_heads}) or a divisor of it ({divisors})"
+        )
+    if cfg.finetune.lora.alpha <= 0:
+        raise ConfigError(
+            f"finetune.lora.alpha={cfg.finetune.lora.alpha} must be positive (the adapters' update is "
+            "scaled by alpha / rank), e.g. finetune.lora.alpha=16"
+        )
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     if cfg.optim.lr <= 0:

@@ -166,6 +166,16 @@ BAD_INPUTS = [
         ["parallel.fsdp_forward_prefetch=1", "parallel.dp=2", "launch.nproc_per_node=2"],
         "need parallel.sharding>1 with parallel.sharding_stage 2 or 3",
     ),
+    (  # 0 used to mean "as many as num_heads" without a word (issue 39)
+        ["model.num_kv_heads=0"],
+        "model.num_kv_heads=0 is not a head count; use null (as many as model.num_heads=4) or a divisor of it (1, 2, 4)",
+    ),
+    (["recipe=llama-tiny", "model.num_kv_heads=-2"], "model.num_kv_heads=-2 is not a head count"),
+    (
+        ["finetune.lora.alpha=-16"],
+        "finetune.lora.alpha=-16.0 must be positive (the adapters' update is scaled by",
+    ),
+    (["finetune.lora.alpha=0"], "finetune.lora.alpha=0.0 must be positive"),
 ]
 
 
