@@ -1,13 +1,28 @@
-"""Where a verb writes (run.dir, export.out, a `suite config cp` destination), checked before anything
-is written: a folder that can be created or reused, never a file, never someone else's folder."""
+"""Where a verb writes (run.dir, export.out, data.path, a report's out, a `suite config cp` destination),
+checked before anything is written: a folder that can be created or reused, never a file, never someone
+else's folder, and a place the suite can really write (tried, not guessed), so /proc or a read-only
+mount is one line, not a traceback halfway through."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 from suite.config.errors import ConfigError
+
+
+def _try_write(folder: Path) -> str | None:
+    """Why nothing can be created in `folder`, or None: a real try (permissions, read-only and virtual
+    file systems such as /proc, where os.access says yes to root), undone at once."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".suite-check-", dir=folder))
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:  # the folder exists: a virtual file system refusing new entries
+            return "it takes no new folders"
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def _creatable(key: str, value: str, path: Path, fix: str) -> None:
@@ -17,13 +32,19 @@ def _creatable(key: str, value: str, path: Path, fix: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"{key}='{value}' cannot be created: {parent} is a file, not a folder; {fix}")
-    try:  # a real try (permissions, read-only and virtual file systems such as /proc), undone at once
-        os.rmdir(tempfile.mkdtemp(prefix=".suite-check-", dir=parent))
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(
-            f"{key}='{value}' cannot be created: {parent} is not writable ({reason}); {fix}"
-        ) from None
+    reason = _try_write(parent)
+    if reason:
+        raise ConfigError(f"{key}='{value}' cannot be created: {parent} is not writable ({reason}); {fix}")
+
+
+def check_replaceable(key: str, value: str, fix: str) -> Path:
+    """A folder a verb builds beside itself and then moves into place (`suite prepare`): whether or not
+    it exists, its parent (or the nearest existing ancestor) must take a new entry."""
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}='{value}' is a file, not a folder; {fix}")
+    _creatable(key, value, path, fix)
+    return path
 
 
 def check_output_folder(key: str, value: str | None, fix: str, owned_marker: str | None = None) -> Path:
@@ -37,8 +58,10 @@ def check_output_folder(key: str, value: str | None, fix: str, owned_marker: str
     if not path.exists():
         _creatable(key, value, path, fix)
         return path
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}='{value}' is not writable; {fix}")
+    reason = None if os.access(path, os.W_OK | os.X_OK) else "permission denied"
+    reason = reason or _try_write(path)
+    if reason:
+        raise ConfigError(f"{key}='{value}' is not writable ({reason}); {fix}")
     if owned_marker is not None and any(path.iterdir()) and not (path / owned_marker).exists():
         raise ConfigError(
             f"{key}='{value}' is not empty and was not written by suite (no {owned_marker}); {fix}, "

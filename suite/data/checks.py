@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from suite import user_files
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 
@@ -40,7 +40,12 @@ def check_data(cfg: SuiteConfig, needs_data: bool = True) -> None:
                 f"data.path='{data_path}' is not a prepared data folder (no meta.json); run "
                 f"`suite prepare data.path=<new folder> ...` and pass that folder"
             )
-        vocab = json.loads((folder / "meta.json").read_text()).get("vocab_size")
+        meta = user_files.read_json(folder / "meta.json", f"data.path='{data_path}'")
+        if not isinstance(meta, dict):
+            raise ConfigError(
+                f"data.path='{data_path}' has a meta.json that is not a JSON object; run `suite prepare` again"
+            )
+        vocab = meta.get("vocab_size")
         where = f"the tokenizer in data.path='{data_path}'"
     else:
         vocab, where = cfg.data.vocab_size, f"data.vocab_size={cfg.data.vocab_size}"

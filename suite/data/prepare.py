@@ -27,6 +27,7 @@ from suite.data.corpus import build_embedded_corpus, read_corpus
 from suite.data.shards import IndexedTokens, ShardWriter
 from suite.data.sources import read_source, source_fields
 from suite.data.tokenizer import load_tokenizer, train_tokenizer
+from suite.outputs import check_replaceable
 
 try:
     import fcntl
@@ -42,14 +43,23 @@ CHECKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json
 TOKENIZER_SAMPLE_MB = 64.0
 ENCODE_CHUNK = 512
 _SPLIT_SEED, _WEIGHT_SEED, _ORDER_SEED = 20240501, 20240502, 20240503
+# what to do when the place a prepared folder goes cannot be written
+WRITABLE_FIX = {
+    "data.path": "give a folder you can write, e.g. data.path=data/prepared",
+    "data.cache_dir": "give a cache folder you can write, e.g. data.cache_dir=~/.cache/suite, or data.path=DIR",
+}
 
 
-def prepare(cfg: Any, out_dir: Path, progress: bool = True, summary: bool = True) -> Path:
+def prepare(
+    cfg: Any, out_dir: Path, progress: bool = True, summary: bool = True, key: str = "data.path"
+) -> Path:
     """Prepare `cfg.sources` (or the embedded corpus when empty) into `out_dir`; return `out_dir`.
-    `summary`: end with a `prepared ...` line (with `progress`); `suite prepare` prints its own."""
+    `summary`: end with a `prepared ...` line (with `progress`); `suite prepare` prints its own.
+    `key`: the setting that named `out_dir`, for the one-line refusal of a place that cannot be written."""
     out_dir = Path(out_dir).expanduser()
     _check_config(cfg)
     _check_target(out_dir)
+    check_replaceable(key, str(out_dir), WRITABLE_FIX.get(key, WRITABLE_FIX["data.path"]))
     console = Console(stderr=True, quiet=not progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -350,7 +360,8 @@ def ensure_prepared(cfg: Any, progress: bool = True, summary: bool = True) -> Pa
         return folder
     folder = _default_folder(cfg)
     if not is_prepared(folder):
+        check_replaceable("data.cache_dir", str(folder), WRITABLE_FIX["data.cache_dir"])
         with _file_lock(folder.with_name(f".{folder.name}.lock")):
             if not is_prepared(folder):
-                prepare(cfg, folder, progress=progress, summary=summary)
+                prepare(cfg, folder, progress=progress, summary=summary, key="data.cache_dir")
     return folder

@@ -2,7 +2,8 @@
 
 Pipeline, one function per step:
 
-    iter_sft_rows(sources)              local .jsonl/.json/.parquet files (glob/folder) or a `datasets` name;
+    iter_sft_rows(sources)              local .jsonl(.gz)/.json/.parquet files (glob/folder), a folder
+                                        `datasets` saved, or a `datasets` name (files read by suite.user_files);
                                         yields (location, record), e.g. ("data/train.jsonl line 17", {...})
     normalize_record, encode_conversation
                                         a row's messages and assistant tokens (suite.data.chat)
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from suite import user_files
 from suite.config.errors import ConfigError
 from suite.config.schema import DataConfig, SFTDataConfig
 from suite.data.batch import IGNORE_INDEX, Batch
@@ -45,12 +47,12 @@ from suite.data.chat import (
     resolve_chat_template,
 )
 from suite.data.sampler import GlobalBatches
-from suite.data.sources import json_lines, match_local
+from suite.data.sources import match_local
 
 _SFT_DEFAULTS = SFTDataConfig()  # recipe keys finetune.data.*: the one source of these defaults
 _DATA_DEFAULTS = DataConfig()
 
-SFT_SUFFIXES = (".jsonl", ".json", ".parquet")
+SFT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 ENCODE_CHUNK = 1024
 
 
@@ -72,7 +74,7 @@ def _local_sft_files(pattern: str) -> list[Path] | None:
     files = match_local(pattern, SFT_SUFFIXES)
     if files is None:
         return None
-    bad = [p for p in files if p.suffix not in SFT_SUFFIXES]
+    bad = [p for p in files if not p.name.endswith(SFT_SUFFIXES)]
     if not files or bad:
         found = f"matches '{bad[0]}', which is not" if bad else "matches no"
         raise ConfigError(
@@ -94,31 +96,41 @@ def iter_sft_rows(sources: Any) -> Iterator[tuple[str, Any]]:
         sources = [sources]
     for source in sources:
         path, split, name = _source_spec(source)
+        if user_files.is_saved_dataset(path):
+            ds = user_files.load_saved_dataset(path, split, "SFT source")
+            yield from ((f"{path}[{split}] row {i}", record) for i, record in enumerate(ds, 1))
+            continue
         files = _local_sft_files(path)
         if files is None:
             yield from _iter_datasets(path, split, name)
             continue
+        rows = 0
         for file in files:
-            if file.suffix == ".jsonl":
-                yield from _iter_jsonl(file)
-            elif file.suffix == ".json":
-                yield from _iter_json(file)
+            if file.name.endswith(".json"):
+                found = _iter_json(file)
+            elif file.name.endswith(".parquet"):
+                found = _iter_parquet(file)
             else:
-                yield from _iter_parquet(file)
+                found = _iter_jsonl(file)
+            for row in found:
+                rows += 1
+                yield row
+        if not rows:
+            where = f"'{files[0]}' is" if len(files) == 1 else f"its {len(files)} files are"
+            raise ConfigError(
+                f"SFT source '{path}' holds no rows: {where} empty; fill it, or drop the source"
+            )
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    for lineno, record in json_lines(path):
+    for lineno, record in user_files.json_lines(path, "SFT source"):
         if isinstance(record, json.JSONDecodeError):
             record = (INVALID_JSON, record.msg)
         yield f"{path} line {lineno}", record
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"SFT source '{path}' is not valid JSON ({err.msg} at line {err.lineno})") from err
+    data = user_files.read_json(path, "SFT source")
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
@@ -130,9 +142,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
-    for i, record in enumerate(pq.read_table(path).to_pylist(), 1):
+    for i, record in enumerate(user_files.read_parquet(path, "SFT source").to_pylist(), 1):
         yield f"{path} row {i}", record
 
 

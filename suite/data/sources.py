@@ -1,17 +1,19 @@
-"""Read the documents of one `data.sources[i]` entry: local .txt/.jsonl/.parquet files or a `datasets` name."""
+"""Read the documents of one `data.sources[i]` entry: local .txt/.jsonl(.gz)/.parquet files, a folder
+`datasets` saved, or a `datasets` name. Files are opened through suite.user_files, so a file in another
+encoding or format, binary junk or an empty source is one line naming the file."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from suite import user_files
 from suite.config.errors import ConfigError
 
-SUPPORTED = (".txt", ".jsonl", ".parquet")
+SUPPORTED = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 # A .txt file is cut at blank lines into documents of about this many characters, so one big file
 # (a book, tinyshakespeare) still yields a train/val split and its paragraphs stay together.
 TXT_DOC_CHARS = 16_000
@@ -38,18 +40,27 @@ def read_source(src: Any, index: int) -> list[str]:
     fields = source_fields(src)
     if not fields["weight"] > 0:
         raise ConfigError(f"{key}.weight={src.weight} must be > 0; drop the source instead of weighting it 0")
+    if user_files.is_saved_dataset(fields["path"]):
+        ds = user_files.load_saved_dataset(fields["path"], fields["split"], f"{key}.path")
+        return _dataset_texts(ds, fields, key)
     files = local_files(fields["path"], key)
     if files is None:
         return _read_datasets(fields, key)
     docs: list[str] = []
     for path in files:
-        if path.suffix == ".txt":
-            docs.extend(split_text(path.read_text(encoding="utf-8", errors="replace")))
-        elif path.suffix == ".jsonl":
-            docs.extend(_read_jsonl(path, fields["text_field"], key))
-        else:
+        if path.name.endswith(".txt"):
+            docs.extend(split_text(user_files.read_text(path, key)))
+        elif path.name.endswith(".parquet"):
             docs.extend(_read_parquet(path, fields["text_field"], key))
-    return [d for d in docs if d.strip()]
+        else:
+            docs.extend(_read_jsonl(path, fields["text_field"], key))
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        where = f"'{files[0]}' is" if len(files) == 1 else f"its {len(files)} files ('{files[0]}', ...) are"
+        raise ConfigError(
+            f"{key}.path='{fields['path']}' holds no text: {where} empty or blank; fill it, or drop the source"
+        )
+    return docs
 
 
 def match_local(pattern: str, suffixes: tuple[str, ...]) -> list[Path] | None:
@@ -61,12 +72,12 @@ def match_local(pattern: str, suffixes: tuple[str, ...]) -> list[Path] | None:
         magic
         or os.path.exists(expanded)
         or expanded.startswith(("/", "./", "../"))
-        or Path(expanded).suffix in suffixes
+        or expanded.endswith(suffixes)
     )
     if not looks_local:
         return None
     if os.path.isdir(expanded):
-        return sorted(p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in suffixes)
+        return sorted(p for p in Path(expanded).rglob("*") if p.is_file() and p.name.endswith(suffixes))
     return sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
 
 
@@ -77,11 +88,11 @@ def local_files(pattern: str, key: str) -> list[Path] | None:
         return None
     if not matches:
         raise ConfigError(
-            f"{key}.path='{pattern}' matches no files; give a .txt/.jsonl/.parquet file, folder or glob "
+            f"{key}.path='{pattern}' matches no files; give a {'/'.join(SUPPORTED)} file, folder or glob "
             "(e.g. /data/*.txt), or a `datasets` name such as roneneldan/TinyStories"
         )
     for path in matches:
-        if path.suffix not in SUPPORTED:
+        if not path.name.endswith(SUPPORTED):
             raise ConfigError(
                 f"{key}.path='{pattern}' matches '{path}', which is not {'/'.join(SUPPORTED)}; "
                 "narrow the glob (e.g. *.txt) or convert the file"
@@ -105,22 +116,9 @@ def split_text(text: str, max_chars: int = TXT_DOC_CHARS) -> list[str]:
     return docs
 
 
-def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line number, parsed record) for every non-blank line of a JSONL file; a line that
-    is not valid JSON gives its json.JSONDecodeError as the record (each reader decides)."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield lineno, err
-
-
 def _read_jsonl(path: Path, field: str, key: str) -> list[str]:
     docs = []
-    for lineno, record in json_lines(path):
+    for lineno, record in user_files.json_lines(path, key):
         if isinstance(record, json.JSONDecodeError):
             raise ConfigError(
                 f"{key}: '{path}' line {lineno} is not valid JSON ({record.msg}); fix or remove it"
@@ -135,15 +133,14 @@ def _read_jsonl(path: Path, field: str, key: str) -> list[str]:
 
 
 def _read_parquet(path: Path, field: str, key: str) -> list[str]:
-    import pyarrow.parquet as pq
-
-    columns = pq.read_schema(path).names
+    columns = user_files.parquet_columns(path, key)
     if field not in columns:
         raise ConfigError(
             f"{key}.text_field='{field}' is not a column of '{path}' (columns: {', '.join(columns)}); "
             f"set {key}.text_field to the text column"
         )
-    return [str(t) for t in pq.read_table(path, columns=[field]).column(field).to_pylist() if t is not None]
+    table = user_files.read_parquet(path, key, columns=[field])
+    return [str(t) for t in table.column(field).to_pylist() if t is not None]
 
 
 def _read_datasets(fields: dict[str, Any], key: str) -> list[str]:
@@ -157,6 +154,11 @@ def _read_datasets(fields: dict[str, Any], key: str) -> list[str]:
             f"{key}.path='{fields['path']}' is neither a local file nor a loadable `datasets` dataset "
             f"({reason}); check the name, {key}.name and {key}.split, or give a local path"
         ) from err
+    return _dataset_texts(ds, fields, key)
+
+
+def _dataset_texts(ds: Any, fields: dict[str, Any], key: str) -> list[str]:
+    """The text column of a `datasets.Dataset` (downloaded or saved to disk)."""
     if fields["text_field"] not in ds.column_names:
         raise ConfigError(
             f"{key}.text_field='{fields['text_field']}' is not a column of dataset '{fields['path']}' "

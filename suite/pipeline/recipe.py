@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from suite import user_files
 from suite.config.errors import ConfigError
 
 REF = re.compile(r"\$\{stage:([^}]*)\}")
@@ -126,13 +127,8 @@ def find_recipe(value: str | None) -> Path:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except (OmegaConfBaseException, OSError, ValueError) as exc:
-        raise ConfigError(f"pipeline recipe {path} does not parse: {str(exc).splitlines()[0]}") from None
+    """The recipe as plain data; a YAML syntax error is one line, file:line:column (suite.user_files)."""
+    data = user_files.read_yaml(path, "pipeline recipe")
     if not isinstance(data, dict):
         raise ConfigError(f"pipeline recipe {path} is not a mapping with stages:")
     return data

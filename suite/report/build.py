@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from suite.config.errors import ConfigError
+from suite.outputs import check_output_folder
 from suite.report.markdown import compare_markdown, run_markdown
 from suite.report.plots import PANELS, plot_comparison, plot_run
 from suite.report.runs import load_run
@@ -18,9 +19,12 @@ COMPARISON = "loss_comparison.png"
 
 
 def _out_folder(out: str | Path) -> Path:
+    """The report's folder, created; a file, or a place that cannot be written (/proc, a read-only
+    mount), is one line before anything is drawn."""
     folder = Path(out).expanduser()
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"suite report: out='{out}' is a file, not a folder; pass out=<a folder>")
+    check_output_folder("suite report: out", str(out), "pass out=<a folder you can write>")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

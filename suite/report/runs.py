@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from suite import user_files
 from suite.config.errors import ConfigError
 
 TRAINED_BY = "pretrain, finetune or distill"
@@ -52,7 +53,8 @@ class RunMetrics:
 def _records(path: Path) -> list[dict[str, Any]]:
     """The whole JSON lines of metrics.jsonl that carry a step (a killed run may leave a cut line)."""
     out = []
-    for line in path.read_text().splitlines():
+    text = user_files.read_bytes(path, "suite report").decode("utf-8", errors="replace")
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:
