@@ -242,3 +242,58 @@ def test_experts_target_needs_a_moe_base():
     moe = to_object(compose_config(["recipe=moe-tiny", *targets]))
     assert moe.model.num_experts and "experts" in moe.finetune.lora.target_modules
     check_finetune_layout(moe, None)
+
+
+# ---- LoRA against its formula, written out by hand (issue 39: the tests above compare the layer with
+# itself, so a scaling of alpha instead of alpha / rank passed them) -----------------------------------
+RANK, ALPHA = 4, 8.0  # alpha / rank = 2: scaling by alpha (8), by 1 / rank or by 1 is off by 4x or more
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_every_adapted_linear_computes_the_hand_written_formula(family):
+    """y = x W^T + b + (x A^T B^T) * alpha / r for every adapted linear of the model (its input and
+    output caught by a forward hook), and merging sets W to W + B A * alpha / r."""
+    model = apply_lora(base(family), rank=RANK, alpha=ALPHA, seed=3)
+    randomize_b(model)
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(name: str):
+        return lambda module, args, out: seen.__setitem__(name, (args[0], out))
+
+    hooks = [m.register_forward_hook(keep(name)) for name, m in adapted.items()]
+    with torch.no_grad():
+        model(TOKENS)
+    for hook in hooks:
+        hook.remove()
+    assert seen.keys() == adapted.keys() and len(seen) >= 12
+    merged = {}
+    for name, m in adapted.items():
+        x, y = seen[name]
+        w, a, b = m.weight, m.lora_a.weight, m.lora_b.weight
+        bias = m.bias if m.bias is not None else 0.0
+        want = x @ w.T + bias + (x @ a.T @ b.T) * (ALPHA / RANK)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6, msg=name)
+        assert (want - (x @ w.T + bias)).abs().max() > 1e-2, name  # the update is not negligible
+        merged[name] = (w + (b @ a) * (ALPHA / RANK)).detach().clone()
+    merge_lora(model)
+    for name, want in merged.items():
+        torch.testing.assert_close(model.get_submodule(name).weight, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_expert_adapters_merge_the_hand_written_update():
+    """Each routed expert's stacked weight becomes W[e] + B[e] A[e] * alpha / r (one matmul per
+    expert, written out); the merged model's logits equal the adapted one's (checked above for the
+    grouped, padded and loop computes), so this pins the experts' forward scaling too."""
+    model = adapted_moe("loop", ["w1", "w2", "w3"])
+    stacks = [m for m in model.modules() if isinstance(getattr(m, "lora_a", None), torch.nn.ParameterDict)]
+    assert stacks
+    want = {}
+    for i, m in enumerate(stacks):
+        for name, a in m.lora_a.items():
+            b, w = m.lora_b[name], getattr(m, name)
+            want[i, name] = torch.stack([w[e] + (b[e] @ a[e]) * (ALPHA / RANK) for e in range(w.shape[0])])
+            assert (want[i, name] - w).abs().max() > 1e-3
+    merge_lora(model)
+    for (i, name), value in want.items():
+        torch.testing.assert_close(getattr(stacks[i], name), value.detach(), rtol=1e-6, atol=1e-6)
