@@ -11,11 +11,20 @@ Placeholders in a case: {run} a trained tiny run folder, {data} a prepared tiny 
 {cwd} the case's working directory, {file} an existing regular file there, {bad_yaml} a recipe with
 a YAML syntax error (line 3), {no_package} a recipe without `# @package _global_`, {nonempty} a
 folder holding an unrelated file, {empty} an empty file, {chat} a chat .jsonl file.
+
+Data files as careless users hand them over (DATA_CASES, in the working directory too): {latin1} a
+Latin-1 text .jsonl, {latin1_chat} a Latin-1 chat .jsonl, {fake_parquet} and {fake_chat_parquet}
+text and JSON lines named .parquet, {junk} 20 KB of random bytes named .txt, {bad_pipeline} a
+pipeline recipe with a YAML syntax error (a list left open on line 3).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import random
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -240,6 +249,31 @@ def shared(forked, tmp_path_factory, tiny_data):
     return {"run": run, "data": tiny_data, "chat": chat, "snapshot": _snapshot(run), "root": root}
 
 
+CHAT_ROW = {
+    "messages": [{"role": "user", "content": "un café ?"}, {"role": "assistant", "content": "oui, très"}]
+}
+TEXTS = [{"text": f"Ligne {i}: le café de la gare ouvre à {i} heures."} for i in range(40)]
+# placeholder -> (file name, text, encoding); {junk} is random bytes
+DATA_FILES = {
+    "latin1": ("notes.jsonl", "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in TEXTS), "latin-1"),
+    "latin1_chat": ("chat_latin1.jsonl", json.dumps(CHAT_ROW, ensure_ascii=False) + "\n", "latin-1"),
+    "fake_parquet": ("corpus.parquet", "plain prose saved under the wrong name\n", "utf-8"),
+    "fake_chat_parquet": ("chat.parquet", json.dumps(CHAT_ROW) + "\n", "utf-8"),
+    "bad_pipeline": ("pipe.yaml", "stages:\n  pretrain:\n    args: [train.max_steps=2, a\n", "utf-8"),
+}
+
+
+def _data_files(cwd: Path) -> dict[str, str]:
+    """The careless data files of DATA_CASES, written into `cwd`: placeholder -> path."""
+    out = {}
+    for key, (name, text, encoding) in DATA_FILES.items():
+        (cwd / name).write_bytes(text.encode(encoding))
+        out[key] = str(cwd / name)
+    (cwd / "junk.txt").write_bytes(random.Random(39).randbytes(20_000))
+    out["junk"] = str(cwd / "junk.txt")
+    return out
+
+
 def _prepare_cwd(cwd: Path) -> dict[str, str]:
     cwd.mkdir(parents=True)
     (cwd / "existing.txt").write_text("an edited file the user keeps\n")
@@ -255,6 +289,7 @@ def _prepare_cwd(cwd: Path) -> dict[str, str]:
         "no_package": str(cwd / "nopkg.yaml"),
         "nonempty": str(cwd / "nonempty"),
         "empty": str(cwd / "empty.txt"),
+        **_data_files(cwd),
     }
 
 
@@ -356,3 +391,67 @@ def test_generation_past_the_context_says_where_it_stops(forked, shared, tmp_pat
     proc = forked.run(argv, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "generation stops at the context length" in proc.stderr and "model.max_seq_len=64" in proc.stderr
+
+
+# Data files and output places: (argv, the file the line must name, a distinctive part of the line).
+# finetune first says which checkpoint it read, so these allow up to 3 lines, the last the error.
+FT_DATA = [*FT, "finetune.data.task=null", "data.seq_len=32"]
+PREP = ["prepare", "data.vocab_size=300", "data.path={cwd}/prepared"]
+DATA_CASES: list[tuple[list[str], str, str]] = [
+    ([*PREP, "data.sources=[{path: {latin1}}]"], "{latin1}", "is not UTF-8 text (line 1, byte 25: 0xe9)"),
+    ([*PREP, "data.sources=[{path: {fake_parquet}}]"], "{fake_parquet}", "is not a Parquet file"),
+    ([*PREP, "data.sources=[{path: {junk}}]"], "{junk}", "holds binary data, not text"),
+    (
+        [*PREP[:2], "data.sources=[{path: {file}}]", "data.path=/proc/suite-data"],
+        "/proc/suite-data",
+        "not writable",
+    ),
+    (
+        [*FT_DATA, "finetune.data.sources=[{path: {latin1_chat}}]"],
+        "{latin1_chat}",
+        "iconv -f latin1 -t utf-8",
+    ),
+    (
+        [*FT_DATA, "finetune.data.sources=[{path: {fake_chat_parquet}}]"],
+        "{fake_chat_parquet}",
+        "name it .jsonl",
+    ),
+    (["run", "pipeline={bad_pipeline}"], "{bad_pipeline}:4:1", "starts at 3:11"),
+    (["report", "{run}", "out=/proc/suite-report"], "/proc/suite-report", "cannot be created"),
+]
+
+
+def _data_case_id(case: tuple[list[str], str, str]) -> str:
+    argv, named, _ = case
+    return f"{argv[0]} {named}".replace("{", "").replace("}", "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named", "expected"), DATA_CASES, ids=[_data_case_id(c) for c in DATA_CASES]
+)
+def test_careless_data_files_answer_in_one_line(forked, shared, tmp_path, argv, named, expected):
+    proc, before, after = run_case(forked, shared, tmp_path, argv)
+    cwd = tmp_path / "cwd"
+    paths = {key: str(cwd / name) for key, (name, _, _) in DATA_FILES.items()}
+    named = _fill(named, {"run": str(shared["run"]), "junk": str(cwd / "junk.txt"), **paths})
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
+    assert 1 <= len(lines) <= 3, proc.stderr
+    assert lines[-1].startswith("error: ") and named in lines[-1] and expected in lines[-1], lines[-1]
+    assert after == before, "the working directory changed"
+    assert _snapshot(shared["run"]) == shared["snapshot"], "the run folder changed"
+
+
+def test_the_suggested_re_encoding_makes_prepare_work(forked, shared, tmp_path):
+    """The iconv command the Latin-1 refusal prints, run as printed, gives a file prepare takes."""
+    argv = [*PREP, "data.sources=[{path: {latin1}}]"]
+    proc, _, _ = run_case(forked, shared, tmp_path, argv)
+    found = re.search(r"\((iconv [^)]*)\)", proc.stderr)
+    assert found, proc.stderr
+    subprocess.run(found.group(1), shell=True, check=True, cwd=tmp_path / "cwd")
+    fixed = tmp_path / "cwd" / "notes.utf8.jsonl"
+    argv = [a.replace("{latin1}", str(fixed)).replace("{cwd}", str(tmp_path / "cwd")) for a in argv]
+    again = forked.run(argv, cwd=tmp_path / "cwd", out=tmp_path / "out2", timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "cwd" / "prepared" / "meta.json").is_file()
