@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from suite import user_files
 from suite.config.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
@@ -94,7 +95,7 @@ def resolve_chat_template(tokenizer: Any, template: str | None = "auto") -> str:
         return name
     path = Path(name).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return user_files.read_text(path, "chat template")
     raise ConfigError(
         f"chat template '{name}' is not known; use auto, tokenizer, {', '.join(CHAT_TEMPLATES)}, "
         "a .jinja file or a Jinja string"

@@ -241,6 +241,28 @@ def test_prepare_and_ensure_prepared_errors(sources_dir: Path, tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
 
+def test_gzipped_jsonl_and_a_saved_datasets_folder_prepare_as_the_jsonl_does(
+    sources_dir: Path, tmp_path: Path
+) -> None:
+    """The same records as .jsonl, .jsonl.gz or a `datasets` save_to_disk folder: the same shards."""
+    import gzip
+
+    import datasets
+
+    records = sources_dir / "records.jsonl"
+    (tmp_path / "records.jsonl.gz").write_bytes(gzip.compress(records.read_bytes()))
+    datasets.disable_progress_bars()
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    built = []
+    for path in (records, tmp_path / "records.jsonl.gz", tmp_path / "saved"):
+        source = DataSourceConfig(path=str(path), text_field="body")
+        cfg = DataConfig(sources=[source], vocab_size=300, val_fraction=0.1)
+        built.append(prepare(cfg, tmp_path / f"out-{len(built)}", progress=False))
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert len({(out / name).read_bytes() for out in built}) == 1, name
+
+
 def test_weighted_order_counts() -> None:
     owners = np.array([0] * 10 + [1] * 10 + [2] * 10)
     order = weighted_order(np.arange(30), owners, [1.0, 2.0, 0.5])

@@ -362,6 +362,20 @@ def test_parquet_and_json_sources(tok, tmp_path):
     assert "a.parquet row 2" in ds.report.first_error["missing_fields"]
 
 
+def test_a_file_in_another_encoding_is_refused_whatever_the_row_policy(tok, tmp_path):
+    """Encoding is the file's problem, not a row's: on_error=skip does not skip a Latin-1 file row by row."""
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(chat("Q", "A")) + "\n"
+    path.write_bytes(
+        good.encode() + (json.dumps(chat("café ?", "oui"), ensure_ascii=False) + "\n").encode("latin-1")
+    )
+    with pytest.raises(ConfigError, match=r"'.*latin1.jsonl' is not UTF-8 text \(line 2, byte \d+: 0xe9\)"):
+        SFTDataset.build(str(path), tok, SFTOptions(seq_len=48, on_error="skip"))
+    (tmp_path / "rows.parquet").write_text(good)
+    with pytest.raises(ConfigError, match=r"'.*rows.parquet' is not a Parquet file.*name it .jsonl"):
+        SFTDataset.build(str(tmp_path / "rows.parquet"), tok, SFTOptions(seq_len=48))
+
+
 def _dataset(tok, tmp_path, n=40):
     rows = [chat(f"What is {i} + {i + 1}?", str(2 * i + 1)) for i in range(n)]
     return SFTDataset.build(

@@ -204,3 +204,14 @@ def test_unwritable_places_are_tried_not_guessed(tmp_path):
         check_output_folder("out", "/proc", "give another folder")
     assert check_replaceable("data.path", str(tmp_path / "new" / "data"), "x") == tmp_path / "new" / "data"
     assert sorted(tmp_path.iterdir()) == []  # the tries leave nothing behind
+
+
+def test_a_chat_template_file_in_latin1_is_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from suite.data.chat import resolve_chat_template
+
+    path = tmp_path / "tpl.jinja"
+    path.write_bytes("{% for m in messages %}« {{ m.content }} »{% endfor %}".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"chat template: '.*tpl.jinja' is not UTF-8 text"):
+        resolve_chat_template(SimpleNamespace(chat_template=None), str(path))
