@@ -14,10 +14,10 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
-    """Architecture only. `family` picks the block flavour: gpt (Megatron/GPT-2) or llama."""
+    """Architecture only. `family` names a registered model family (suite.models.family)."""
 
     name: str = "gpt-tiny"
-    family: str = "gpt"  # gpt | llama
+    family: str = "gpt"  # a registered family (suite/models/<family>/): gpt | llama | qwen3
     num_layers: int = 4
     hidden_size: int = 256
     num_heads: int = 4
@@ -49,6 +49,9 @@ class ModelConfig:
     # Mixture of Experts (suite/models/moe.py); num_experts=0: every layer is dense
     num_experts: int = 0
     top_k: int = 2  # experts per token (softmax over the top-k router logits)
+    # true: the top-k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob=true);
+    # false: each expert weighted by its probability in the softmax over all experts
+    norm_topk_prob: bool = True
     moe_every: int = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...)
     moe_layers: Optional[list[int]] = None  # explicit MoE layer ids; overrides moe_every
     num_shared_experts: int = 0  # experts every token also goes through (one MLP of that many widths)

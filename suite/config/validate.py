@@ -11,7 +11,6 @@ from suite.config.errors import ConfigError
 from suite.config.schema import COLLECTIVES, SuiteConfig
 
 CHOICES = {
-    "model.family": ("gpt", "llama"),
     "train.precision": ("fp32", "bf16", "fp16", "fp8", "auto"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.param_dtype": ("fp32", "bf16"),

@@ -1,6 +1,6 @@
 """Built-in SFT tasks with a measurable skill, generated offline and deterministically.
 
-Families (N = digits; a bare family name means its default N):
+Families (N = digits; a bare kind name means its default N):
 
     reverse-N   "Reverse the digits of 48213." -> "31284"      numbers of 3..N digits (default N=6)
     sort-N      "Sort the digits of 48213." -> "12348"          numbers of 3..N digits (default N=6)
@@ -74,22 +74,22 @@ def _addition(n: int) -> Task:
     return Task(f"addition-{n}", f"add two {n}-digit numbers", draw, values * (values + 1) // 2, n + 1)
 
 
-def _digits_task(family: str, n: int) -> Task:
+def _digits_task(kind: str, n: int) -> Task:
     question, answer = {
         "reverse": ("Reverse the digits of {}.", lambda x: x[::-1]),
         "sort": ("Sort the digits of {}.", lambda x: "".join(sorted(x))),
-    }[family]
+    }[kind]
 
     def draw(rng: np.random.Generator) -> tuple[object, str, str]:
-        x = _number(rng, MIN_DIGITS[family], n)
+        x = _number(rng, MIN_DIGITS[kind], n)
         return x, question.format(x), answer(x)
 
-    what = "reverse" if family == "reverse" else "sort (ascending)"
+    what = "reverse" if kind == "reverse" else "sort (ascending)"
     return Task(
-        f"{family}-{n}",
-        f"{what} the digits of a {MIN_DIGITS[family]}- to {n}-digit number",
+        f"{kind}-{n}",
+        f"{what} the digits of a {MIN_DIGITS[kind]}- to {n}-digit number",
         draw,
-        10**n - 10 ** (MIN_DIGITS[family] - 1),
+        10**n - 10 ** (MIN_DIGITS[kind] - 1),
         n,
     )
 
@@ -100,21 +100,21 @@ _NAME = re.compile(r"^(reverse|sort|addition)(?:-(\d+))?$")
 def list_tasks() -> list[str]:
     """Names `get_task` accepts."""
     names = list(DEFAULT_DIGITS)
-    for family in DEFAULT_DIGITS:
-        names += [f"{family}-{n}" for n in range(MIN_DIGITS[family], MAX_DIGITS + 1)]
+    for kind in DEFAULT_DIGITS:
+        names += [f"{kind}-{n}" for n in range(MIN_DIGITS[kind], MAX_DIGITS + 1)]
     return names
 
 
 def get_task(name: str) -> Task:
     match = _NAME.match(str(name))
-    family = match.group(1) if match else ""
-    n = int(match.group(2) or DEFAULT_DIGITS[family]) if match else 0
-    if not match or not MIN_DIGITS[family] <= n <= MAX_DIGITS:
+    kind = match.group(1) if match else ""
+    n = int(match.group(2) or DEFAULT_DIGITS[kind]) if match else 0
+    if not match or not MIN_DIGITS[kind] <= n <= MAX_DIGITS:
         raise ConfigError(
             f"task={name!r} is not a built-in task; use reverse-N or sort-N (N = {MIN_DIGITS['reverse']}..{MAX_DIGITS}) or "
             f"addition-N (N = 1..{MAX_DIGITS}); default {DEFAULT_TASK}"
         )
-    return _addition(n) if family == "addition" else _digits_task(family, n)
+    return _addition(n) if kind == "addition" else _digits_task(kind, n)
 
 
 def as_messages(question: str, answer: str) -> list[dict[str, str]]:

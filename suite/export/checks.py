@@ -7,6 +7,7 @@ from pathlib import Path
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.models.family import family_of, head_size
 from suite.outputs import check_output_folder
 
 MARKER = "suite_export.json"  # written into every export folder (suite.export.hf): reusing one is safe
@@ -33,22 +34,15 @@ def check_default_out(out: Path) -> None:
 
 
 def check_hf_exportable(cfg: ModelConfig) -> None:
-    """What the Hugging Face config can hold after `suite prune`: GPT-2's derives the head size as
-    n_embd / n_head (transformers' GPT2Attention; no pruned_heads either), and transformers 5 refuses
+    """What the Hugging Face config can hold after `suite prune`: the family's own limits (GPT-2's
+    derives the head size as n_embd / n_head), and transformers 5 refuses
     every config whose hidden size is not a multiple of its head count (validate_architecture), even
     where a llama-family config carries head_dim. Both are refused here in one line, before anything
     is written, rather than as a traceback from transformers."""
-    from suite.models.transformer import head_size
-
     heads, size = cfg.num_heads, head_size(cfg)
-    if cfg.family == "gpt" and cfg.hidden_size != heads * size:
-        raise ConfigError(
-            f"model.head_dim={size} with model.hidden_size={cfg.hidden_size} and model.num_heads={heads}: "
-            "GPT-2's Hugging Face config cannot hold a head size other than hidden_size / num_heads, so this "
-            "pruned GPT model does not export (it runs in the suite: generate, eval, finetune, distill); prune "
-            f"the hidden channels with the heads (e.g. prune.hidden = prune.heads: hidden {heads * size} for "
-            f"{heads} heads of {size}), or prune.ffn / prune.layers only"
-        )
+    problem = family_of(cfg).hf.export_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.hidden_size % heads:
         raise ConfigError(
             f"model.hidden_size={cfg.hidden_size} with model.num_heads={heads}: transformers' {cfg.family} config "

@@ -2,9 +2,10 @@
 
 The tensors start from the Hugging Face names and layout (suite.models.hf's to_hf_state_dict, as
 llama.cpp's convert_hf_to_gguf.py starts from an HF folder) and are renamed with gguf's own tensor
-name map. Two layout changes are llama.cpp's: GPT-2's Conv1D weights ([in, out]) are stored as
-[out, in], and Llama's q/k rows are permuted from HF's rotate-half RoPE order to llama.cpp's
-interleaved pairs (transformers' GGUF loader undoes both).
+name map. The architecture, its hyper-parameter keys and the layout changes are the family's
+(`Family.gguf`): GPT-2's Conv1D weights ([in, out]) are stored as [out, in], and Llama's q/k rows are
+permuted from HF's rotate-half RoPE order to llama.cpp's interleaved pairs (transformers' GGUF loader
+undoes both); Qwen3 keeps rotate-half (llama.cpp's NeoX RoPE), so its q/k are stored as they are.
 
 Which tensors stay float follows llama.cpp: 1-D tensors (norms, biases) and the learned position
 embedding F32; the output head of a q4_0 file Q8_0 (llama-quantize raises it to Q6_K, which the
@@ -24,10 +25,10 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.models.family import family_of
 
 PRECISIONS = ("f16", "q8_0", "q4_0")
 BLOCK = 32  # values per Q8_0 / Q4_0 block
-GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 KEEP_F32 = ("position_embd.weight",)  # llama.cpp keeps the learned positions in F32
 
 
@@ -43,26 +44,13 @@ def gguf_precision(quantize: str | None) -> str:
 
 
 def check_gguf_exportable(cfg: ModelConfig, where: str) -> None:
-    """What llama.cpp's gpt2/llama architectures and transformers' GGUF reader can express."""
+    """What the family's llama.cpp architecture and transformers' GGUF reader can express."""
     from suite.export.checks import check_hf_exportable
-    from suite.models.transformer import ffn_size
 
     check_hf_exportable(cfg)
-    problem = None
-    if cfg.family == "gpt" and ffn_size(cfg) != 4 * cfg.hidden_size:
-        problem = (
-            f"model.ffn_hidden_size={ffn_size(cfg)} is not 4 x hidden_size: transformers' GGUF reader builds "
-            "GPT-2 with the default 4 x n_embd MLP"
-        )
-    elif cfg.family == "llama" and cfg.num_experts:
-        problem = "a mixture of experts is not read back by transformers' GGUF loader for llama"
-    elif cfg.family == "llama" and cfg.qkv_bias:
-        problem = (
-            "model.qkv_bias=true is GGUF's qwen2 architecture, which transformers' GGUF reader does not "
-            "rebuild faithfully"
-        )
-    elif cfg.family == "llama" and cfg.rope_scaling:
-        problem = "model.rope_scaling is not read back by transformers' GGUF loader for llama"
+    mapping = family_of(cfg).gguf
+    problem = f"llama.cpp has no architecture for the {cfg.family} family here" if mapping is None else None
+    problem = problem or mapping.problem(cfg)
     if problem:
         raise ConfigError(f"{where} cannot be exported as GGUF: {problem}; use format=hf")
 
@@ -109,7 +97,8 @@ def gguf_tensors(cfg: ModelConfig, hf_sd: dict[str, Any]):
     from suite.models.lazy import as_lazy
     from suite.models.transformer import kv_heads
 
-    arch = gguf.MODEL_ARCH.GPT2 if cfg.family == "gpt" else gguf.MODEL_ARCH.LLAMA
+    mapping = family_of(cfg).gguf
+    arch = gguf.MODEL_ARCH[mapping.arch.upper()]
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
     for hf_name, value in hf_sd.items():
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
@@ -118,18 +107,19 @@ def gguf_tensors(cfg: ModelConfig, hf_sd: dict[str, Any]):
         if name is None:
             raise RuntimeError(f"no GGUF name for {hf_name}")
         tensor = as_lazy(value).read().float()
-        if cfg.family == "gpt" and hf_name.endswith(GPT2_TRANSPOSED):
+        if mapping.transposed and hf_name.endswith(mapping.transposed):
             tensor = tensor.t()
-        elif hf_name.endswith("self_attn.q_proj.weight"):
+        elif mapping.permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
             tensor = _permute(tensor, cfg.num_heads)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
+        elif mapping.permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
             tensor = _permute(tensor, kv_heads(cfg))
         yield name, tensor.contiguous().numpy()
 
 
 def add_hparams(writer: Any, cfg: ModelConfig) -> None:
-    """The architecture keys llama.cpp reads (and transformers maps onto its config)."""
-    from suite.models.transformer import ffn_size, head_size, kv_heads
+    """The architecture keys llama.cpp reads (and transformers maps onto its config): the shared
+    ones here, the family's own (norms, RoPE, head size) from its GGUFMapping."""
+    from suite.models.transformer import ffn_size, kv_heads
 
     writer.add_name(cfg.name)
     writer.add_context_length(cfg.max_seq_len)
@@ -138,16 +128,7 @@ def add_hparams(writer: Any, cfg: ModelConfig) -> None:
     writer.add_feed_forward_length(ffn_size(cfg))
     writer.add_head_count(cfg.num_heads)
     writer.add_head_count_kv(kv_heads(cfg))
-    if cfg.family == "gpt":
-        writer.add_layer_norm_eps(cfg.norm_eps)
-        return
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(head_size(cfg))
-    writer.add_rope_freq_base(float(cfg.rope_theta))
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    if head_size(cfg) * cfg.num_heads != cfg.hidden_size:
-        writer.add_key_length(head_size(cfg))
-        writer.add_value_length(head_size(cfg))
+    family_of(cfg).gguf.add_hparams(writer, cfg)
 
 
 def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, Any]]:
@@ -164,7 +145,7 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     vocab = gguf_vocab(tokenizer, cfg.vocab_size, source.named)
     ids = hf_folder_ids(source.folder)[0] if source.is_hf else tokenizer_ids(tokenizer)
     special = in_vocabulary(ids, ids, cfg.vocab_size)
-    arch = "gpt2" if cfg.family == "gpt" else "llama"
+    arch = family_of(cfg).gguf.arch
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.gguf"):  # an earlier export into this folder (out= reuses one)
         stale.unlink()
@@ -205,13 +186,8 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
 
 
 def load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    """What `from_pretrained(out, gguf_file=...)` needs beside the file: transformers' GGUF mapping
-    reads GPT-2's context_length into n_ctx, not n_positions, so a GPT-2 whose context is not the
-    default 1024 is built with 1024 positions (a size mismatch) unless n_positions is passed. The
-    file itself is right for llama.cpp (position_embd has context_length rows)."""
-    if cfg.family == "gpt" and cfg.max_seq_len != 1024:
-        return {"n_positions": cfg.max_seq_len}
-    return {}
+    """What `from_pretrained(out, gguf_file=...)` needs beside the file (the family says)."""
+    return family_of(cfg).gguf.load_kwargs(cfg)
 
 
 def verify_gguf(path: Path, suite_model: Any, cfg: ModelConfig) -> dict[str, Any]:

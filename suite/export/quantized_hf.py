@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from suite.config.errors import ConfigError
+from suite.models.family import family_of
 
 # the torchao config transformers records per method (the suite's, suite.compress.methods.torchao_config)
 EXPORTABLE = ("int8", "w8a8", "int4", "gptq", "gptq-int8", "smoothquant")
@@ -38,11 +39,8 @@ def check_quantized_hf(source: Any, info: dict[str, Any]) -> None:
             f"methods that export to format=hf: {', '.join(EXPORTABLE)}"
         )
     problem = None
-    if cfg.family == "gpt":
-        problem = (
-            "GPT-2's transformers class computes with Conv1D layers, which transformers' TorchAoConfig does not "
-            "quantize (nn.Linear only)"
-        )
+    if family_of(cfg).hf.quantized_problem:
+        problem = family_of(cfg).hf.quantized_problem
     elif cfg.num_experts or cfg.fused_projections:
         problem = "its quantized experts / fused projections have no per-projection HF tensor"
     elif "output" in info.get("quantized", []):

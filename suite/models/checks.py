@@ -5,11 +5,12 @@ from __future__ import annotations
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.document_attention import DOCUMENT_ATTENTIONS
-from suite.models.transformer import head_size
+from suite.models.family import family_of, head_size
 
 
 def check_model(m: ModelConfig) -> None:
     """One-line ConfigErrors for architectures the blocks cannot build."""
+    family = family_of(m)  # an unregistered model.family: one line naming the registered ones
     if m.head_dim is not None and m.head_dim < 1:
         raise ConfigError(
             f"model.head_dim={m.head_dim} must be a positive integer, or null (hidden_size / num_heads)"
@@ -24,9 +25,10 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}; use a divisor of {m.num_heads}"
         )
-    if m.family == "llama" and head_size(m) % 2:
+    if family.rope and head_size(m) % 2:
         what = "model.head_dim" if m.head_dim else "model.hidden_size/model.num_heads"
         raise ConfigError(f"{what}={head_size(m)} must be even for RoPE")
+    family.checks(m)
     if m.document_attention not in DOCUMENT_ATTENTIONS:
         raise ConfigError(
             f"model.document_attention={m.document_attention!r} is not one of {', '.join(DOCUMENT_ATTENTIONS)}; "

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.config.schema import ModelConfig
+from suite.models.family import family_of, ffn_size
+from suite.models.layers import FeedForward
 
 
 def moe_layer_ids(cfg: ModelConfig) -> list[int]:
@@ -50,13 +52,11 @@ def moe_layer_ids(cfg: ModelConfig) -> list[int]:
 
 
 def expert_ffn_size(cfg: ModelConfig) -> int:
-    from suite.models.transformer import ffn_size
-
     return cfg.moe_ffn_hidden_size or ffn_size(cfg)
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor:
-    """One expert: SwiGLU (llama family, w3 = up projection) or tanh-GELU (gpt family)."""
+    """One expert: SwiGLU (w3 = up projection) or tanh-GELU, as the family's MLP."""
     if w3 is not None:
         return F.silu(x @ w1.t()) * (x @ w3.t()) @ w2.t()
     return F.gelu(x @ w1.t(), approximate="tanh") @ w2.t()
@@ -258,7 +258,7 @@ class GroupedExperts(nn.Module):
         width, hidden, experts = expert_ffn_size(cfg), cfg.hidden_size, cfg.num_experts
         self.w1 = nn.Parameter(torch.empty(experts, width, hidden))  # gate (llama) / fc (gpt)
         self.w2 = nn.Parameter(torch.empty(experts, hidden, width))  # down / proj
-        self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if cfg.family == "llama" else None  # up
+        self.w3 = nn.Parameter(torch.empty(experts, width, hidden)) if family_of(cfg).swiglu else None  # up
         self.impl = cfg.moe_impl
         # LoRA (suite.models.lora.apply_lora adds them; absent otherwise): per-expert factors
         # lora_a[name] [E, rank, in] and lora_b[name] [E, out, rank] (nn.ParameterDict), stacked like
@@ -294,10 +294,9 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from suite.models.transformer import FeedForward
-
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
         self.capacity_factor = cfg.capacity_factor
         self.aux_loss_coef = cfg.aux_loss_coef
         self.z_loss_coef = cfg.z_loss_coef
@@ -328,7 +327,10 @@ class MoEFeedForward(nn.Module):
         """(expert ids [T, k], weights [T, k], keep mask [T, k]) for router logits [T, E] in fp32 of
         `rows` sequences' tokens (row-major)."""
         top_logits, expert_ids = logits.topk(self.top_k, dim=-1)
-        weights = top_logits.softmax(dim=-1)
+        if self.norm_topk_prob:  # softmax over the top k = softmax over all, renormalised
+            weights = top_logits.softmax(dim=-1)
+        else:
+            weights = logits.softmax(dim=-1).gather(-1, expert_ids)
         if self.capacity_factor is None:
             return expert_ids, weights, torch.ones_like(expert_ids, dtype=torch.bool)
         if self.rank_assignments is not None:  # the micro-batch's tokens are spread over ranks

@@ -1,7 +1,9 @@
-"""A decoder-only transformer in one readable file, for both families the suite trains.
+"""A decoder-only transformer in one readable file: the shared blocks every model family builds from.
 
-- family=gpt:   pre-LN, learned positions, GELU MLP, biases, tied embeddings (GPT-2 / Megatron GPT).
-- family=llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, optional qkv bias (Llama/Mistral/Qwen2).
+A family (suite/models/<name>/, registered in suite.models.family) picks among them by its traits:
+LayerNorm or RMSNorm, learned positions or RoPE, a GELU or SwiGLU MLP, biases, per-head q/k norms.
+Grouped-query attention, a head size independent of the width (model.head_dim) and MoE layers
+(suite.models.moe) are config fields every family takes.
 
 No parallel code lives here: suite.parallel rewrites these modules from outside. To keep that
 possible, shapes are never derived from the config inside forward (heads are `-1` in views), so a
@@ -33,39 +35,12 @@ from torch import nn
 
 from suite.config.schema import ModelConfig
 from suite.models.document_attention import Documents, document_attention
-from suite.models.moe import moe_layer_ids
+from suite.models.family import family_of, ffn_size, head_size, kv_heads
+from suite.models.layers import FeedForward, RMSNorm, make_norm
+from suite.models.moe import MoEFeedForward, expert_ffn_size, moe_layer_ids
 
-
-def ffn_size(cfg: ModelConfig) -> int:
-    """Default MLP width: 4h for GPT, Llama's 2/3*4h rounded up to a multiple of 256."""
-    if cfg.ffn_hidden_size:
-        return cfg.ffn_hidden_size
-    if cfg.family == "gpt":
-        return 4 * cfg.hidden_size
-    width = int(2 * 4 * cfg.hidden_size / 3)
-    return 256 * ((width + 255) // 256)
-
-
-def kv_heads(cfg: ModelConfig) -> int:
-    return cfg.num_kv_heads or cfg.num_heads
-
-
-def head_size(cfg: ModelConfig) -> int:
-    """The width of one attention head: model.head_dim, or hidden_size // num_heads when unset."""
-    return cfg.head_dim or cfg.hidden_size // cfg.num_heads
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+# re-exported: the dimensions and layers callers read from here
+__all__ = ["FeedForward", "RMSNorm", "ffn_size", "head_size", "kv_heads", "make_norm"]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -284,8 +259,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = head_size(cfg)
-        gpt = cfg.family == "gpt"
-        qkv_bias = gpt or cfg.qkv_bias
+        family = family_of(cfg)
+        qkv_bias = family.linear_bias or cfg.qkv_bias
         n_kv = kv_heads(cfg)
         self.q_per_kv = cfg.num_heads // n_kv
         if cfg.fused_projections:
@@ -295,7 +270,10 @@ class Attention(nn.Module):
             self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, bias=qkv_bias)
             self.wk = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
             self.wv = nn.Linear(cfg.hidden_size, n_kv * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=gpt)
+        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=family.linear_bias)
+        if family.qk_norm:  # one RMSNorm over each head's width, shared by the heads (Qwen3)
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.core = CoreAttention(cfg.num_heads, n_kv, explicit=cfg.attention == "explicit")
 
     def forward(
@@ -315,6 +293,8 @@ class Attention(nn.Module):
             q = self.wq(x).view(b, s, -1, self.head_dim)
             k = self.wk(x).view(b, s, -1, self.head_dim)
             v = self.wv(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -327,34 +307,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        width = ffn_size(cfg)
-        self.swiglu = cfg.family == "llama"
-        bias = not self.swiglu
-        if self.swiglu and cfg.fused_projections:
-            self.w13 = nn.Linear(cfg.hidden_size, 2 * width, bias=False)  # (gate, up) row pairs
-        else:
-            self.w1 = nn.Linear(cfg.hidden_size, width, bias=bias)  # gate (llama) / fc (gpt)
-            self.w3 = nn.Linear(cfg.hidden_size, width, bias=False) if self.swiglu else None  # up
-        self.w2 = nn.Linear(width, cfg.hidden_size, bias=bias)  # down / proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "w13"):
-            gate_up = self.w13(x).unflatten(-1, (-1, 2))
-            return self.w2(F.silu(gate_up[..., 0]) * gate_up[..., 1])
-        if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.family == "llama":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -363,8 +315,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
         if layer_id in moe_layer_ids(cfg):
-            from suite.models.moe import MoEFeedForward
-
             self.feed_forward = MoEFeedForward(cfg)
         else:
             self.feed_forward = FeedForward(cfg)
@@ -378,19 +328,18 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.family not in ("gpt", "llama"):
-            raise ValueError(f"model.family={cfg.family!r}; use gpt or llama")
+        family = family_of(cfg)
         self.cfg = cfg
         self.head_dim = head_size(cfg)
         self.num_kv_heads = kv_heads(cfg)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.family == "gpt" else None
+        self.pos_embeddings = None if family.rope else nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
         self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        if cfg.family == "llama":
+        if family.rope:
             self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
         else:
             self.rope_inv_freq = None
@@ -517,11 +466,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     and the attention products QK^T and PV over a causal mask, which see seq_len / 2 keys on average.
     Embedding lookups (token and position), norms, biases and activations are not matmuls.
     """
-    from suite.models.moe import expert_ffn_size
-
     h, head_dim = cfg.hidden_size, head_size(cfg)
     q_width, kv_width = cfg.num_heads * head_dim, kv_heads(cfg) * head_dim
-    mlp_matrices = 3 if cfg.family == "llama" else 2  # SwiGLU: gate, up, down; GELU: fc, proj
+    mlp_matrices = 3 if family_of(cfg).swiglu else 2  # SwiGLU: gate, up, down; GELU: fc, proj
     projections = 2 * h * (2 * q_width + 2 * kv_width)  # q and o at q width, k and v at kv width
     attention = 2 * 2 * q_width * (seq_len / 2)  # QK^T and PV, seq_len / 2 keys per query on average
     moe_layers = set(moe_layer_ids(cfg))

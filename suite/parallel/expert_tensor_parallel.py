@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from suite.models.family import family_of
 from suite.models.moe import GroupedExperts, MoEFeedForward, run_experts
 
 # tp placement of each stacked expert weight: the ffn dimension
@@ -96,7 +97,7 @@ class TensorParallelExperts(GroupedExperts):
 
 def shared_expert_plan(cfg) -> dict:
     """The dense shared experts' styles (output replicated: the layer's output is assembled whole)."""
-    if cfg.family != "llama":
+    if not family_of(cfg).swiglu:
         up = ["shared_experts.w1"]
     elif cfg.fused_projections:
         up = ["shared_experts.w13"]

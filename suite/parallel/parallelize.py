@@ -34,6 +34,7 @@ from torch import nn
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.models.family import family_of
 from suite.models.float8 import prepare_float8
 from suite.parallel.dims import ParallelDims
 from suite.runtime import PrecisionPolicy
@@ -169,7 +170,7 @@ def compile_enabled(
         return False
     low_precision = precision.low_precision
     return (
-        cfg.model.family == "llama"
+        family_of(cfg.model).compile_auto
         and cfg.model.hidden_size >= COMPILE_AUTO_MIN_HIDDEN
         and (device.type == "cpu" or (device.type == "cuda" and low_precision))
     )

@@ -52,6 +52,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from suite.models.family import family_of
+
 
 class Replicated(ParallelStyle):
     """Every tp rank holds the module's parameters whole (Replicate DTensors); plain tensors in and out.
@@ -83,6 +85,27 @@ class Replicated(ParallelStyle):
             if shard:
                 # [s, h] or [b, s, h]: the sequence is the second-to-last dim
                 output = output.redistribute(mesh, [Shard(output.ndim - 2)])
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+
+class HeadwiseNorm(ParallelStyle):
+    """A norm over each head's width (Qwen3's q/k norms) behind a column-parallel projection: the
+    input holds this rank's heads ([b, s, local heads, head_dim], Shard on the heads dim) and the
+    weight is whole on every rank, so its gradient sums the ranks' heads, as SequenceParallel's
+    norms sum the ranks' positions."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(t, mesh, [Shard(t.ndim - 2)], run_check=False)
+                if isinstance(t, torch.Tensor)
+                else t
+                for t in inputs
+            )
+
+        def output_fn(mod, output, mesh):
             return output.to_local()
 
         return distribute_module(module, device_mesh, None, input_fn, output_fn)
@@ -180,7 +203,7 @@ def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
     separate projections; SwiGLU's gate and up for Llama): `apply_tensor_parallel` refuses an entry
     that matches nothing, so a plan can never skip a module quietly. An MoE block's plan stops at
     its ffn_norm: suite.parallel.expert_tensor_parallel rewrites the MoE layer."""
-    fused, swiglu = cfg.fused_projections, cfg.family == "llama"
+    fused, swiglu = cfg.fused_projections, family_of(cfg).swiglu
     qkv = ["attention.wqkv"] if fused else ["attention.wq", "attention.wk", "attention.wv"]
     if swiglu:
         up = ["feed_forward.w13"] if fused else ["feed_forward.w1", "feed_forward.w3"]
@@ -193,6 +216,8 @@ def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
             input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
     plan |= {key: ColwiseParallel() for key in qkv}
+    if family_of(cfg).qk_norm:  # over each head's width: whole on every rank, whatever heads it holds
+        plan |= {"attention.q_norm": HeadwiseNorm(), "attention.k_norm": HeadwiseNorm()}
     plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
     plan["ffn_norm"] = norm()
     if moe:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from suite.models.family import family_of
 from suite.plan.layout import Job, Layout
 
 
@@ -65,7 +66,7 @@ def layer_activations(job: Job, layout: Layout, moe: bool = False) -> LayerActiv
         scores += m.num_heads * s * keys * b / t if m.dropout > 0 else 0
     else:
         scores = 4 * m.num_heads * s * b / t
-    per_width = 4 if m.family == "llama" else 2
+    per_width = 4 if family_of(m).swiglu else 2
     if moe:
         width = expert_ffn_size(m) * (m.top_k + m.num_shared_experts)
         # expert hidden activations (split on ffn by tp), the routed copies of the tokens in and out

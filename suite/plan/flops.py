@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from suite.config.schema import ModelConfig
+from suite.models.family import family_of
 
 
 def narayanan_flops(
@@ -52,7 +53,7 @@ def layer_forward_flops(cfg: ModelConfig, seq: int, layer: int) -> LayerFlops:
 
     h = cfg.hidden_size
     q_w, kv_w = cfg.num_heads * head_size(cfg), kv_heads(cfg) * head_size(cfg)
-    matrices = 3 if cfg.family == "llama" else 2
+    matrices = 3 if family_of(cfg).swiglu else 2
     projections = 2 * seq * h * (2 * q_w + 2 * kv_w)
     core = 2 * 2 * seq * seq * q_w
     if layer in moe_layer_ids(cfg):

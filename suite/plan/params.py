@@ -1,5 +1,6 @@
-"""Exact parameter counts: every tensor of the model by name and shape, derived from the config the
-way suite/models/transformer.py builds it, then split the way suite.parallel places it.
+"""Exact parameter counts: every tensor of the model by name and shape, read off the blocks the
+trainer builds (on the meta device, for any registered family), then split the way suite.parallel
+places it.
 
 - pipeline: the trainer's own stage split (suite.parallel.pipeline.split_layers, balanced by
   parameter count); the first stage holds the token (and position) embeddings, the last the final
@@ -18,10 +19,15 @@ way suite/models/transformer.py builds it, then split the way suite.parallel pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import torch
+
 from suite.config.schema import ModelConfig
+from suite.models.moe import moe_layer_ids
+from suite.models.transformer import Transformer, TransformerBlock
 
 
 @dataclass(frozen=True)
@@ -41,81 +47,92 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-def _linear(name: str, out: int, inp: int, bias: bool, kind: str, layer: int) -> list[ParamSpec]:
-    """nn.Linear(inp, out): weight [out, inp] (+ bias [out]); kind col splits out, row splits inp."""
-    specs = [ParamSpec(f"{name}.weight", (out, inp), 0 if kind == "col" else 1, layer=layer)]
-    if bias:
-        specs.append(ParamSpec(f"{name}.bias", (out,), 0 if kind == "col" else None, layer=layer))
-    return specs
+_CACHE: dict[tuple, object] = {}  # keyed by repr(ModelConfig) (a mutable dataclass: not hashable)
+
+# the stacked expert tensors [E, ...]: which dim expert tensor parallelism splits (the ffn width;
+# suite.parallel.expert_tensor_parallel), dim 0 being the experts expert parallelism splits
+EXPERT_TP_DIMS = {"w1": 1, "w3": 1, "w2": 2}
 
 
-def _norm(cfg: ModelConfig, name: str, layer: int | None) -> list[ParamSpec]:
-    """LayerNorm (gpt): weight and bias [h]; RMSNorm (llama): weight [h]."""
-    h = cfg.hidden_size
-    specs = [ParamSpec(f"{name}.weight", (h,), layer=layer)]
-    if cfg.family == "gpt":
-        specs.append(ParamSpec(f"{name}.bias", (h,), layer=layer))
-    return specs
+def _tp_dims(cfg: ModelConfig, moe: bool) -> dict[str, int]:
+    """Parameter name (in a block) -> the dim tensor parallelism splits, read off the plan the trainer
+    applies (suite.parallel.tensor_parallel.block_plan): column-parallel weights and biases dim 0,
+    row-parallel weights dim 1; everything else is replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from suite.parallel.expert_tensor_parallel import shared_expert_plan
+    from suite.parallel.tensor_parallel import block_plan
+
+    plan = dict(block_plan(False, cfg, moe))
+    if moe and cfg.num_shared_experts:
+        plan |= {f"feed_forward.{key}": style for key, style in shared_expert_plan(cfg).items()}
+    dims: dict[str, int] = {}
+    for key, style in plan.items():
+        if isinstance(style, ColwiseParallel):
+            dims[f"{key}.weight"] = dims[f"{key}.bias"] = 0
+        elif isinstance(style, RowwiseParallel):
+            dims[f"{key}.weight"] = 1
+    return dims
 
 
-def _mlp(cfg: ModelConfig, prefix: str, width: int, layer: int) -> list[ParamSpec]:
-    """FeedForward: GELU fc/proj with biases (gpt), SwiGLU gate/up/down without (llama)."""
-    h, gpt = cfg.hidden_size, cfg.family == "gpt"
-    if not gpt and cfg.fused_projections:
-        specs = _linear(f"{prefix}.w13", 2 * width, h, False, "col", layer)
-    else:
-        specs = _linear(f"{prefix}.w1", width, h, gpt, "col", layer)
-        if not gpt:
-            specs += _linear(f"{prefix}.w3", width, h, False, "col", layer)
-    return specs + _linear(f"{prefix}.w2", h, width, gpt, "row", layer)
+def _block_specs(cfg: ModelConfig, moe: bool) -> tuple[tuple[str, tuple[int, ...], int | None, bool], ...]:
+    """(name in the block, shape, tp dim, expert) of a dense or MoE block, from the block the trainer
+    builds (on the meta device: no memory), so every family is counted as it is built."""
+    key = ("block", repr(cfg), moe)
+    if key not in _CACHE:
+        layer = (
+            moe_layer_ids(cfg)[0]
+            if moe
+            else next(i for i in range(cfg.num_layers) if i not in moe_layer_ids(cfg))
+        )
+        with torch.device("meta"):
+            block = TransformerBlock(cfg, layer)
+        tp_dims = _tp_dims(cfg, moe)
+        specs = []
+        for name, param in block.named_parameters():
+            expert = ".experts." in name
+            tp_dim = EXPERT_TP_DIMS[name.rsplit(".", 1)[1]] if expert else tp_dims.get(name)
+            specs.append((name, tuple(param.shape), tp_dim, expert))
+        _CACHE[key] = tuple(specs)
+    return _CACHE[key]  # type: ignore[return-value]
 
 
 def layer_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
     """One TransformerBlock's tensors (attention, norms, MLP or MoE), in the model's order."""
-    from suite.models.moe import expert_ffn_size, moe_layer_ids
-    from suite.models.transformer import ffn_size, head_size, kv_heads
+    moe = layer in moe_layer_ids(cfg)
+    return [
+        ParamSpec(f"layers.{layer}.{name}", shape, tp_dim, expert=expert, layer=layer)
+        for name, shape, tp_dim, expert in _block_specs(cfg, moe)
+    ]
 
-    h, gpt = cfg.hidden_size, cfg.family == "gpt"
-    p = f"layers.{layer}"
-    q_width, kv_width = cfg.num_heads * head_size(cfg), kv_heads(cfg) * head_size(cfg)
-    qkv_bias = gpt or cfg.qkv_bias
-    specs = _norm(cfg, f"{p}.attention_norm", layer)
-    if cfg.fused_projections:
-        specs += _linear(f"{p}.attention.wqkv", q_width + 2 * kv_width, h, qkv_bias, "col", layer)
-    else:
-        specs += _linear(f"{p}.attention.wq", q_width, h, qkv_bias, "col", layer)
-        specs += _linear(f"{p}.attention.wk", kv_width, h, qkv_bias, "col", layer)
-        specs += _linear(f"{p}.attention.wv", kv_width, h, qkv_bias, "col", layer)
-    specs += _linear(f"{p}.attention.wo", h, q_width, gpt, "row", layer)
-    specs += _norm(cfg, f"{p}.ffn_norm", layer)
-    if layer not in moe_layer_ids(cfg):
-        return specs + _mlp(cfg, f"{p}.feed_forward", ffn_size(cfg), layer)
-    e, width = cfg.num_experts, expert_ffn_size(cfg)
-    f = f"{p}.feed_forward"
-    specs.append(ParamSpec(f"{f}.router.weight", (e, h), layer=layer))
-    specs.append(ParamSpec(f"{f}.experts.w1", (e, width, h), 1, expert=True, layer=layer))
-    specs.append(ParamSpec(f"{f}.experts.w2", (e, h, width), 2, expert=True, layer=layer))
-    if not gpt:
-        specs.append(ParamSpec(f"{f}.experts.w3", (e, width, h), 1, expert=True, layer=layer))
-    if cfg.num_shared_experts:
-        specs += _mlp(cfg, f"{f}.shared_experts", cfg.num_shared_experts * width, layer)
-    return specs
+
+def _outer_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """The embeddings, final norm and head of the model the trainer builds (a tied head once, as
+    `output.weight`): the token embedding and head vocabulary-parallel, the rest replicated."""
+    key = ("outer", repr(cfg))
+    if key not in _CACHE:
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(cfg, num_layers=0, moe_layers=None))
+        specs = {
+            name: ParamSpec(name, tuple(p.shape), 0 if name == "tok_embeddings.weight" else None)
+            for name, p in model.named_parameters()
+        }
+        specs["output.weight"] = ParamSpec("output.weight", (cfg.vocab_size, cfg.hidden_size), 0)
+        _CACHE[key] = specs
+    return _CACHE[key]  # type: ignore[return-value]
 
 
 def embedding_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    """Token embedding [V, h] (vocabulary-parallel) and the gpt family's position table [max_seq, h]."""
-    specs = [ParamSpec("tok_embeddings.weight", (cfg.vocab_size, cfg.hidden_size), 0)]
-    if cfg.family == "gpt":
-        specs.append(ParamSpec("pos_embeddings.weight", (cfg.max_seq_len, cfg.hidden_size)))
-    return specs
+    """Token embedding [V, h] (vocabulary-parallel) and, for learned positions, the position table."""
+    return [s for name, s in _outer_specs(cfg).items() if name.endswith("embeddings.weight")]
 
 
 def head_specs(cfg: ModelConfig, separate_copy: bool) -> list[ParamSpec]:
     """Final norm and the output head [V, h]; a tied head is its own tensor only when `separate_copy`
     (a pipeline's last stage), otherwise it is the embedding."""
-    specs = _norm(cfg, "norm", None)
+    specs = [s for name, s in _outer_specs(cfg).items() if name.startswith("norm.")]
     if not cfg.tie_embeddings or separate_copy:
-        specs.append(ParamSpec("output.weight", (cfg.vocab_size, cfg.hidden_size), 0))
+        specs.append(_outer_specs(cfg)["output.weight"])
     return specs
 
 
@@ -131,9 +148,6 @@ def count_params(cfg: ModelConfig, position_embeddings: bool = True) -> int:
     """Total parameters: sum of numel over model_specs. Transformer.num_params() leaves out the
     position table (position_embeddings=False gives its number)."""
     return sum(s.numel for s in model_specs(cfg) if position_embeddings or not s.name.startswith("pos_"))
-
-
-_CACHE: dict[tuple, object] = {}  # keyed by repr(ModelConfig) (a mutable dataclass: not hashable)
 
 
 def stage_layers(cfg: ModelConfig, num_stages: int) -> tuple[tuple[int, ...], ...]:

@@ -1,0 +1,65 @@
+"""The qwen3 family (dense and MoE) under the layouts whose code it touches, each equal to one
+process (tests/helpers.py: assert_equivalent: losses and gradient norms every step, step-1
+gradients, updates; assert_layout), real processes over gloo.
+
+What each layout exercises of Qwen3: tp with sp shards the heads, so the per-head q/k norms see
+a rank's heads only and their weight gradient must sum over ranks (suite.parallel.tensor_parallel
+HeadwiseNorm); FSDP shards the q/k norm weights with the block; pp and cp run the norms inside a
+stage and under ring attention; the MoE layers' fine-grained experts under ep and expert-tensor
+parallelism, with renormalised top-k weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.conftest import pretrain
+from tests.helpers import assert_equivalent, assert_layout
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+QWEN3 = ["recipe=qwen3-tiny", "model.num_kv_heads=2", "model.head_dim=24", "model.ffn_hidden_size=128"]
+QWEN3_MOE = [
+    "recipe=qwen3-moe-tiny",
+    "model.num_kv_heads=2",
+    "model.head_dim=24",
+    "model.num_experts=8",
+    "model.top_k=3",
+    "model.moe_ffn_hidden_size=32",
+]
+RUNS: dict[str, tuple[int, list[str]]] = {
+    "qwen3-single": (1, QWEN3),
+    "qwen3-tp2-sp": (2, [*QWEN3, "parallel.tp=2", "parallel.sp=true"]),
+    "qwen3-sharding2": (2, [*QWEN3, "parallel.sharding=2", "parallel.sharding_stage=3"]),
+    "qwen3-pp2": (2, [*QWEN3, "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "qwen3-cp2": (2, [*QWEN3, "parallel.cp=2"]),
+    "qwen3-moe-single": (1, QWEN3_MOE),
+    "qwen3-moe-ep2": (2, [*QWEN3_MOE, "parallel.sharding=2", "parallel.ep=2"]),
+    "qwen3-moe-tp2": (2, [*QWEN3_MOE, "parallel.tp=2", "parallel.sp=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def family_run(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            nproc, overrides = RUNS[name]
+            done[name] = pretrain(root / name, tiny_data, nproc, *overrides)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["qwen3-tp2-sp", "qwen3-sharding2", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2", "qwen3-moe-tp2"]
+)
+def test_qwen3_layout_matches_single_process(family_run, name):
+    reference = "qwen3-moe-single" if name.startswith("qwen3-moe") else "qwen3-single"
+    ref_dir, run_dir = family_run(reference), family_run(name)
+    assert_layout(ref_dir, 1, RUNS[reference][1])
+    assert_layout(run_dir, *RUNS[name])
+    assert_equivalent(ref_dir, run_dir)
