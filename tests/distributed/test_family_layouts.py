@@ -62,4 +62,9 @@ def test_qwen3_layout_matches_single_process(family_run, name):
     ref_dir, run_dir = family_run(reference), family_run(name)
     assert_layout(ref_dir, 1, RUNS[reference][1])
     assert_layout(run_dir, *RUNS[name])
-    assert_equivalent(ref_dir, run_dir)
+    # Updates after 10 steps within 5e-4 (losses, norms and step-1 gradients keep 1e-4): the q/k norms
+    # make the logits invariant to the scale of each head's q and k rows, so wq/wk gradients have a
+    # component that is zero up to rounding, and AdamW turns that rounding (another reduction order
+    # under tp) into steps of lr size. Measured: tp2-sp moves wk by 1.3e-4 of its update. A missing
+    # gradient sum over the q/k norms' heads shows at step 1 (the gradient check), far above this.
+    assert_equivalent(ref_dir, run_dir, update_rtol=5e-4)
