@@ -37,6 +37,35 @@ _ZERO = "_zero_point"
 _NARROWED = "suite_bf16_as_fp32"  # metadata: JSON list of fp32 tensors stored as (exact) bf16
 
 
+# torchao's import logs, to the user's terminal, a warning per prebuilt kernel library it cannot
+# load here (torchao/__init__.py: "Failed to load <...>.so: ..."), and torch's pytree one per enum
+# torchao registers ("<enum> is an Enum subclass and is now natively supported by torch.compile ...":
+# deprecated, harmless). transformers imports torchao on its own (its torchao quantizer), so every
+# hf/gguf export and HF load printed the four lines before any of the suite's imports below ran.
+TORCHAO_IMPORT_NOISE = {
+    "torchao": "Failed to load ",  # the message starts so; the .so named after it
+    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported by torch.compile",
+}
+
+
+def _not_torchao_import_noise(record: logging.LogRecord) -> bool:
+    start = TORCHAO_IMPORT_NOISE[record.name]
+    message = str(record.msg)
+    return not (message.startswith(start) and (record.name != "torchao" or ".so" in message))
+
+
+def silence_torchao_import() -> None:
+    """Drop exactly those records (logging filters on the two loggers, installed once, before
+    anything imports torchao: at this module's import); other warnings of either logger still show."""
+    for name in TORCHAO_IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if _not_torchao_import_noise not in logger.filters:
+            logger.addFilter(_not_torchao_import_noise)
+
+
+silence_torchao_import()
+
+
 def quiet_torchao() -> None:
     """torchao logs a warning per optional CUDA extension it cannot load on this machine, and its
     import registers enums that torch's pytree warns about (deprecated, harmless)."""

@@ -141,8 +141,16 @@ def test_the_hf_folder_gets_a_manifest_too(runs, tmp_path):
 
 
 def test_cli_prints_the_self_check(runs, tmp_path):
+    """... and nothing of torchao's import: in a fresh interpreter (a PYTHON* variable makes run_suite
+    start one; its fork server imported torchao already) stderr has no "Failed to load <...>.so" or
+    pytree "Enum subclass" warnings, which transformers' import of torchao printed first (issue 39)."""
     out = tmp_path / "cli"
-    proc = run_suite("export", f"ckpt={runs['gpt']}", "format=gguf", f"out={out}", "--json", check=True)
+    fresh = suite_env(PYTHONHASHSEED="0")
+    proc = run_suite(
+        "export", f"ckpt={runs['gpt']}", "format=gguf", f"out={out}", "--json", env=fresh, check=True
+    )
+    assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr  # the source line: ckpt=...: step 20 (...)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["format"] == "gguf" and result["precision"] == "f16"
     assert Path(result["file"]).is_file() and result["max_abs_logits_error"] <= 1e-3
