@@ -418,6 +418,11 @@ DATA_CASES: list[tuple[list[str], str, str]] = [
     ),
     (["run", "pipeline={bad_pipeline}"], "{bad_pipeline}:4:1", "starts at 3:11"),
     (["report", "{run}", "out=/proc/suite-report"], "/proc/suite-report", "cannot be created"),
+    (
+        ["run", "pipeline=embedded", "run.dir=/proc/suite-pipeline"],
+        "/proc/suite-pipeline",
+        "cannot be created",
+    ),
 ]
 
 
