@@ -401,6 +401,7 @@ DATA_CASES: list[tuple[list[str], str, str]] = [
     ([*PREP, "data.sources=[{path: {latin1}}]"], "{latin1}", "is not UTF-8 text (line 1, byte 25: 0xe9)"),
     ([*PREP, "data.sources=[{path: {fake_parquet}}]"], "{fake_parquet}", "is not a Parquet file"),
     ([*PREP, "data.sources=[{path: {junk}}]"], "{junk}", "holds binary data, not text"),
+    ([*PREP, "data.sources=[{path: {empty}}]"], "{empty}", "holds no text"),
     (
         [*PREP[:2], "data.sources=[{path: {file}}]", "data.path=/proc/suite-data"],
         "/proc/suite-data",
@@ -438,7 +439,8 @@ def test_careless_data_files_answer_in_one_line(forked, shared, tmp_path, argv, 
     proc, before, after = run_case(forked, shared, tmp_path, argv)
     cwd = tmp_path / "cwd"
     paths = {key: str(cwd / name) for key, (name, _, _) in DATA_FILES.items()}
-    named = _fill(named, {"run": str(shared["run"]), "junk": str(cwd / "junk.txt"), **paths})
+    paths.update(run=str(shared["run"]), junk=str(cwd / "junk.txt"), empty=str(cwd / "empty.txt"))
+    named = _fill(named, paths)
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr}"
