@@ -191,6 +191,10 @@ def test_a_saved_datasets_folder_is_a_source(tmp_path):
     assert [r for _, r in iter_sft_rows({"path": str(tmp_path / "dict"), "split": "train"})] == chats
     with pytest.raises(ConfigError, match=r"has no split 'test' \(splits: train\)"):
         read_source(DataSourceConfig(path=str(tmp_path / "dict"), split="test"), 0)
+    for shard in (tmp_path / "one").glob("*.arrow"):
+        shard.unlink()
+    with pytest.raises(ConfigError, match=r"is a `datasets` folder that does not load \(.*arrow"):
+        read_source(DataSourceConfig(path=str(tmp_path / "one")), 0)
 
 
 # ---- where the suite writes ------------------------------------------------------------------------
