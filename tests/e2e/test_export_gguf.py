@@ -1,7 +1,7 @@
 """`suite export format=gguf` as a user runs it: one .gguf file that transformers loads (weights and
 tokenizer), close to the suite model at each precision, and a manifest that says so.
 
-A tiny GPT and a tiny Llama (grouped-query attention: the q/k permutation of llama.cpp is undone by
+A tiny GPT, a tiny Llama and a tiny Qwen3 (grouped-query attention: the q/k permutation of llama.cpp is undone by
 transformers only when it is right) are pretrained for 20 steps by the CLI, exported in-process
 through the same entry point (suite.cli.main) and read back with transformers' GGUF loader.
 Tolerances are the issue's (f16 1e-3, q8_0 2e-2, max |logit difference| on 2 x 32 tokens). q4_0
@@ -35,7 +35,10 @@ BATCH = ["parallel.micro_batch_size=8", "parallel.global_batch_size=8"]
 FAMILIES = {
     "gpt": [],
     "llama": ["model=llama-tiny", "model.num_kv_heads=2", "model.ffn_hidden_size=128"],
+    # llama.cpp's qwen3: q/k norms, heads of their own size (24, not 64 / 4), q/k stored unpermuted
+    "qwen3": ["model=qwen3-tiny", "model.num_kv_heads=2", "model.head_dim=24", "model.ffn_hidden_size=128"],
 }
+ARCH = {"gpt": "gpt2", "llama": "llama", "qwen3": "qwen3"}
 TEXT = "The quick brown fox jumps over the lazy dog. Attention lets every token look back."
 
 
@@ -107,16 +110,18 @@ def test_gguf_metadata_and_tokenizer(runs, tmp_path, family):
     def value(key):
         return reader.get_field(key).contents()
 
-    arch = "gpt2" if family == "gpt" else "llama"
+    arch = ARCH[family]
     assert value("general.architecture") == arch
     assert value(f"{arch}.context_length") == cfg.max_seq_len
     assert value(f"{arch}.block_count") == cfg.num_layers
     assert value(f"{arch}.embedding_length") == cfg.hidden_size
     assert value(f"{arch}.attention.head_count") == cfg.num_heads
-    if family == "llama":
-        assert value("llama.attention.head_count_kv") == 2
-        assert value("llama.rope.freq_base") == pytest.approx(cfg.rope_theta)
-        assert value("llama.attention.layer_norm_rms_epsilon") == pytest.approx(cfg.norm_eps)
+    if family != "gpt":
+        assert value(f"{arch}.attention.head_count_kv") == 2
+        assert value(f"{arch}.rope.freq_base") == pytest.approx(cfg.rope_theta)
+        assert value(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(cfg.norm_eps)
+    if family == "qwen3":  # the head size is its own: llama.cpp reads it from key/value_length
+        assert value("qwen3.attention.key_length") == value("qwen3.attention.value_length") == 24
     assert value("tokenizer.ggml.model") == "gpt2"
     assert len(value("tokenizer.ggml.tokens")) == cfg.vocab_size  # padded with [PAD<i>]
     assert value("tokenizer.ggml.eos_token_id") == ours.eos_token_id

@@ -31,6 +31,7 @@ FAMILY = register(
             add_hparams=convert.gguf_hparams,
             problem=convert.gguf_problem,
             permute_qk=False,
+            load_kwargs=convert.gguf_load_kwargs,
         ),
     )
 )

@@ -142,3 +142,9 @@ def gguf_hparams(writer: Any, cfg: ModelConfig) -> None:
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_key_length(head_size(cfg))
     writer.add_value_length(head_size(cfg))
+
+
+def gguf_load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' GGUF mapping for qwen3 does not read the head size (key_length): it builds
+    Qwen3Config's default 128-wide heads unless head_dim is passed. llama.cpp reads the key."""
+    return {"head_dim": head_size(cfg)}
