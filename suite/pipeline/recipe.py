@@ -163,8 +163,8 @@ def load_pipeline(overrides: list[str]) -> Pipeline:
         )
     run = data.get("run") or {}
     folder = Path(values.get("run.dir") or run.get("dir") or f"runs/pipeline-{name}").expanduser()
-    where = "run.dir" if values.get("run.dir") else f"run.dir (of pipeline recipe {path})"
-    check_output_folder(where, str(folder), "pass run.dir=<a folder you can write>")
+    fix = "pass run.dir=<a folder you can write>"
+    check_output_folder("run.dir", str(folder), fix if values.get("run.dir") else f"{fix} (or edit {path})")
     raw_stages = data.get("stages")
     if not isinstance(raw_stages, dict) or not raw_stages:
         raise ConfigError(f"pipeline recipe {path} has no stages: (a mapping of stage name to verb and args)")
