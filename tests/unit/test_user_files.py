@@ -219,3 +219,13 @@ def test_a_chat_template_file_in_latin1_is_one_line(tmp_path):
     path.write_bytes("{% for m in messages %}« {{ m.content }} »{% endfor %}".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"chat template: '.*tpl.jinja' is not UTF-8 text"):
         resolve_chat_template(SimpleNamespace(chat_template=None), str(path))
+
+
+def test_a_cut_or_false_gzip_is_named(tmp_path):
+    whole = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in ROWS * 200))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"'.*cut.jsonl.gz' is cut short or corrupt after line \d+"):
+        list(user_files.json_lines(tmp_path / "cut.jsonl.gz"))
+    (tmp_path / "plain.jsonl.gz").write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(ConfigError, match=r"is not a readable gzip file .*name it .jsonl"):
+        list(user_files.json_lines(tmp_path / "plain.jsonl.gz"))
