@@ -91,7 +91,7 @@ CASES: list[tuple[list[str], str]] = [
     ([*PRE, "optim.grad_clip=-1"], "optim.grad_clip=-1"),
     ([*PRE, "optim.weight_decay=-0.1"], "optim.weight_decay=-0.1"),
     ([*PRE, "log.wandb_mode=cloud"], "log.wandb_mode='cloud' is not supported"),
-    ([*PRE, "model.family=bert"], "model.family='bert' is not supported"),
+    ([*PRE, "model.family=bert"], "model.family='bert' is not a model family"),
     ([*PRE, "model.attention=flash"], "model.attention='flash'"),
     ([*PRE, "model.num_experts=-1"], "model.num_experts=-1"),
     ([*PRE, "model.hidden_size=65"], "model.hidden_size=65"),
