@@ -15,9 +15,12 @@ from suite.config.errors import ConfigError
 
 def _try_write(folder: Path) -> str | None:
     """Why nothing can be created in `folder`, or None: a real try (permissions, read-only and virtual
-    file systems such as /proc, where os.access says yes to root), undone at once."""
+    file systems such as /proc, where os.access says yes to root), undone at once: the folder's times
+    too, so a refusal that follows leaves it byte for byte and time for time as it was."""
     try:
+        before = os.stat(folder)
         os.rmdir(tempfile.mkdtemp(prefix=".suite-check-", dir=folder))
+        os.utime(folder, ns=(before.st_atime_ns, before.st_mtime_ns))
     except OSError as exc:
         if exc.errno == errno.ENOENT:  # the folder exists: a virtual file system refusing new entries
             return "it takes no new folders"
