@@ -115,13 +115,21 @@ def rtn_config(method: str, group_size: int):
     raise ValueError(f"compress.method={method!r} is not a GPTQ method")
 
 
+TIED_HEAD = "output"  # the Linear whose weight is tok_embeddings.weight when model.tie_embeddings
+
+
 def linear_plan(model: nn.Module, patterns: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(Linear modules to quantize, Linear modules skipped), by name."""
+    """(Linear modules to quantize, Linear modules skipped), by name. A tied output head is always
+    skipped, whatever compress.skip says: its weight is the embedding's, which stays in full
+    precision, and the checkpoint stores that tensor once; quantizing the head would untie it in
+    memory only, and the model on disk would not be the one measured."""
     patterns = list(patterns)
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     quantized, skip = [], []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            (skip if skipped(name, patterns) else quantized).append(name)
+            keep = skipped(name, patterns) or (tied and name == TIED_HEAD)
+            (skip if keep else quantized).append(name)
     return quantized, skip
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 import tempfile
 from dataclasses import replace
@@ -116,21 +114,15 @@ def held_out_and_calibration(saved: SuiteConfig | None, tokenizer: Any, cfg: Sui
 
 
 def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str) -> Path:
-    """checkpoints/step_<N>/ under a temporary name, manifest last, renamed into place, then `latest`."""
+    """checkpoints/step_<N>/, committed as every checkpoint is (suite.train.checkpoint.commit:
+    manifest, fsync, rename, then `latest`)."""
     from suite.models.quantized import save_quantized
-    from suite.train.checkpoint import STEP_PREFIX, checkpoint_root, write_manifest
+    from suite.train.checkpoint import commit, staging_folder
 
-    root = checkpoint_root(out)
-    final, tmp = root / f"{STEP_PREFIX}{step}", root / f".tmp-{STEP_PREFIX}{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp, final = staging_folder(out, step)
     save_quantized(model, tmp, info)
     (tmp / "config.yaml").write_text(config_yaml)
-    write_manifest(tmp, step)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    (root / "latest").write_text(final.name + "\n")
+    commit(tmp, final, step)
     return final
 
 
@@ -223,13 +215,15 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     (out / "config.yaml").write_text(config_yaml)
     tokenizer.save_pretrained(out)
     folder = _write_checkpoint(out, step, model, info, config_yaml)
+    # from here on the report describes the artefact on disk, as every reader loads it
     reloaded = load_quantized_model(folder, saved.model, device)
     probe = torch.tensor([prompt], device=device)
     with torch.no_grad():
         reload_diff = float((reloaded(probe) - model(probe)).abs().max())
-    del reloaded
+    del model
 
-    progress(5, "measuring the quantized model")
+    progress(5, "measuring the quantized model (reloaded from disk)")
+    model = reloaded
     after = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
     after["file_bytes"], after["block_bytes"] = stored_bytes(folder / WEIGHTS_FILE)
     weight_types = sorted({type(m.weight).__name__ for n, m in model.named_modules() if n in set(targets)})

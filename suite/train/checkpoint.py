@@ -75,11 +75,7 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(folder)
 
 
 def _sha256(path: Path) -> str:
@@ -130,9 +126,27 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
+def named_latest(run_dir: Path) -> Path | None:
+    """The checkpoint folder `checkpoints/latest` names (None without one): the last one committed,
+    which is what the folder holds, whatever other step numbers lie beside it."""
+    try:
+        name = (checkpoint_root(run_dir) / "latest").read_text().strip()
+    except OSError:
+        return None
+    ok = name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit()
+    return checkpoint_root(run_dir) / name if ok else None
+
+
 def latest_checkpoint(run_dir: Path, log=print) -> Path | None:
-    """The newest checkpoint that verifies; a broken one is reported in one line and skipped."""
-    for folder in reversed(list_checkpoints(run_dir)):
+    """The checkpoint `latest` names when it verifies, else the newest one below it that does (a
+    broken one is reported in one line and skipped); without `latest`, the newest that verifies.
+    Never a higher step than `latest`'s: one that was not committed last is not the folder's."""
+    found = list_checkpoints(run_dir)
+    named = named_latest(run_dir)
+    if named is not None:
+        bound = int(named.name[len(STEP_PREFIX) :])
+        found = [p for p in found if int(p.name[len(STEP_PREFIX) :]) <= bound]
+    for folder in reversed(found):
         problem = verify(folder)
         if problem is None:
             return folder
@@ -280,7 +294,7 @@ class PendingSave:
     def finish(self) -> Path:
         self.future.result()
         if _rank() == 0:
-            _commit(self.tmp, self.final, self.step)
+            commit(self.tmp, self.final, self.step)
         return self.final
 
 
@@ -334,7 +348,7 @@ def save_checkpoint(
     _barrier()
     with _RankLocalWrites() as local:
         if _rank() == 0:
-            _commit(tmp, final, step)
+            commit(tmp, final, step)
     local.check()  # the others wait for rank 0's commit, and hear of its failure
     return final
 
@@ -388,16 +402,39 @@ class _RankLocalWrites:
             raise OSError(*first)
 
 
-def _commit(tmp: Path, final: Path, step: int) -> None:
-    """Rank 0, once every file is written: manifest, fsync, rename, then `latest`."""
+def commit(tmp: Path, final: Path, step: int) -> None:
+    """The one commit of every checkpoint any verb writes (training, quantize, prune), rank 0, once
+    every file is written into `tmp`: manifest, fsync, rename to `final`, then `latest` atomically."""
     write_manifest(tmp, step)
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     latest_tmp = final.parent / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
+    with latest_tmp.open("w") as handle:
+        handle.write(final.name + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(latest_tmp, final.parent / "latest")
+    _fsync_dir(final.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def staging_folder(run_dir: Path, step: int) -> tuple[Path, Path]:
+    """(temporary, final) folders of checkpoint `step`: the temporary one made empty, for a writer
+    that fills it and then calls `commit`."""
+    root = checkpoint_root(run_dir)
+    final, tmp = root / f"{STEP_PREFIX}{step}", root / f".tmp-{STEP_PREFIX}{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp, final
 
 
 def apply_retention(run_dir: Path, keep_last: int, keep_every: int) -> list[Path]:
