@@ -434,8 +434,24 @@ def load_suite_weights(
             )
         target = param.to_local() if isinstance(param, DTensor) else param
         target.copy_(source.read(local_box(param)).to(target.dtype))
+    for name, buffer in persistent_buffers(model):  # state that is no parameter (DeepSeek's expert bias)
+        key = canonical_name(name)
+        if key not in weights:
+            missing.append(key)
+            continue
+        buffer.copy_(as_lazy(weights[key]).read().to(buffer.dtype))  # whole on every rank
     if missing:
         raise ConfigError(f"{where}: weights do not match the config (missing {missing[:3]})")
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers a state dict holds (not RoPE tables and other derived ones)."""
+    return [
+        (f"{prefix}.{name}" if prefix else name, buffer)
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
 
 
 def load_hf_weights(model: nn.Module, folder: Path, fused_projections: bool = False) -> None:

@@ -335,6 +335,8 @@ def override_value(overrides: list[str], key: str, default: str) -> str:
 
 
 BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.(shared_experts\.)?w\w+\.weight$")
+# MLA's low-rank down-projections (suite/models/deepseek_v3/attention.py): whole on every tp rank
+LOW_RANK = re.compile(r"^layers\.\*\.attention\.(wq_a|wkv_a)\.weight$")
 
 
 def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
@@ -364,7 +366,9 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
     for view in layout["ranks"]:
         params, modules = view["params"], view["modules"]
         for name, placement in params.items():
-            if degrees["tp"] > 1 and (BLOCK_MATRIX.match(name) or name == "output.weight"):
+            if degrees["tp"] > 1 and LOW_RANK.match(name):
+                assert "tp:Replicate()" in placement, (name, placement)
+            elif degrees["tp"] > 1 and (BLOCK_MATRIX.match(name) or name == "output.weight"):
                 assert "tp:Shard(dim=" in placement, (name, placement)
             expert = ".experts." in name  # expert parallel: on their own (edp, ep) mesh, not FSDP's
             if degrees["tp"] > 1 and expert:  # expert-tensor-parallel: each expert split on its ffn dim

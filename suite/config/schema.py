@@ -52,6 +52,24 @@ class ModelConfig:
     # true: the top-k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob=true);
     # false: each expert weighted by its probability in the softmax over all experts
     norm_topk_prob: bool = True
+    # the router's scores: softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3: each expert scored on its own)
+    router_score: str = "softmax"
+    # grouped top-k (DeepSeek-V3's n_group / topk_group): experts in router_groups groups, tokens choose
+    # among the router_topk_groups groups with the best two-expert sums; 1 / 1: plain top-k
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing
+    # experts only, moved by this much after every step toward the mean load (0: no bias; V3: 0.001)
+    router_bias_update_rate: float = 0.0
+    # Multi-head latent attention (the deepseek_v3 family; suite/models/deepseek_v3/attention.py):
+    # q through a rank-q_lora_rank bottleneck (None: one projection), k/v from a rank-kv_lora_rank latent
+    # (what the decode cache holds) plus one RoPE key of qk_rope_head_dim shared by the heads
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     moe_every: int = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...)
     moe_layers: Optional[list[int]] = None  # explicit MoE layer ids; overrides moe_every
     num_shared_experts: int = 0  # experts every token also goes through (one MLP of that many widths)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
@@ -73,6 +74,10 @@ class Family:
     # torch.compile the blocks under train.compile=auto (elementwise work worth fusing: norms, RoPE, SwiGLU)
     compile_auto: bool = False
     checks: Callable[[ModelConfig], None] = field(default=lambda cfg: None)
+    # the block's attention module (None: the shared suite.models.transformer.Attention)
+    attention: Callable[[ModelConfig], nn.Module] | None = None
+    # how many of a head's dims RoPE rotates (None: the whole head, head_size)
+    rotary_dim: Callable[[ModelConfig], int] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -121,3 +126,9 @@ def kv_heads(cfg: ModelConfig) -> int:
 def head_size(cfg: ModelConfig) -> int:
     """The width of one attention head: model.head_dim, or hidden_size // num_heads when unset."""
     return cfg.head_dim or cfg.hidden_size // cfg.num_heads
+
+
+def rotary_size(cfg: ModelConfig) -> int:
+    """The dims of a head that RoPE rotates (the family says; the whole head by default)."""
+    rotary = family_of(cfg).rotary_dim
+    return rotary(cfg) if rotary else head_size(cfg)

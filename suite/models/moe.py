@@ -301,6 +301,14 @@ class MoEFeedForward(nn.Module):
         self.aux_loss_coef = cfg.aux_loss_coef
         self.z_loss_coef = cfg.z_loss_coef
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.sigmoid = cfg.router_score == "sigmoid"
+        self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        if self.sigmoid:  # added to the scores for choosing experts only (aux-loss-free balancing)
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.load_since_update: torch.Tensor | None = (
+            None  # assignments per expert since the last bias update
+        )
         self.experts = GroupedExperts(cfg)
         self.shared_experts = None
         if cfg.num_shared_experts:
@@ -318,6 +326,11 @@ class MoEFeedForward(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}  # detached sums since the last `pop_stats`
         self.last_stats: dict[str, torch.Tensor] = {}
 
+    def reset_buffers(self) -> None:
+        """The balancing bias starts at zero (a materialised meta model holds uninitialised memory)."""
+        if self.sigmoid:
+            self.expert_bias.zero_()
+
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
             return None
@@ -326,11 +339,7 @@ class MoEFeedForward(nn.Module):
     def route(self, logits: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], weights [T, k], keep mask [T, k]) for router logits [T, E] in fp32 of
         `rows` sequences' tokens (row-major)."""
-        top_logits, expert_ids = logits.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:  # softmax over the top k = softmax over all, renormalised
-            weights = top_logits.softmax(dim=-1)
-        else:
-            weights = logits.softmax(dim=-1).gather(-1, expert_ids)
+        expert_ids, weights = self.choose(logits)
         if self.capacity_factor is None:
             return expert_ids, weights, torch.ones_like(expert_ids, dtype=torch.bool)
         if self.rank_assignments is not None:  # the micro-batch's tokens are spread over ranks
@@ -343,6 +352,37 @@ class MoEFeedForward(nn.Module):
         keep = (position < self.capacity(logits.shape[0])).view(self.top_k, -1).t()
         return expert_ids, weights, keep
 
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their weights [T, k]) from router logits [T, E] in fp32.
+
+        softmax: the top-k logits, their weights the softmax over all experts taken at the top k,
+        renormalised to sum to 1 with model.norm_topk_prob (Mixtral's convention: the softmax over the
+        top-k logits). sigmoid (DeepSeek-V3): each expert's score is its own sigmoid; the choice adds
+        `expert_bias` and keeps the `router_topk_groups` best groups (by their two best scores), the
+        weights are the unbiased scores; then routed_scaling_factor."""
+        if not self.sigmoid:
+            top_logits, expert_ids = logits.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:  # softmax over the top k = softmax over all, renormalised
+                weights = top_logits.softmax(dim=-1)
+            else:
+                weights = logits.softmax(dim=-1).gather(-1, expert_ids)
+            return expert_ids, weights * self.routed_scaling_factor
+        scores = logits.sigmoid()
+        biased = scores + self.expert_bias
+        if self.groups > 1:
+            grouped = biased.view(-1, self.groups, self.num_experts // self.groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.topk_groups, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            biased = biased.masked_fill(
+                ~mask.repeat_interleave(self.num_experts // self.groups, dim=1), float("-inf")
+            )
+        expert_ids = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * self.routed_scaling_factor
+
     def balance_losses(
         self, logits: torch.Tensor, expert_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,6 +394,9 @@ class MoEFeedForward(nn.Module):
         count over them first, so f and P are the whole micro-batch's. The z-loss stays this rank's
         per-token mean (a mean of equal-sized parts' means is the whole mean)."""
         probs = logits.softmax(dim=-1)
+        if self.sigmoid:  # DeepSeek-V3's balance loss: each token's scores normalised to sum to 1
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).to(probs.dtype)
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
         if self.sum_router_stats is None:
@@ -404,6 +447,9 @@ class MoEFeedForward(nn.Module):
         forward in the backward pass overwrites `last_stats` but is never committed)."""
         for key, value in self.last_stats.items():
             self.stats[key] = self.stats[key] + value if key in self.stats else value
+        if "tokens_per_expert" in self.last_stats and self.sigmoid:
+            load = self.last_stats["tokens_per_expert"]
+            self.load_since_update = load if self.load_since_update is None else self.load_since_update + load
         self.last_stats = {}
 
     def pop_stats(self) -> dict[str, torch.Tensor]:

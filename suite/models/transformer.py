@@ -35,7 +35,7 @@ from torch import nn
 
 from suite.config.schema import ModelConfig
 from suite.models.document_attention import Documents, document_attention
-from suite.models.family import family_of, ffn_size, head_size, kv_heads
+from suite.models.family import family_of, ffn_size, head_size, kv_heads, rotary_size
 from suite.models.layers import FeedForward, RMSNorm, make_norm
 from suite.models.moe import MoEFeedForward, expert_ffn_size, moe_layer_ids
 
@@ -45,7 +45,7 @@ __all__ = ["FeedForward", "RMSNorm", "ffn_size", "head_size", "kv_heads", "make_
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with Llama-3 style scaling when `rope_scaling.rope_type == llama3`."""
-    head_dim = head_size(cfg)
+    head_dim = rotary_size(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     scaling = dict(cfg.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -86,13 +86,15 @@ class KVCache:
     @classmethod
     def empty(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
         p = next(model.parameters())
-        shape = (batch, model.num_kv_heads, max_len, model.head_dim)
-        n = len(model.layers)
+        default = ((model.num_kv_heads, model.head_dim),) * 2
+        # (heads, width) of what each layer caches: keys and values, or an attention's own pair (MLA: the
+        # compressed latent and the shared RoPE key)
+        dims = [getattr(layer.attention, "cache_dims", default) for layer in model.layers.values()]
         # plain tensors even where the parameters are wrapped (a sharded parameter's new_zeros would be
         # sharded too, and the keys computed from the gathered weights are not)
         return cls(
-            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(n)],
-            [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(n)],
+            [torch.zeros((batch, k[0], max_len, k[1]), dtype=p.dtype, device=p.device) for k, _ in dims],
+            [torch.zeros((batch, v[0], max_len, v[1]), dtype=p.dtype, device=p.device) for _, v in dims],
         )
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
@@ -256,6 +258,16 @@ def fuse_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, 
 
 
 class Attention(nn.Module):
+    @staticmethod
+    def tp_roles(cfg: ModelConfig) -> dict[str, str]:
+        """How tensor parallelism splits it (suite.parallel.tensor_parallel.block_plan): q, k, v by
+        heads (whole kv groups when fused), wo by its input, a family's q/k norms per head."""
+        qkv = ["wqkv"] if cfg.fused_projections else ["wq", "wk", "wv"]
+        roles = dict.fromkeys(qkv, "colwise")
+        if family_of(cfg).qk_norm:  # over each head's width: whole on every rank, whatever heads it holds
+            roles |= {"q_norm": "headwise", "k_norm": "headwise"}
+        return roles | {"wo": "rowwise"}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = head_size(cfg)
@@ -312,7 +324,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention = (family_of(cfg).attention or Attention)(cfg)
         self.ffn_norm = make_norm(cfg)
         if layer_id in moe_layer_ids(cfg):
             self.feed_forward = MoEFeedForward(cfg)
@@ -490,9 +502,19 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transf
         return Transformer(cfg)
 
 
+@torch.no_grad()
+def reset_buffers(model: nn.Module) -> None:
+    """State that is no parameter starts at its initial value (to_empty leaves it uninitialised):
+    every module with a `reset_buffers` method (the MoE router's balancing bias) resets it."""
+    for module in model.modules():
+        if hasattr(module, "reset_buffers") and module is not model:
+            module.reset_buffers()
+
+
 def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
     """Allocate a meta-built model on `device` and run the seeded init."""
     model.to_empty(device=device)
     model.tie_weights()
     model.init_weights(seed)
+    reset_buffers(model)
     return model

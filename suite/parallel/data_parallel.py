@@ -203,7 +203,7 @@ def materialize_parallel(
     only this rank's piece is kept, so peak extra memory is one full parameter. Buffers (the RoPE
     table) go to `buffer_device`, the compute device, when the parameters live elsewhere (offload).
     """
-    from suite.models.transformer import rope_inv_freq
+    from suite.models.transformer import reset_buffers, rope_inv_freq
 
     cfg = model.cfg
     model.to_empty(device=device)
@@ -218,6 +218,7 @@ def materialize_parallel(
         target.copy_(local_part(full, param).to(target.dtype))
     if getattr(model, "rope_inv_freq", None) is not None:
         model.rope_inv_freq.copy_(rope_inv_freq(cfg).to(model.rope_inv_freq.device))
+    reset_buffers(model)
     if buffer_device is not None and buffer_device != device:
         for module in model.modules():
             for key, buf in module._buffers.items():

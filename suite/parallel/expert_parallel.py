@@ -327,3 +327,32 @@ def moe_step_metrics(
         metrics["a2a_bytes"] = sent[0] / max(steps, 1)
         metrics["a2a_internode_bytes"] = sent[1] / max(steps, 1)
     return metrics
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, cfg: ModelConfig) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), after every optimizer step: each MoE layer's
+    `expert_bias` moves by model.router_bias_update_rate toward the mean load, up where an expert got
+    fewer assignments than the layer's mean since the last update, down where more.
+
+    Collective when distributed: the loads are summed over every rank (data, context, pipeline and
+    expert ranks each count their own tokens; tensor-parallel ranks count the same tokens, which
+    scales a layer's loads evenly and leaves every sign as it is), so all ranks apply one update."""
+    layers = moe_layer_ids(cfg)
+    loads = torch.zeros(len(layers), cfg.num_experts, dtype=torch.float64)
+    held: dict[int, MoEFeedForward] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, MoEFeedForward) or not module.sigmoid:
+            continue
+        parts = name.split(".")  # ...layers.<id>.feed_forward
+        index = layers.index(int(parts[parts.index("layers") + 1]))
+        held[index] = module
+        if module.load_since_update is not None:
+            loads[index] += module.load_since_update
+            module.load_since_update = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(loads)
+    rate = cfg.router_bias_update_rate
+    for index, module in held.items():
+        load = loads[index]
+        module.expert_bias.add_((torch.sign(load.mean() - load) * rate).to(module.expert_bias))

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -53,6 +53,17 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from suite.models.family import family_of
+from suite.models.transformer import Attention
+
+
+def _replicated(t: object, mesh: DeviceMesh) -> object:
+    """A module input as a Replicate DTensor: a plain tensor (the same on every rank) wrapped, a
+    DTensor (a sequence-parallel activation gathered by PrepareModuleInput) redistributed."""
+    if isinstance(t, DTensor):
+        return t.redistribute(mesh, [Replicate()])
+    if isinstance(t, torch.Tensor):
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+    return t
 
 
 class Replicated(ParallelStyle):
@@ -74,12 +85,7 @@ class Replicated(ParallelStyle):
         shard = self.shard_output_sequence
 
         def input_fn(mod, inputs, mesh):
-            return tuple(
-                DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                if isinstance(t, torch.Tensor)
-                else t
-                for t in inputs
-            )
+            return tuple(_replicated(t, mesh) for t in inputs)
 
         def output_fn(mod, output, mesh):
             if shard:
@@ -107,6 +113,21 @@ class HeadwiseNorm(ParallelStyle):
 
         def output_fn(mod, output, mesh):
             return output.to_local()
+
+        return distribute_module(module, device_mesh, None, input_fn, output_fn)
+
+
+class SharedAcrossHeads(ParallelStyle):
+    """A replicated tensor that every head uses (MLA's shared RoPE key): whole on every rank going
+    in, and its gradient, which each rank computes for its own heads only, summed over the ranks
+    coming back (the local output's gradient is read as Partial)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            return tuple(_replicated(t, mesh) for t in inputs)
+
+        def output_fn(mod, output, mesh):
+            return output.to_local(grad_placements=[Partial()])
 
         return distribute_module(module, device_mesh, None, input_fn, output_fn)
 
@@ -204,7 +225,6 @@ def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
     that matches nothing, so a plan can never skip a module quietly. An MoE block's plan stops at
     its ffn_norm: suite.parallel.expert_tensor_parallel rewrites the MoE layer."""
     fused, swiglu = cfg.fused_projections, family_of(cfg).swiglu
-    qkv = ["attention.wqkv"] if fused else ["attention.wq", "attention.wk", "attention.wv"]
     if swiglu:
         up = ["feed_forward.w13"] if fused else ["feed_forward.w1", "feed_forward.w3"]
     else:
@@ -215,10 +235,15 @@ def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
         plan["attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
-    plan |= {key: ColwiseParallel() for key in qkv}
-    if family_of(cfg).qk_norm:  # over each head's width: whole on every rank, whatever heads it holds
-        plan |= {"attention.q_norm": HeadwiseNorm(), "attention.k_norm": HeadwiseNorm()}
-    plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    roles: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
+        "replicate": Replicated,
+        "headwise": HeadwiseNorm,
+        "shared": SharedAcrossHeads,
+    }
+    attention = family_of(cfg).attention or Attention  # the module says how it splits
+    plan |= {f"attention.{name}": roles[role]() for name, role in attention.tp_roles(cfg).items()}
     plan["ffn_norm"] = norm()
     if moe:
         return plan

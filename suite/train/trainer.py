@@ -29,7 +29,7 @@ from suite.models.float8 import prepare_float8
 from suite.models.qat import init_learned_scales, prepare_qat
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
-from suite.parallel.expert_parallel import moe_step_metrics
+from suite.parallel.expert_parallel import moe_step_metrics, update_expert_bias
 from suite.parallel.parallelize import Placement, parallelize
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
@@ -490,6 +490,8 @@ class Trainer:
                 batches = self._next_batches()
                 self._maybe_fault_kill()
                 loss, grad_norm, ok = tracked_step(self, batches)  # (train.tensor_memory: the last)
+                if cfg.model.router_bias_update_rate:  # aux-loss-free balancing: every rank, every step
+                    update_expert_bias(self.model, cfg.model)
                 if profiler:
                     profiler.step()
                 if self.spiked:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.conftest import pretrain
-from tests.helpers import assert_equivalent, assert_layout
+from tests.helpers import assert_equivalent, assert_layout, final_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -27,6 +27,17 @@ QWEN3_MOE = [
     "model.top_k=3",
     "model.moe_ffn_hidden_size=32",
 ]
+DEEPSEEK = [
+    "recipe=deepseek-tiny",
+    "model.moe_layers=[1]",
+    "model.q_lora_rank=32",
+    "model.kv_lora_rank=24",
+    "model.qk_nope_head_dim=16",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=12",
+    # big enough to move the bias visibly in 10 steps; every rank must apply the same moves
+    "model.router_bias_update_rate=0.01",
+]
 RUNS: dict[str, tuple[int, list[str]]] = {
     "qwen3-single": (1, QWEN3),
     "qwen3-tp2-sp": (2, [*QWEN3, "parallel.tp=2", "parallel.sp=true"]),
@@ -36,6 +47,13 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "qwen3-moe-single": (1, QWEN3_MOE),
     "qwen3-moe-ep2": (2, [*QWEN3_MOE, "parallel.sharding=2", "parallel.ep=2"]),
     "qwen3-moe-tp2": (2, [*QWEN3_MOE, "parallel.tp=2", "parallel.sp=true"]),
+    "deepseek-single": (1, DEEPSEEK),
+    "deepseek-dp2": (2, [*DEEPSEEK, "parallel.dp=2"]),
+    "deepseek-tp2-sp": (2, [*DEEPSEEK, "parallel.tp=2", "parallel.sp=true"]),
+    "deepseek-sharding2": (2, [*DEEPSEEK, "parallel.sharding=2", "parallel.sharding_stage=3"]),
+    "deepseek-ep2": (2, [*DEEPSEEK, "parallel.sharding=2", "parallel.ep=2"]),
+    "deepseek-pp2": (2, [*DEEPSEEK, "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "deepseek-cp2": (2, [*DEEPSEEK, "parallel.cp=2"]),
 }
 
 
@@ -58,7 +76,7 @@ def family_run(tiny_data, tmp_path_factory):
     "name", ["qwen3-tp2-sp", "qwen3-sharding2", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2", "qwen3-moe-tp2"]
 )
 def test_qwen3_layout_matches_single_process(family_run, name):
-    reference = "qwen3-moe-single" if name.startswith("qwen3-moe") else "qwen3-single"
+    reference = name.split("-")[0] + ("-moe-single" if name.startswith("qwen3-moe") else "-single")
     ref_dir, run_dir = family_run(reference), family_run(name)
     assert_layout(ref_dir, 1, RUNS[reference][1])
     assert_layout(run_dir, *RUNS[name])
@@ -68,3 +86,23 @@ def test_qwen3_layout_matches_single_process(family_run, name):
     # under tp) into steps of lr size. Measured: tp2-sp moves wk by 1.3e-4 of its update. A missing
     # gradient sum over the q/k norms' heads shows at step 1 (the gradient check), far above this.
     assert_equivalent(ref_dir, run_dir, update_rtol=5e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    ["deepseek-dp2", "deepseek-tp2-sp", "deepseek-sharding2", "deepseek-ep2", "deepseek-pp2", "deepseek-cp2"],
+)
+def test_deepseek_layout_matches_single_process(family_run, name):
+    """MLA (its low-rank projections whole on every tp rank, the heads split, the shared RoPE key's
+    gradient summed over ranks) and the sigmoid-routed MoE with its aux-free bias: losses, norms,
+    gradients, updates, and the bias after 10 steps equal one process's within 1e-6 (each rank
+    applies the same moves from loads summed over all ranks: suite.parallel.expert_parallel
+    update_expert_bias)."""
+    test_qwen3_layout_matches_single_process(family_run, name)
+    ref, run = final_weights(family_run("deepseek-single")), final_weights(family_run(name))
+    bias = "layers.1.feed_forward.expert_bias"
+    assert (
+        float(ref[bias].abs().max()) >= 0.03
+    )  # it moved: 10 steps of +-0.01 (or 0 where the load is the mean)
+    assert float((ref[bias] - run[bias]).abs().max()) <= 1e-6, (ref[bias], run[bias])

@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -65,6 +67,51 @@ HF_MODELS = {
         )
     ),
 }
+DEEPSEEK = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    kv_lora_rank=12,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    qk_nope_head_dim=8,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
+HF_MODELS |= {
+    # MLA with a query bottleneck; sigmoid routing over 4 groups keeping 2, a shared expert, layer 0 dense
+    "deepseek-v3": lambda: DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            q_lora_rank=16,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            **DEEPSEEK,
+        )
+    ),
+    # one query projection (V2-Lite's layout), plain top-k without renormalising, no shared expert
+    "deepseek-v3-no-q-lora": lambda: DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            q_lora_rank=None,
+            n_shared_experts=0,
+            n_routed_experts=6,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=2,
+            **DEEPSEEK,
+        )
+    ),
+}
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
@@ -74,17 +121,23 @@ def _randomise(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+        for name, b in model.named_buffers():  # DeepSeek's aux-free balancing bias decides the routing
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
-def test_qwen3_import_matches_transformers_logits_and_greedy_tokens(tmp_path, name):
-    """Fails if the q/k norms are skipped or applied after RoPE, if head_dim is taken as hidden/heads,
-    if norm_topk_prob=false still renormalises, or if a dense/MoE layer lands on the wrong index."""
+def test_import_matches_transformers_logits_and_greedy_tokens(tmp_path, name):
+    """Qwen3: fails if the q/k norms are skipped or applied after RoPE, if head_dim is taken as
+    hidden/heads, if norm_topk_prob=false still renormalises, or if a dense/MoE layer lands on the
+    wrong index. DeepSeek-V3: fails if RoPE is not interleaved or rotates the wrong dims, if the
+    latent norm, the group mask, the expert bias (choice only), routed_scaling_factor or the shared
+    expert is wrong; the greedy tokens decode through MLA's latent cache."""
     hf = HF_MODELS[name]().eval()
     _randomise(hf)
     hf.save_pretrained(tmp_path)
     ours, _ = load_hf_model(tmp_path)
-    assert ours.cfg.family == "qwen3"
+    assert ours.cfg.family == name.split("-")[0].replace("deepseek", "deepseek_v3")
     with torch.no_grad():
         expected = hf(TOKENS).logits
         got = ours(TOKENS)
@@ -96,6 +149,41 @@ def test_qwen3_import_matches_transformers_logits_and_greedy_tokens(tmp_path, na
     )
     greedy = GenerateConfig(temperature=0.0, max_new_tokens=10)
     assert generate_tokens(ours, prompt, greedy) == reference[0, 5:].tolist()
+
+
+def test_deepseek_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    cfg = ModelConfig(
+        family="deepseek_v3",
+        num_layers=3,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=96,
+        max_seq_len=64,
+        ffn_hidden_size=48,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        num_experts=8,
+        top_k=2,
+        moe_layers=[1, 2],
+        moe_ffn_hidden_size=16,
+        num_shared_experts=2,
+        router_score="sigmoid",
+        router_groups=4,
+        router_topk_groups=2,
+        routed_scaling_factor=2.5,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+    )
+    model = materialize(build_model(cfg), "cpu", seed=3).eval()
+    _randomise(model)
+    export_hf(model, cfg, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM" and hf.config.first_k_dense_replace == 1
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, model(TOKENS), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -135,7 +223,7 @@ def test_qwen3_refuses_qkv_bias_in_one_line():
 
 
 def test_an_unknown_family_names_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"model.family='gemma'.*gpt, llama, qwen3"):
+    with pytest.raises(ConfigError, match=r"model.family='gemma'.*deepseek_v3, gpt, llama, qwen3"):
         check_model(ModelConfig(family="gemma"))
 
 
@@ -152,3 +240,32 @@ def test_no_code_outside_a_family_folder_branches_on_a_family_name():
     outside = [line for line in found if not line.startswith(folders)]
     assert outside == []
     assert re.search(r"from suite\.models import .*qwen3", (ROOT / "suite/models/__init__.py").read_text())
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "recipes/model").glob("*.yaml")))
+def test_the_planner_counts_every_presets_parameters_as_built(preset):
+    """suite plan's counts (suite/plan/params.py) against the model the trainer builds, on meta."""
+    import yaml
+
+    from suite.plan.params import count_params
+
+    cfg = ModelConfig(**yaml.safe_load((ROOT / f"recipes/model/{preset}.yaml").read_text()))
+    with torch.device("meta"):
+        model = build_model(cfg)
+    built = sum(p.numel() for p in model.parameters())  # a tied head once; positions included
+    assert count_params(cfg) == built
+
+
+def test_deepseek_v3_671b_has_its_published_size():
+    """671B total (published: 671B); 37.55B activated per token counting the embedding and the head,
+    36.63B without the embedding lookup (published: 37B)."""
+    import yaml
+
+    from suite.plan.params import count_params, model_specs
+
+    cfg = ModelConfig(**yaml.safe_load((ROOT / "recipes/model/deepseek-v3-671b.yaml").read_text()))
+    total = count_params(cfg)
+    experts = sum(s.numel for s in model_specs(cfg) if s.expert)
+    activated = total - experts + experts * cfg.top_k / cfg.num_experts
+    assert abs(total / 671e9 - 1) < 0.005, total
+    assert abs(activated / 37e9 - 1) < 0.02, activated

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
+import random
 import re
 import subprocess
 from pathlib import Path
@@ -95,13 +95,14 @@ def test_a_leading_bom_is_not_an_invalid_json_line(tmp_path):
 @pytest.mark.parametrize(
     ("content", "name", "expected"),
     [
-        (os.urandom(20_000), "junk.txt", "holds binary data, not text"),
+        (random.Random(0).randbytes(20_000), "junk.txt", "holds binary data, not text"),
         (b"\x00" * 100, "zeros.txt", "a NUL byte at byte 0"),
         (b"PAR1\x15\x04\x15\x10", "table.txt", "is a Parquet file; name it .parquet"),
-        (gzip.compress(b'{"text": "a"}\n'), "rows.jsonl", "gzip-compressed; name it .jsonl.gz"),
+        (gzip.compress(b'{"text": "a"}\n', mtime=0), "rows.jsonl", "gzip-compressed; name it .jsonl.gz"),
         ("text".encode("utf-16"), "wide.txt", "UTF-16 text"),
         (b"PK\x03\x04rest", "archive.jsonl", "a zip archive"),
     ],
+    ids=["random-bytes", "nul-bytes", "parquet", "gzip", "utf-16", "zip"],  # the same on every xdist worker
 )
 def test_binary_and_other_formats_are_named(tmp_path, content, name, expected):
     path = tmp_path / name

@@ -1,0 +1,191 @@
+"""DeepSeek-V3 on the Hugging Face side (DeepseekV3ForCausalLM).
+
+Attention: q_a_proj / q_a_layernorm / q_b_proj (or q_proj), kv_a_proj_with_mqa / kv_a_layernorm /
+kv_b_proj, o_proj. The first `first_k_dense_replace` layers have a dense MLP (intermediate_size);
+the rest are MoE: the router mlp.gate (weight and e_score_correction_bias, the aux-free balancing
+bias), the experts transformers 5's fused mlp.experts.gate_up_proj/down_proj (saved one expert at a
+time, as DeepSeek's checkpoints are), and the shared experts mlp.shared_experts. Multi-token
+prediction layers are not part of transformers' model (it ignores model.layers.<num_layers>).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from suite.config.errors import ConfigError
+from suite.config.schema import ModelConfig
+from suite.models.family import ffn_size
+from suite.models.llama.convert import experts_from_hf, experts_to_hf, map_names, rope_fields_from_hf
+from suite.models.moe import expert_ffn_size, moe_layer_ids
+from suite.models.qwen3.convert import on_disk_names  # experts one by one: the same layout
+
+__all__ = ["on_disk_names"]
+
+
+def check(cfg: ModelConfig) -> None:
+    problems = []
+    if not (cfg.kv_lora_rank > 0 and cfg.qk_rope_head_dim > 0 and cfg.v_head_dim > 0):
+        problems.append("model.kv_lora_rank, model.qk_rope_head_dim and model.v_head_dim must be positive")
+    if cfg.qk_rope_head_dim % 2:
+        problems.append(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even for RoPE")
+    if cfg.num_kv_heads not in (None, cfg.num_heads):
+        problems.append("MLA has no grouped-query attention: model.num_kv_heads must be null")
+    if cfg.qkv_bias:
+        problems.append("model.qkv_bias must be false")
+    if cfg.num_experts and cfg.router_groups > 1 and cfg.num_experts % cfg.router_groups:
+        problems.append(
+            f"model.router_groups={cfg.router_groups} must divide model.num_experts={cfg.num_experts}"
+        )
+    if problems:
+        raise ConfigError(f"model.family=deepseek_v3: {'; '.join(problems)}")
+
+
+def first_dense_layers(cfg: ModelConfig) -> int:
+    """first_k_dense_replace: the MoE layers must be the last ones, from this index on."""
+    moe = moe_layer_ids(cfg)
+    first = moe[0] if moe else cfg.num_layers
+    if moe != list(range(first, cfg.num_layers)):
+        raise ConfigError(
+            "export.format=hf writes DeepSeek-V3, whose MoE layers are all layers from first_k_dense_replace on; "
+            f"model.moe_layers={moe} is not; use model.moe_layers=[{first}, ..., {cfg.num_layers - 1}]"
+        )
+    return first
+
+
+def hf_config(cfg: ModelConfig, special: dict[str, Any]) -> Any:
+    from transformers import DeepseekV3Config
+
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**dict(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=ffn_size(cfg),
+        moe_intermediate_size=expert_ffn_size(cfg) if cfg.num_experts else 1,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        n_shared_experts=cfg.num_shared_experts,
+        n_routed_experts=max(cfg.num_experts, 1),
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        n_group=cfg.router_groups,
+        topk_group=cfg.router_topk_groups,
+        num_experts_per_tok=cfg.top_k,
+        first_k_dense_replace=first_dense_layers(cfg),
+        norm_topk_prob=cfg.norm_topk_prob,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope,
+        rope_interleave=True,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        hidden_act="silu",
+        **special,
+    )
+
+
+def config_from_hf(hf: Any, where: str) -> dict[str, Any]:
+    if getattr(hf, "attention_bias", False):
+        raise ConfigError(f"{where}: DeepSeek-V3 with attention_bias is not supported")
+    if not getattr(hf, "rope_interleave", True):
+        raise ConfigError(f"{where}: DeepSeek-V3 with rope_interleave=false is not supported")
+    layers = hf.num_hidden_layers
+    first_dense = min(hf.first_k_dense_replace, layers)
+    moe = dict(
+        num_experts=hf.n_routed_experts,
+        top_k=hf.num_experts_per_tok,
+        moe_ffn_hidden_size=hf.moe_intermediate_size,
+        moe_layers=list(range(first_dense, layers)),
+        num_shared_experts=hf.n_shared_experts or 0,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        router_score="sigmoid",
+        router_groups=hf.n_group or 1,
+        router_topk_groups=hf.topk_group or 1,
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
+    return dict(
+        num_layers=layers,
+        hidden_size=hf.hidden_size,
+        num_heads=hf.num_attention_heads,
+        ffn_hidden_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        max_seq_len=hf.max_position_embeddings,
+        norm_eps=hf.rms_norm_eps,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        **rope_fields_from_hf(hf),
+        **(moe if first_dense < layers else {}),
+    )
+
+
+def names(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(suite name, HF name) of every tensor but the stacked experts."""
+    out = [
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    ]
+    attention = {
+        "wkv_a": "kv_a_proj_with_mqa",
+        "kv_a_norm": "kv_a_layernorm",
+        "wkv_b": "kv_b_proj",
+        "wo": "o_proj",
+    }
+    if cfg.q_lora_rank:
+        attention |= {"wq_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
+    else:
+        attention["wq"] = "q_proj"
+    mlp = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    moe_layers = moe_layer_ids(cfg)
+    for i in range(cfg.num_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        out += [
+            (p + "attention_norm.weight", q + "input_layernorm.weight"),
+            (p + "ffn_norm.weight", q + "post_attention_layernorm.weight"),
+        ]
+        out += [
+            (f"{p}attention.{ours}.weight", f"{q}self_attn.{theirs}.weight")
+            for ours, theirs in attention.items()
+        ]
+        if i not in moe_layers:
+            out += [
+                (f"{p}feed_forward.{ours}.weight", f"{q}mlp.{theirs}.weight") for ours, theirs in mlp.items()
+            ]
+            continue
+        out += [
+            (p + "feed_forward.router.weight", q + "mlp.gate.weight"),
+            (p + "feed_forward.expert_bias", q + "mlp.gate.e_score_correction_bias"),
+        ]
+        if cfg.num_shared_experts:
+            out += [
+                (f"{p}feed_forward.shared_experts.{ours}.weight", f"{q}mlp.shared_experts.{theirs}.weight")
+                for ours, theirs in mlp.items()
+            ]
+    return out
+
+
+def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {theirs: sd[ours] for ours, theirs in names(cfg)}
+    experts_to_hf(cfg, sd, out)
+    return out
+
+
+def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    map_names(names(cfg), hf_sd, sd)
+    experts_from_hf(cfg, hf_sd, sd)
+    return sd
