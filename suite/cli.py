@@ -22,6 +22,7 @@ from suite.cli_report import cmd_report
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
+from suite.folders import OVERWRITE
 from suite.outputs import check_new_file
 from suite.pipeline import cmd_run
 from suite.runtime import resolve_auto
@@ -218,8 +219,13 @@ def _convert_qat(cfg, code: int, flags: set[str]) -> int:
 
     method = QAT_METHODS[cfg.compress.method]
     out = f"{str(cfg.run.dir).rstrip('/')}-{method}"
+    # the conversion belongs to the run: after the run trained on, the older conversion is moved aside
     qcfg = replace(
-        cfg, ckpt=cfg.run.dir, compress=replace(cfg.compress, method=method), run=replace(cfg.run, dir=out)
+        cfg,
+        ckpt=cfg.run.dir,
+        compress=replace(cfg.compress, method=method),
+        run=replace(cfg.run, dir=out),
+        train=replace(cfg.train, overwrite=True),
     )
     return _report_compression(run_quantize(qcfg, True), f"quantization-aware {method}", flags)
 
@@ -374,10 +380,18 @@ VALUE_EXAMPLES = {
     "--only": "--only eval-sft (a stage name)",
 }
 BOOL_FLAGS = {
-    "pretrain": ("--dry-run", "--print-launch"),
-    "finetune": ("--print-launch",),
-    "distill": ("--print-launch",),
+    "pretrain": ("--dry-run", "--print-launch", OVERWRITE),
+    "finetune": ("--print-launch", OVERWRITE),
+    "distill": ("--print-launch", OVERWRITE),
+    "quantize": (OVERWRITE,),
+    "prune": (OVERWRITE,),
+    "export": (OVERWRITE,),
+    "report": (OVERWRITE,),
+    "run": (OVERWRITE,),
 }
+# --overwrite: the one switch of every verb that writes a folder (suite.folders); the verbs that compose a
+# config read it as train.overwrite=true, report and run (which compose none) as the flag
+COMPOSES = ("pretrain", "finetune", "distill", "quantize", "prune", "export")
 
 
 def _print_launch(verb: str, overrides: list[str]) -> int:
@@ -432,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if OVERWRITE in flags and verb in COMPOSES:
+        overrides = [*overrides, "train.overwrite=true"]
     try:
         if "--print-launch" in flags:
             return _print_launch(verb, overrides)

@@ -24,7 +24,11 @@ verbs:
   run        a whole lifecycle as one resumable job with a report: suite run pipeline=embedded
 
 Run `suite <verb> --help` for the keys a verb reads. Every default lives in the recipes;
-`suite config list` shows them, `suite config show` prints a resolved config."""
+`suite config list` shows them, `suite config show` prints a resolved config.
+
+Every folder a verb writes holds one thing and records what made it: the same command continues
+it, another one is refused (exit 2, the folder untouched); --overwrite (train.overwrite=true)
+moves the old content aside to <folder>.old-<N> first."""
 
 VERB_HELP = {
     "pretrain": """usage: suite pretrain [recipe=NAME|PATH.yaml] [group=option ...] [key=value ...]

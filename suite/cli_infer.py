@@ -134,10 +134,10 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
             f"ckpt='{cfg.ckpt}' was finetuned with LoRA; pass merge_lora=true to fold the adapters into the "
             "exported weights (the adapters alone are in <run.dir>/lora/)"
         )
-    out = export_out(cfg, source)
     dtype = DTYPES[cfg.export.dtype]
     if cfg.export.max_shard_mb <= 0:
         raise ConfigError(f"export.max_shard_mb={cfg.export.max_shard_mb} must be > 0; e.g. 2048")
+    out = export_out(cfg, source)
     shard_bytes = int(cfg.export.max_shard_mb * 2**20)
     # streamed tensor by tensor from the checkpoint files: never the whole model in memory
     folder, notes = export_checkpoint_hf(source, out, dtype, shard_bytes)

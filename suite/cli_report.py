@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from suite.cli_common import _report
 from suite.config.errors import ConfigError
+from suite.folders import OVERWRITE
 
 OUT_KEYS = ("out", "report.out")
 EXAMPLE = "suite report runs/gpt-tiny (one run) or suite report runs/a runs/b out=reports/a-vs-b"
@@ -31,10 +32,11 @@ def cmd_report(overrides: list[str], flags: set[str]) -> int:
     from suite.report import compare_runs, report_run
 
     runs, out = _parse(overrides)
+    overwrite = OVERWRITE in flags  # out= holding something else: moved aside (suite.folders)
     if len(runs) == 1:
-        report, plots = report_run(runs[0], out)
+        report, plots = report_run(runs[0], out, overwrite)
     else:
-        report, plots = compare_runs(runs, out)
+        report, plots = compare_runs(runs, out, overwrite)
     names = ", ".join(p.name for p in plots)
     text = f"wrote {report} ({names} in {plots[0].parent}/)" if plots else f"wrote {report} (no plots)"
     return _report(flags, {"report": str(report), "plots": [str(p) for p in plots]}, text)

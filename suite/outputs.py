@@ -50,9 +50,12 @@ def check_replaceable(key: str, value: str, fix: str) -> Path:
     return path
 
 
-def check_output_folder(key: str, value: str | None, fix: str, owned_marker: str | None = None) -> Path:
-    """A folder a verb creates or reuses. `owned_marker`: a file that marks a folder the verb wrote
-    before (reused); any other non-empty folder is refused so nothing is mixed into it."""
+def check_output_folder(
+    key: str, value: str | None, fix: str, owned_marker: str | tuple[str, ...] | None = None
+) -> Path:
+    """A folder a verb creates or reuses. `owned_marker`: a file (or any of several) that marks a
+    folder the verb wrote before (reused); any other non-empty folder is refused so nothing is mixed
+    into it."""
     if value is None or not str(value).strip():
         raise ConfigError(f"{key} is empty; {fix}")
     path = Path(value).expanduser()
@@ -65,9 +68,10 @@ def check_output_folder(key: str, value: str | None, fix: str, owned_marker: str
     reason = reason or _try_write(path)
     if reason:
         raise ConfigError(f"{key}='{value}' is not writable ({reason}); {fix}")
-    if owned_marker is not None and any(path.iterdir()) and not (path / owned_marker).exists():
+    markers = (owned_marker,) if isinstance(owned_marker, str) else owned_marker
+    if markers and any(path.iterdir()) and not any((path / m).exists() for m in markers):
         raise ConfigError(
-            f"{key}='{value}' is not empty and was not written by suite (no {owned_marker}); {fix}, "
+            f"{key}='{value}' is not empty and was not written by suite (no {markers[0]}); {fix}, "
             "so nothing of yours is mixed or overwritten"
         )
     return path

@@ -244,6 +244,16 @@ def pruned_state(
     return out
 
 
+def made_by(cfg: SuiteConfig, source) -> dict[str, Any]:
+    """What a prune folder records (suite.folders): the source on disk, the plan, its calibration."""
+    from suite.folders import made_by as record
+    from suite.folders import source_identity
+
+    settings = {f"prune.{f.name}": getattr(cfg.prune, f.name) for f in dataclasses.fields(cfg.prune)}
+    settings["compress.calib_samples"] = cfg.compress.calib_samples
+    return record("prune", source_identity(source.folder, source.is_hf), settings)
+
+
 def run_prune(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
     """The verb: returns the report (also written to <run.dir>/report.json)."""
     with tempfile.TemporaryDirectory(prefix="suite-prune-") as tmp:
@@ -254,6 +264,7 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     from suite.compress.checks import refuse_quantized
     from suite.compress.quantize import held_out_and_calibration, progress
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
+    from suite.folders import claim, write_record
     from suite.models import build_model, materialize
     from suite.models.transformer import fuse_state_dict, head_size, kv_heads, unfuse_state_dict
     from suite.sources import ModelSource
@@ -268,10 +279,12 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
         )
     base = source.run_dir
     out = Path(cfg.run.dir).expanduser() if explicit_dir else base.parent / f"{base.name}-pruned"
-    if out.resolve() == base.resolve() or (out / "checkpoints").exists():
-        raise ConfigError(f"run.dir='{out}' is the source run or holds checkpoints; pass a new folder")
+    if out.resolve() == base.resolve():
+        raise ConfigError(f"run.dir='{out}' is the source run; pass a new folder, e.g. run.dir={out}-pruned")
     model_cfg = source.model_config()
     check_prune(cfg, model_cfg)
+    made = made_by(cfg, source)  # another model's or plan's output: refused or moved aside
+    claim(out, made, "run.dir", cfg.train.overwrite, reads=(source.folder,))
 
     progress(1, f"reading {source.named} ({source.folder}) and calibration data")
     model = source.load_model("cpu")
@@ -311,12 +324,13 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
         ckpt=None,
     )
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(saved))
-    out.mkdir(parents=True, exist_ok=True)
+    write_record(out, made)
     (out / "config.yaml").write_text(config_yaml)
     tokenizer.save_pretrained(out)
     folder = save_checkpoint(out, 0, pruned, None, {"step": 0}, config_yaml)
 
-    progress(5, "measuring the pruned model")
+    progress(5, "measuring the pruned model (reloaded from disk)")
+    pruned = ModelSource.parse(str(out), "run.dir").load_model("cpu")  # the artefact, as readers load it
     after = measure(pruned, evals, prompt, cfg.compress.decode_tokens, tokenizer, task_eval)
     after["file_bytes"], after["block_bytes"] = stored_bytes(save_plain(pruned, tmp / "after.safetensors"))
     report = {

@@ -49,7 +49,8 @@ def quantize_device(cfg: SuiteConfig) -> torch.device:
 
 
 def output_folder(cfg: SuiteConfig, source, explicit: bool) -> Path:
-    """run.dir when given, else <source run>-<method>; never a training run's folder."""
+    """run.dir when given, else <source run>-<method>; never a training run's folder (one that holds
+    another quantization: suite.folders.claim, once every other check has passed)."""
     if explicit:
         out = Path(cfg.run.dir).expanduser()
     else:
@@ -126,6 +127,31 @@ def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str)
     return final
 
 
+# compress keys that make the artefact (not how it is measured: eval_batches, decode_tokens,
+# task_samples; nor QAT's training keys)
+ARTEFACT_KEYS = ("method", "group_size", "skip", "calib_samples", "smoothquant_alpha", "gptq_damp")
+
+
+def made_by(cfg: SuiteConfig, source) -> dict[str, Any]:
+    """What a quantize folder records (suite.folders): the source on disk and the compress keys."""
+    from suite.folders import made_by as record
+    from suite.folders import source_identity
+
+    settings = {f"compress.{k}": getattr(cfg.compress, k) for k in ARTEFACT_KEYS}
+    return record("quantize", source_identity(source.folder, source.is_hf), settings)
+
+
+def _legacy(folder: Path) -> dict[str, Any] | None:
+    """A quantize folder written before made_by.json: its checkpoint's quantized.json names the method."""
+    from suite.models.quantized import is_quantized, quantized_info
+    from suite.train.checkpoint import list_checkpoints
+
+    found = [c for c in list_checkpoints(folder) if is_quantized(c)]
+    if not found:
+        return None
+    return {"verb": "quantize", "settings": {"compress.method": quantized_info(found[-1]).get("method")}}
+
+
 def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
     """The verb: returns the report (also written to <run.dir>/report.json)."""
     with tempfile.TemporaryDirectory(prefix="suite-quantize-") as tmp:
@@ -136,6 +162,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
     from suite.compress.methods import METHODS, linear_plan, quantize_model, usable_scales
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
+    from suite.folders import claim, write_record
     from suite.models import build_model
     from suite.models.quantized import (
         WEIGHTS_FILE,
@@ -163,6 +190,8 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
             f"compress.method={c.method} calibrates on the recipe's data; {source.named} is an HF folder "
             f"with no recipe: quantize a suite run, or use compress={UNCALIBRATED[c.method]}"
         )
+    # the last check: another quantization in run.dir is refused, or moved aside with --overwrite
+    claim(out, made_by(cfg, source), "run.dir", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,))
 
     # a LoRA run's adapters are merged into the weights by load_model: the merged weights are quantized
     progress(1, f"reading {source.named} ({source.folder}) and its held-out data")
@@ -211,7 +240,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         "learned_scales": sorted(learned),
     }
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(saved))
-    out.mkdir(parents=True, exist_ok=True)
+    write_record(out, made_by(cfg, source))
     (out / "config.yaml").write_text(config_yaml)
     tokenizer.save_pretrained(out)
     folder = _write_checkpoint(out, step, model, info, config_yaml)

@@ -3,14 +3,17 @@ model's architecture fits the Hugging Face config it is written as."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from suite import folders
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.family import family_of, head_size
 from suite.outputs import check_output_folder
 
 MARKER = "suite_export.json"  # written into every export folder (suite.export.hf): reusing one is safe
+OWNED = (MARKER, folders.RECORD)  # either marks an export's folder (made_by.json: one being written)
 
 
 def check_export_out(out: str | None) -> None:
@@ -25,12 +28,12 @@ def check_export_out(out: str | None) -> None:
         "export.out",
         out,
         f"pass out=<a new or empty folder, or an earlier export> instead of '{out}'",
-        MARKER,
+        OWNED,
     )
 
 
 def check_default_out(out: Path) -> None:
-    check_output_folder("export.out", str(out), "pass out=<a new or empty folder>", MARKER)
+    check_output_folder("export.out", str(out), "pass out=<a new or empty folder>", OWNED)
 
 
 def check_hf_exportable(cfg: ModelConfig) -> None:
@@ -54,12 +57,43 @@ def check_hf_exportable(cfg: ModelConfig) -> None:
 
 def export_out(cfg, source) -> Path:
     """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=); both
-    checked: a new or empty folder, or an earlier export."""
+    checked: a new or empty folder, or an export of the same source with the same settings (another
+    is refused, or moved aside with --overwrite: suite.folders.claim). Called when every other check
+    has passed: the folder is claimed (its made_by.json written) here."""
     check_export_out(cfg.export.out)
     if cfg.export.out:
-        return Path(cfg.export.out)
-    if source.run_dir is None:
+        out = Path(cfg.export.out).expanduser()
+    elif source.run_dir is None:
         raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
-    out = source.run_dir / f"export-{cfg.export.format}"
-    check_default_out(out)
+    else:
+        out = source.run_dir / f"export-{cfg.export.format}"
+        check_default_out(out)
+    made = made_by(cfg, source)
+    folders.claim(out, made, "export.out", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,))
+    folders.write_record(out, made)
     return out
+
+
+def made_by(cfg, source) -> dict:
+    """What an export folder records (suite.folders): the source on disk and the settings that make
+    the artefact (the shard size only where it applies: format=hf)."""
+    e = cfg.export
+    settings = {
+        "export.format": e.format,
+        "export.quantize": e.quantize,
+        "export.dtype": e.dtype,
+        "export.merge_lora": e.merge_lora,
+    }
+    if e.format == "hf":
+        settings["export.max_shard_mb"] = e.max_shard_mb
+    return folders.made_by("export", folders.source_identity(source.folder, source.is_hf), settings)
+
+
+def _legacy(folder: Path) -> dict | None:
+    """An export written before made_by.json: its suite_export.json names the format (hf when it
+    names none: the plain HF folder's did not)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return {"verb": "export", "settings": {"export.format": marker.get("format", "hf")}}

@@ -9,6 +9,9 @@ from typing import Any
 
 from suite.config.errors import ConfigError
 from suite.export.checks import export_out
+from suite.folders import RECORD
+
+OWN_FILES = ("export_manifest.json", RECORD)  # what the folder says of itself, not the artefact
 
 
 def check_export_quantize(cfg: Any, source: Any) -> None:
@@ -111,7 +114,7 @@ def hf_manifest(source: Any, out: Path, dtype: Any, load_bytes: int) -> dict:
             "max_abs_logits_error": None,
             "skipped": f"weights of {weights} bytes exceed export.max_shard_mb",
         }
-    files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != "export_manifest.json")
+    files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name not in OWN_FILES)
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
     write_manifest(out, format="hf", precision=precision, source=source, files=files, verification=check)
     return check

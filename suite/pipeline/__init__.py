@@ -17,5 +17,7 @@ def cmd_run(overrides: list[str], flags: set[str]) -> int:
     def flag(name: str) -> str | None:
         return next((f.split("=", 1)[1] for f in flags if f.startswith(f"{name}=")), None)
 
+    from suite.folders import OVERWRITE
+
     pipeline = load_pipeline(overrides)
-    return Run(pipeline, start=flag("--from"), only=flag("--only")).run()
+    return Run(pipeline, start=flag("--from"), only=flag("--only"), overwrite=OVERWRITE in flags).run()

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from suite import folders
 from suite.config.errors import ConfigError
 from suite.pipeline import outputs
 from suite.pipeline.recipe import TRAINING, Gate, Pipeline, Stage
@@ -44,9 +45,28 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def made_by(pipeline: Pipeline) -> dict[str, Any]:
+    """What a pipeline's folder records (suite.folders): which pipeline, with which stages. Another
+    pipeline, or this one with stages added or removed, is another thing: its folders would lie
+    beside stages built from another model."""
+    stages = [s.name for s in pipeline.stages]
+    return folders.made_by("run", None, {"pipeline": pipeline.name, "stages": stages})
+
+
+def _legacy(folder: Path) -> dict[str, Any] | None:
+    """A pipeline folder written before made_by.json: its pipeline.json names the pipeline and stages."""
+    try:
+        data = json.loads((folder / RECORD).read_text())
+        stages = [s["name"] for s in data["stages"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {"verb": "run", "settings": {"pipeline": data.get("pipeline"), "stages": stages}}
+
+
 class Run:
-    def __init__(self, pipeline: Pipeline, start: str | None, only: str | None):
+    def __init__(self, pipeline: Pipeline, start: str | None, only: str | None, overwrite: bool = False):
         self.p = pipeline
+        self.overwrite = overwrite
         self.logs = pipeline.dir / "logs"
         names = [s.name for s in pipeline.stages]
         if start and only:
@@ -323,7 +343,11 @@ class Run:
 
     # ---- the whole run -----------------------------------------------------------------------
     def run(self) -> int:
-        self.p.dir.mkdir(parents=True, exist_ok=True)
+        made = made_by(
+            self.p
+        )  # before any stage runs or anything moves: another pipeline's folder is refused
+        folders.claim(self.p.dir, made, "run.dir", self.overwrite, legacy=_legacy)
+        folders.write_record(self.p.dir, made)
         self.logs.mkdir(exist_ok=True)
         print(f"suite run pipeline={self.p.name}: {len(self.p.stages)} stages in {self.p.dir}", flush=True)
         try:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from suite import folders
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, SuiteConfig
 from suite.train import checkpoint as ckpt
@@ -41,6 +41,8 @@ NOT_ARCHITECTURE = {
     "z_loss_coef",
     "capacity_factor",
 }
+# the models a run starts from or learns from (of_run): another one is another run, not a resume
+SOURCE_KEYS = ("model.init_from:", "distill.teacher:")
 ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_ARCHITECTURE]
 
 
@@ -85,8 +87,34 @@ def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> d
 
 
 def of_run(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> dict[str, Any]:
-    """The fingerprint of the run a training verb starts: `fingerprint` with its tokenizer."""
-    return fingerprint(cfg, verb, tokenizer_file(cfg, verb, data_dir))
+    """The fingerprint of the run a training verb starts: `fingerprint` with its tokenizer and the
+    models it starts from or learns from (model.init_from, distill.teacher) as they are on disk, so
+    that resuming with another source is refused rather than continued under the new name."""
+    out = fingerprint(cfg, verb, tokenizer_file(cfg, verb, data_dir))
+    sources = {"model.init_from": cfg.model.init_from}
+    if verb == "distill":
+        sources["distill.teacher"] = cfg.distill.teacher
+    for key, text in sources.items():
+        if text:
+            out[key] = _source_identity(str(text), key)
+    return out
+
+
+def _source_identity(text: str, key: str) -> str:
+    """A source as suite.sources.ModelSource.parse resolves it (parsed there first, by the verb;
+    train sits below sources, so only the folder is found here)."""
+    if text.startswith("hf:"):
+        return folders.source_identity(Path(text[3:]).expanduser(), True)
+    path = Path(
+        text
+    ).expanduser()  # the checkpoint itself, or the one its run's `latest` names: no re-hashing
+    folder = path if (path / ckpt.MANIFEST).is_file() else ckpt.named_latest(path)
+    if folder is None or not (folder / ckpt.MANIFEST).is_file():
+        try:
+            folder = ckpt.find_checkpoint(text)[0]
+        except ConfigError as exc:
+            raise ConfigError(f"{key}='{text}': {exc}") from None
+    return folders.source_identity(folder, False)
 
 
 def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
@@ -151,6 +179,7 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
             moved = move_aside(run_dir)
             print(f"train.overwrite=true: moved the previous run in {run_dir} to {moved}", flush=True)
         return
+    _refuse_other_outputs(cfg, run_dir)
     found = ckpt.list_checkpoints(run_dir)
     if not found:
         return
@@ -174,26 +203,34 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
         return
     changed = differences(saved, of_run(cfg, verb, data_dir))
     qat = any(line.startswith("compress.qat:") for line in changed)
+    architecture = any(not line.startswith(SOURCE_KEYS) for line in changed)
     if changed:
         raise ConfigError(
             f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "
-            f"pass a new run.dir=... to start another run, or model.init_from={cfg.run.dir} with a new "
-            f"run.dir=... to start from those weights (their architecture)"
+            f"pass a new run.dir=... to start another run, or train.overwrite=true to move it aside "
+            f"({run_dir}.old-N) and start clean"
+            + (
+                f", or model.init_from={cfg.run.dir} with a new run.dir=... to start from those weights "
+                "(their architecture)"
+                if architecture
+                else ""
+            )
             + (f", or resume it with {saved['compress.qat']}" if qat else "")
         )
 
 
+def _refuse_other_outputs(cfg: SuiteConfig, run_dir: Path) -> None:
+    """A folder another verb wrote (quantize, prune, export, report, pipeline) is no run to resume."""
+    for record, verb in ((folders.RECORD, None), ("suite_export.json", "export"), ("pipeline.json", "run")):
+        if (run_dir / record).is_file():
+            verb = verb or (folders.read_record(run_dir) or {}).get("verb", "another verb")
+            raise ConfigError(
+                f"run.dir={cfg.run.dir} holds the output of suite {verb} ({record}), not a training run; "
+                f"pass a new run.dir=..., or train.overwrite=true to move it aside ({run_dir}.old-N) and "
+                "start clean"
+            )
+
+
 def move_aside(run_dir: Path) -> Path:
     """Rename `run_dir` to the first free `<run_dir>.old-<N>` beside it; returns the new name."""
-    here = Path.cwd().resolve()
-    resolved = run_dir.resolve()
-    if resolved == here or resolved in here.parents or resolved == Path.home().resolve():
-        raise ConfigError(
-            f"run.dir={run_dir} is the current folder, one above it or the home folder; train.overwrite=true "
-            "would move it aside: give the run a folder of its own, e.g. run.dir=runs/<name>"
-        )
-    n = 1
-    while (target := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
-        n += 1
-    os.replace(run_dir, target)
-    return target
+    return folders.move_aside(run_dir)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_MODEL, run_suite
+from tests.e2e.test_run_folders import assert_one_line, snapshot
+from tests.helpers import TINY_MODEL, run_config, run_suite
 
 TRAIN = [
     "train.max_steps=2",
@@ -49,6 +50,24 @@ def ok(*args: str):
     return proc
 
 
+def files(folder: Path) -> dict[str, tuple[str, int, int]]:
+    return {k: v for k, v in snapshot(folder).items() if k != "."}
+
+
+def refused_then_moved(folder: Path, refused: list[str], expected: list[str], overwrite: list[str]) -> Path:
+    """`refused` is one line naming `expected`, the folder untouched; `overwrite` (the same command
+    with its switch) moves the whole old content to <folder>.old-1. Returns that folder."""
+    before = snapshot(folder)
+    line = assert_one_line(run_suite(*refused, timeout=300), 2, *expected)
+    assert "=..." in line, line  # a new folder, the first way on
+    assert snapshot(folder) == before  # byte for byte, mtimes included
+    proc = ok(*overwrite)
+    moved = folder.with_name(f"{folder.name}.old-1")
+    assert "moved the previous" in proc.stdout and str(moved) in proc.stdout, proc.stdout
+    assert files(moved) == {k: v for k, v in before.items() if k != "."}  # the old content, whole
+    return moved
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("outputs")
@@ -64,6 +83,24 @@ def runs(tmp_path_factory, tiny_data) -> dict[str, Path]:
             f"train.seed={seed}",
         )
     return out
+
+
+def test_quantize_of_another_model_is_refused_then_moved_aside(runs, tmp_path):
+    q = tmp_path / "q"
+    ok("quantize", f"ckpt={runs['a']}", "compress=int8", f"run.dir={q}", *REPORT)
+    ok("quantize", f"ckpt={runs['a']}", "compress=int8", f"run.dir={q}", *REPORT)  # the same again: continues
+    argv = ["quantize", f"ckpt={runs['b']}", "compress=int4", f"run.dir={q}", *REPORT]
+    moved = refused_then_moved(
+        q,
+        argv,
+        ["run.dir=", "compress.method: int8 there, int4 now", "source:", "--overwrite"],
+        [*argv, "--overwrite"],
+    )
+    assert [p.name for p in (q / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_2"]
+    assert json.loads((q / "made_by.json").read_text())["settings"]["compress.method"] == "int4"
+    assert json.loads((moved / "made_by.json").read_text())["settings"]["compress.method"] == "int8"
+    proc = ok("generate", f"ckpt={q}", "prompt=The ", "generate.max_new_tokens=2")
+    assert str(q / "checkpoints" / "step_2") in proc.stderr
 
 
 def test_quantize_report_describes_the_checkpoint_on_disk(runs, tmp_path):
@@ -103,6 +140,106 @@ def test_quantize_commits_through_the_one_commit(monkeypatch, tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_3\n" and checkpoint.verify(
         final
     ) is None
+
+
+def test_prune_with_another_plan_is_refused_then_moved_aside(runs, tmp_path):
+    p = tmp_path / "p"
+    base = ["prune", f"ckpt={runs['a']}", f"run.dir={p}", *REPORT]
+    ok(*base, "prune.ffn=0.25")
+    refused_then_moved(
+        p,
+        [*base, "prune.ffn=0.5"],
+        ["prune.ffn: 0.25 there, 0.5 now", "--overwrite"],
+        [*base, "prune.ffn=0.5", "--overwrite"],
+    )
+    assert json.loads((p / "made_by.json").read_text())["settings"]["prune.ffn"] == 0.5
+
+
+def test_distill_resumed_with_another_teacher_is_refused_then_moved_aside(runs, tmp_path, tiny_data):
+    d = tmp_path / "d"
+    argv = ["distill", *TINY_MODEL, *TRAIN, f"data.path={tiny_data}", f"run.dir={d}", "train.max_steps=1"]
+    ok(*argv, f"distill.teacher={runs['a']}")
+    again = [*argv, f"distill.teacher={runs['b']}", "train.max_steps=2"]
+    refused_then_moved(
+        d, again, ["distill.teacher:", "train.overwrite=true", "run.dir="], [*again, "--overwrite"]
+    )
+    assert run_config(d).distill.teacher == str(runs["b"])
+
+
+def test_finetune_resumed_from_another_base_is_refused_then_moved_aside(runs, tmp_path):
+    f = tmp_path / "f"
+    ok(
+        "finetune",
+        *FT,
+        f"model.init_from={runs['a']}",
+        f"run.dir={f}",
+        "train.max_steps=1",
+        "train.save_every=1",
+    )
+    again = [
+        "finetune",
+        *FT,
+        f"model.init_from={runs['b']}",
+        f"run.dir={f}",
+        "train.max_steps=2",
+        "train.save_every=1",
+    ]
+    refused_then_moved(
+        f, again, ["model.init_from:", "train.overwrite=true", "run.dir="], [*again, "train.overwrite=true"]
+    )
+    assert run_config(f).model.init_from == str(runs["b"])
+
+
+def test_export_into_another_format_or_source_is_refused_then_moved_aside(runs, tmp_path):
+    e = tmp_path / "e"
+    ok("export", f"ckpt={runs['a']}", "format=gguf", f"out={e}")
+    before = snapshot(e)
+    for argv, named in (
+        (["export", f"ckpt={runs['a']}", "format=onnx", f"out={e}"], "export.format: gguf there, onnx now"),
+        (["export", f"ckpt={runs['b']}", "format=gguf", f"out={e}"], "source:"),
+    ):
+        assert_one_line(run_suite(*argv), 2, "export.out=", named, "--overwrite")
+        assert snapshot(e) == before
+    argv = ["export", f"ckpt={runs['a']}", "format=hf", f"out={e}"]
+    refused_then_moved(e, argv, ["export.format: gguf there, hf now"], [*argv, "--overwrite"])
+    assert not list(e.glob("*.gguf"))
+    assert not any(
+        name.endswith(".gguf") for name in json.loads((e / "export_manifest.json").read_text())["files"]
+    )
+
+
+def test_report_into_another_run_is_refused_then_moved_aside(runs, tmp_path):
+    other = tmp_path / "other-run"
+    shutil.copytree(runs["b"], other)
+    argv = ["report", str(runs["a"]), f"out={other}"]
+    refused_then_moved(other, argv, ["out=", "report", "--overwrite"], [*argv, "--overwrite"])
+    assert (other / "report.md").is_file()
+    r = tmp_path / "r"
+    ok("report", str(runs["a"]), f"out={r}")
+    ok("report", str(runs["a"]), f"out={r}")  # the same report again: rewritten
+    before = snapshot(r)
+    assert_one_line(
+        run_suite("report", str(runs["a"]), str(runs["b"]), f"out={r}"), 2, "source:", "--overwrite"
+    )
+    assert snapshot(r) == before
+
+
+def _pipeline(folder: Path, name: str, ckpt: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    args = json.dumps([f"ckpt={ckpt}", "prompt=The", "generate.max_new_tokens=2", "generate.temperature=0"])
+    path.write_text(f"stages:\n  say-{name}:\n    verb: generate\n    args: {args}\n")
+    return path
+
+
+def test_another_pipeline_into_a_pipeline_folder_is_refused_then_moved_aside(runs, tmp_path):
+    out = tmp_path / "pipe"
+    ok("run", f"pipeline={_pipeline(tmp_path / 'recipes', 'one', runs['a'])}", f"run.dir={out}")
+    argv = ["run", f"pipeline={_pipeline(tmp_path / 'recipes', 'two', runs['b'])}", f"run.dir={out}"]
+    refused_then_moved(
+        out, argv, ["run.dir=", "pipeline: one there, two now", "--overwrite"], [*argv, "--overwrite"]
+    )
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["logs", "say-two"]
 
 
 def test_readers_read_latest_not_the_highest_step(runs, tmp_path):

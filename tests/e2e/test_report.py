@@ -70,7 +70,8 @@ def test_suite_report_compares_two_runs_in_one_figure(runs, tmp_path):
     proc = run_suite("report", *map(str, runs), f"out={out}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"wrote {out}/report.md" in proc.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["loss_comparison.png", "report.md"]
+    # made_by.json: the runs it compares (suite/folders.py)
+    assert sorted(p.name for p in out.iterdir()) == ["loss_comparison.png", "made_by.json", "report.md"]
     assert_picture(out / "loss_comparison.png", 1600, 450)
     report = (out / "report.md").read_text()
     assert "![Loss and validation loss](loss_comparison.png)" in report
