@@ -127,6 +127,12 @@ def check_graph_export(fmt: str, quantize: str | None, dtype: str, source: Model
             f"export.dtype={dtype} with format=onnx: the ONNX export is fp32 (export.quantize=int8|int4 "
             "makes it smaller); use format=torch_export for bf16/fp16 programs"
         )
+    if source.model_config().num_experts:
+        raise ConfigError(
+            f"{source.named} is a mixture of experts (model.num_experts={source.model_config().num_experts}); "
+            f"format={fmt} traces one program, and MoE routing sends data-dependent token counts to each expert, "
+            "which torch.export cannot trace here: export format=hf (transformers, vLLM) instead"
+        )
 
 
 def verify_graphs(model: Transformer, out: Path, batch: int = 2, seq: int = 8, steps: int = 4) -> dict:

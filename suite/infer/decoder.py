@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from suite.infer.layout import decode_layout
-from suite.models.transformer import Transformer
+from suite.models.transformer import Transformer, cache_dims
 
 
 class StaticKVCache:
@@ -30,9 +30,9 @@ class StaticKVCache:
 
     def __init__(self, model: Transformer, batch: int, max_len: int):
         p = next(model.parameters())
-        shape = (batch, model.num_kv_heads, max_len, model.head_dim)
-        self.keys = [p.new_zeros(shape) for _ in model.layers]
-        self.values = [p.new_zeros(shape) for _ in model.layers]
+        dims = cache_dims(model)
+        self.keys = [p.new_zeros((batch, k[0], max_len, k[1])) for k, _ in dims]
+        self.values = [p.new_zeros((batch, v[0], max_len, v[1])) for _, v in dims]
         self.slot = torch.zeros(1, dtype=torch.long, device=p.device)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:

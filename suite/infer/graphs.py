@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from suite.models.transformer import GrowingKVCache, Transformer
+from suite.models.transformer import GrowingKVCache, Transformer, cache_dims
 
 MAX_BATCH = 1024  # the dynamic batch's upper bound in the exported programs
 
@@ -29,12 +29,12 @@ class PrefillGraph(nn.Module):
         self.model = model
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        m = self.model
-        empty = [
-            m.tok_embeddings.weight.new_zeros(tokens.shape[0], m.num_kv_heads, 0, m.head_dim)
-            for _ in m.layers
-        ]
-        cache = GrowingKVCache(list(empty), list(empty))
+        m, b = self.model, tokens.shape[0]
+        dims = cache_dims(m)
+        new = m.tok_embeddings.weight.new_zeros
+        cache = GrowingKVCache(
+            [new(b, k[0], 0, k[1]) for k, _ in dims], [new(b, v[0], 0, v[1]) for _, v in dims]
+        )
         logits = m(tokens, kv_cache=cache)
         return logits, torch.stack(cache.keys), torch.stack(cache.values)
 
@@ -62,8 +62,10 @@ def example_inputs(model: Transformer, batch: int = 2, seq: int = 8) -> dict[str
     """Inputs to trace each graph with (sizes other than the 0/1 torch.export would specialise on)."""
     p = model.tok_embeddings.weight
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, seq), device=p.device)
-    shape = (len(model.layers), batch, model.num_kv_heads, seq, model.head_dim)
-    return {"prefill": (tokens,), "decode": (tokens[:, :1], p.new_zeros(shape), p.new_zeros(shape))}
+    (k_heads, k_dim), (v_heads, v_dim) = cache_dims(model)[0]  # the same in every layer
+    keys = p.new_zeros(len(model.layers), batch, k_heads, seq, k_dim)
+    values = p.new_zeros(len(model.layers), batch, v_heads, seq, v_dim)
+    return {"prefill": (tokens,), "decode": (tokens[:, :1], keys, values)}
 
 
 def dynamic_shapes(model: Transformer) -> dict[str, dict[str, dict[int, Dim]]]:

@@ -116,7 +116,13 @@ class ParamCount(NamedTuple):
 
 def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
     tied = bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
-    allowed = set(BLOCK_LINEARS) | {EXPERTS_TARGET} | ({"output"} if not tied else set())
+    # a family's own block linears too (MLA's wq_a, wq_b, wkv_a, wkv_b: suite/models/deepseek_v3)
+    own = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and ".layers." in f".{name}"
+    }
+    allowed = set(BLOCK_LINEARS) | own | {EXPERTS_TARGET} | ({"output"} if not tied else set())
     unknown = [t for t in targets if t not in allowed]
     if unknown:
         why = (

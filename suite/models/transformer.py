@@ -75,6 +75,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).type_as(x)
 
 
+def cache_dims(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((heads, width) of the keys, (heads, width) of the values) each layer caches: its attention's
+    `cache_dims` where it has its own (MLA: the compressed latent and the shared RoPE key), else
+    the model's kv heads of head_dim."""
+    default = ((model.num_kv_heads, model.head_dim),) * 2
+    return [getattr(layer.attention, "cache_dims", default) for layer in model.layers.values()]
+
+
 @dataclass
 class KVCache:
     """Per-layer key/value buffers of a fixed length for incremental decoding (suite generate)."""
@@ -86,10 +94,7 @@ class KVCache:
     @classmethod
     def empty(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
         p = next(model.parameters())
-        default = ((model.num_kv_heads, model.head_dim),) * 2
-        # (heads, width) of what each layer caches: keys and values, or an attention's own pair (MLA: the
-        # compressed latent and the shared RoPE key)
-        dims = [getattr(layer.attention, "cache_dims", default) for layer in model.layers.values()]
+        dims = cache_dims(model)
         # plain tensors even where the parameters are wrapped (a sharded parameter's new_zeros would be
         # sharded too, and the keys computed from the gathered weights are not)
         return cls(

@@ -269,3 +269,31 @@ def test_deepseek_v3_671b_has_its_published_size():
     activated = total - experts + experts * cfg.top_k / cfg.num_experts
     assert abs(total / 671e9 - 1) < 0.005, total
     assert abs(activated / 37e9 - 1) < 0.02, activated
+
+
+def test_mla_batch_decoding_from_its_latent_cache_matches_one_prompt_at_a_time(tmp_path):
+    """`suite generate`'s batch decoder (suite/infer/decoder.py: left-padded rows, a static cache of
+    MLA's latent and shared RoPE key) gives each row the greedy tokens of decoding it alone (which
+    the import test checks against transformers). Fails if the cache holds the wrong dims or the
+    padding mask misses the latent cache."""
+    from suite.infer.decoder import BatchDecoder
+
+    hf = HF_MODELS["deepseek-v3"]().eval()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    ours, _ = load_hf_model(tmp_path)
+    prompts = [TOKENS[0, :7].tolist(), TOKENS[1, :3].tolist()]
+    greedy = GenerateConfig(temperature=0.0, max_new_tokens=6)
+    alone = [generate_tokens(ours, p, greedy) for p in prompts]
+    steps = list(BatchDecoder(ours).generate(prompts, 6, lambda logits: logits.argmax(-1, keepdim=True)))
+    assert torch.stack(steps, dim=1).tolist() == alone
+
+
+def test_a_mixture_of_experts_is_refused_by_the_graph_exports_in_one_line(tmp_path):
+    from suite.cli import main
+
+    run = tmp_path / "moe"
+    hf = HF_MODELS["qwen3-moe-norm-topk"]().eval()
+    hf.save_pretrained(run)
+    assert main(["export", f"ckpt=hf:{run}", "format=onnx", f"out={tmp_path / 'onnx'}"]) == 2
+    assert not (tmp_path / "onnx").exists()
