@@ -366,7 +366,10 @@ class MoEFeedForward(nn.Module):
                 weights = top_logits.softmax(dim=-1)
             else:
                 weights = logits.softmax(dim=-1).gather(-1, expert_ids)
-            return expert_ids, weights * self.routed_scaling_factor
+            return (
+                expert_ids,
+                weights if self.routed_scaling_factor == 1.0 else weights * self.routed_scaling_factor,
+            )
         scores = logits.sigmoid()
         biased = scores + self.expert_bias
         if self.groups > 1:

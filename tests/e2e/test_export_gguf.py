@@ -325,3 +325,30 @@ def test_llama_gguf_stores_each_tensor_as_llama_cpp_would(runs, tmp_path, precis
         assert np.array_equal(got, array), (name, qtype.name, float(np.abs(got - array).max()))
     matrices = sum(1 for name in stored if source[name][1].ndim == 2)  # every matrix, the embedding too
     assert quantized == (0 if precision == "f16" else matrices) and matrices > 7 * config["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("precision", ["f16", "q8_0"])
+def test_llama_cpp_itself_decodes_the_greedy_tokens_transformers_does(runs, tmp_path, family, precision):
+    """The file in llama.cpp (llama-cpp-python, built from source): 16 greedy tokens equal to
+    transformers' reading of the same file. Fails with a wrong architecture key, head size or q/k
+    layout (llama.cpp reads them; transformers' reader may not)."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)"
+    )
+    path = _export(runs[family], tmp_path / "out", precision)
+    kwargs = json.loads((path.parent / "export_manifest.json").read_text())["transformers_load_kwargs"]
+    hf = _load(path, kwargs)
+    prompt = torch.randint(0, hf.config.vocab_size, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = torch.tensor([prompt])
+    expected = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0
+    )
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    got = []
+    for _ in range(16):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        got.append(token)
+        llm.eval([token])
+    assert got == expected[0, 8:].tolist()
