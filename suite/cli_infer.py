@@ -15,6 +15,7 @@ from suite.checks import validate
 from suite.cli_common import _compose, _compose_with_ckpt, _report, _say
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
+from suite.export.checks import record_export
 from suite.infer.parallel_eval import RESULT
 from suite.runtime import DTYPES
 
@@ -119,6 +120,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
         cfg, source
     )  # format=gguf; format=hf of a `suite quantize` checkpoint
     if exported is not None:
+        record_export(cfg, source, Path(exported[0]["out"]))
         return _report(flags, *exported, source)
     from suite.compress.checks import refuse_quantized
 
@@ -152,6 +154,7 @@ def cmd_export(overrides: list[str], flags: set[str]) -> int:
             f"self-check: max |logits - suite| = {check['max_abs_logits_error']:.3g} on {check['inputs']}"
         )
     lines.append(f"manifest: {out / 'export_manifest.json'}")
+    record_export(cfg, source, out)
     return _report(flags, {"out": str(out), "format": cfg.export.format, **check}, "\n".join(lines), source)
 
 
@@ -179,6 +182,7 @@ def _export_graphs(cfg, source, flags: set[str]) -> int:
         f"{check['decode_steps']} decode steps {check['decode_max_abs_error']:.2e}, greedy tokens "
         f"{'equal' if check['greedy_tokens_equal'] else 'DIFFER'} (recorded in {out}/export_manifest.json)"
     )
+    record_export(cfg, source, out)
     return _report(flags, {"out": str(out), **manifest}, text, source)
 
 

@@ -56,8 +56,9 @@ def read_record(folder: Path) -> dict[str, Any] | None:
 
 
 def write_record(folder: Path, made: dict[str, Any]) -> None:
-    """Written when the verb starts writing the folder, so a half-written folder says what it was
-    becoming (the same command continues it; another is refused)."""
+    """Written when the verb starts writing the folder (quantize, prune, report, run), so a
+    half-written folder says what it was becoming (the same command continues it; another is
+    refused); by export once it has succeeded (its refusals come late, after the folder's check)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{RECORD}.tmp"

@@ -59,7 +59,7 @@ def export_out(cfg, source) -> Path:
     """export.out, or <run.dir>/export-<format> for a suite run (an HF folder needs out=); both
     checked: a new or empty folder, or an export of the same source with the same settings (another
     is refused, or moved aside with --overwrite: suite.folders.claim). Called when every other check
-    has passed: the folder is claimed (its made_by.json written) here."""
+    has passed; `record_export` writes the record once the export has succeeded."""
     check_export_out(cfg.export.out)
     if cfg.export.out:
         out = Path(cfg.export.out).expanduser()
@@ -68,10 +68,16 @@ def export_out(cfg, source) -> Path:
     else:
         out = source.run_dir / f"export-{cfg.export.format}"
         check_default_out(out)
-    made = made_by(cfg, source)
-    folders.claim(out, made, "export.out", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,))
-    folders.write_record(out, made)
+    folders.claim(
+        out, made_by(cfg, source), "export.out", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,)
+    )
     return out
+
+
+def record_export(cfg, source, out: Path) -> None:
+    """made_by.json of a finished export (a refusal on the way, e.g. a missing tokenizer, leaves no
+    folder behind)."""
+    folders.write_record(out, made_by(cfg, source))
 
 
 def made_by(cfg, source) -> dict:
