@@ -140,6 +140,20 @@ class GrowingKVCache:
         self.length = self.length + tokens
 
 
+def extend_cache(
+    cache: tuple[KVCache | GrowingKVCache, int, int], k: torch.Tensor, v: torch.Tensor, mask: object
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Write this layer's new k, v [b, heads, s, d] (or an attention's own pair) into the cache at the
+    chunk's position; (everything cached so far, the mask the chunk attends with). cache: (the
+    model's cache, this layer's number, the position of the chunk's first token)."""
+    kv_cache, layer, start = cache
+    chunk = k.shape[2]
+    k, v = kv_cache.extend(layer, k, v, start)
+    if chunk > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, all of the prefix
+        mask = torch.ones(chunk, start + chunk, dtype=torch.bool, device=k.device).tril(start)
+    return k, v, mask
+
+
 def explicit_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -316,10 +330,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
-            kv_cache, layer, start = cache
-            k, v = kv_cache.extend(layer, k, v, start)
-            if s > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, all of the prefix
-                mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
+            k, v, mask = extend_cache(cache, k, v, mask)
         out = self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -21,7 +21,7 @@ from torch import nn
 from suite.config.schema import ModelConfig
 from suite.models.document_attention import Documents
 from suite.models.layers import RMSNorm
-from suite.models.transformer import CoreAttention, GrowingKVCache, KVCache
+from suite.models.transformer import CoreAttention, GrowingKVCache, KVCache, extend_cache
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm keep their own eps
 
@@ -98,10 +98,7 @@ class LatentAttention(nn.Module):
         q_rope, k_rope = apply_interleaved_rope(q_rope, *rope), apply_interleaved_rope(k_rope, *rope)
         latent, k_rope = latent.view(b, 1, s, self.kv_rank), k_rope.transpose(1, 2)  # [b, 1, s, .]
         if cache is not None:
-            kv_cache, layer, start = cache
-            latent, k_rope = kv_cache.extend(layer, latent, k_rope, start)
-            if s > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, all of the prefix
-                mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
+            latent, k_rope, mask = extend_cache(cache, latent, k_rope, mask)
         t = latent.shape[2]
         kv = self.wkv_b(latent.squeeze(1)).view(b, t, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)

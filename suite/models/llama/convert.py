@@ -211,27 +211,31 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
     return sd
 
 
+def experts_one_by_one(hf_sd: dict, block: str, gate: str, up: str, down: str) -> dict:
+    """transformers 5's fused experts (mlp.experts.gate_up_proj / down_proj) as one tensor per expert,
+    `<layer>.<block>.experts.<e>.<gate|up|down>.weight`, and the router under `<block>.gate`: the names
+    checkpoints on disk use (Mixtral: block_sparse_moe, w1/w3/w2; Qwen and DeepSeek: mlp, *_proj)."""
+    out = {}
+    for name, value in hf_sd.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.replace(".mlp.experts.gate_up_proj", f".{block}.experts.")
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.{gate}.weight"], out[f"{prefix}{e}.{up}.weight"] = value.select(0, e).chunk(
+                    2
+                )
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.replace(".mlp.experts.down_proj", f".{block}.experts.")
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.{down}.weight"] = value.select(0, e)
+        else:
+            out[name.replace(".mlp.gate.", f".{block}.gate.")] = value
+    return out
+
+
 def on_disk_names(cfg: ModelConfig, hf_sd: dict) -> dict:
     """The names transformers' save_pretrained writes: Mixtral experts one by one
     (block_sparse_moe.experts.N.w1/w2/w3), as older transformers and other tools read them."""
-    if not cfg.num_experts:
-        return hf_sd
-    out = {}
-    for name, value in hf_sd.items():
-        if ".mlp.experts.gate_up_proj" in name:
-            prefix = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts.")
-            for e in range(value.shape[0]):
-                w1, w3 = value.select(0, e).chunk(2, dim=0)
-                out[f"{prefix}{e}.w1.weight"], out[f"{prefix}{e}.w3.weight"] = w1, w3
-        elif ".mlp.experts.down_proj" in name:
-            prefix = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts.")
-            for e in range(value.shape[0]):
-                out[f"{prefix}{e}.w2.weight"] = value.select(0, e)
-        elif ".mlp.gate." in name:
-            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value
-        else:
-            out[name] = value
-    return out
+    return experts_one_by_one(hf_sd, "block_sparse_moe", "w1", "w3", "w2") if cfg.num_experts else hf_sd
 
 
 def gguf_problem(cfg: ModelConfig) -> str | None:

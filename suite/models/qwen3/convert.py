@@ -21,6 +21,7 @@ from suite.models.llama.convert import (
     common_hf_fields,
     decoder_names,
     experts_from_hf,
+    experts_one_by_one,
     experts_to_hf,
     map_names,
 )
@@ -111,20 +112,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
 
 def on_disk_names(cfg: ModelConfig, hf_sd: dict) -> dict:
     """Experts one by one (mlp.experts.N.gate_proj/up_proj/down_proj), as Qwen's checkpoints are."""
-    out = {}
-    for name, value in hf_sd.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix("gate_up_proj")
-            for e in range(value.shape[0]):
-                gate, up = value.select(0, e).chunk(2, dim=0)
-                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name.removesuffix("down_proj")
-            for e in range(value.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = value.select(0, e)
-        else:
-            out[name] = value
-    return out
+    return experts_one_by_one(hf_sd, "mlp", "gate_proj", "up_proj", "down_proj")
 
 
 def gguf_problem(cfg: ModelConfig) -> str | None:
