@@ -37,7 +37,7 @@ from suite.config.schema import ModelConfig
 from suite.models.document_attention import Documents, document_attention
 from suite.models.family import family_of, ffn_size, head_size, kv_heads, rotary_size
 from suite.models.layers import FeedForward, RMSNorm, make_norm
-from suite.models.moe import MoEFeedForward, expert_ffn_size, moe_layer_ids
+from suite.models.moe import MoEFeedForward, moe_layer_ids
 
 # re-exported: the dimensions and layers callers read from here
 __all__ = ["FeedForward", "RMSNorm", "ffn_size", "head_size", "kv_heads", "make_norm"]
@@ -278,6 +278,11 @@ def fuse_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, 
 
 class Attention(nn.Module):
     @staticmethod
+    def score_widths(cfg: ModelConfig) -> tuple[int, int]:
+        """(q . k width, value width), over all heads: what QK^T and PV multiply per key."""
+        return cfg.num_heads * head_size(cfg), cfg.num_heads * head_size(cfg)
+
+    @staticmethod
     def tp_roles(cfg: ModelConfig) -> dict[str, str]:
         """How tensor parallelism splits it (suite.parallel.tensor_parallel.block_plan): q, k, v by
         heads (whole kv groups when fused), wo by its input, a family's q/k norms per head."""
@@ -485,30 +490,58 @@ def num_params(cfg: ModelConfig) -> int:
         return Transformer(cfg).num_params()
 
 
+@dataclass(frozen=True)
+class LayerMatmuls:
+    """What one layer multiplies per token, read off the block the trainer builds (any family):
+    `attention` weights (the projections), the widths the scores and the values have over all heads
+    (QK^T costs 2 x keys x `score_width`, PV 2 x keys x `value_width`), and `mlp` weights a token
+    goes through (MoE: the router, its top-k experts and the shared experts)."""
+
+    attention: int
+    score_width: int
+    value_width: int
+    mlp: int
+
+
+_MATMULS: dict[tuple, LayerMatmuls] = {}
+
+
+def layer_matmuls(cfg: ModelConfig, layer: int) -> LayerMatmuls:
+    moe = layer in moe_layer_ids(cfg)
+    key = (repr(cfg), moe)
+    if key not in _MATMULS:
+        with torch.device("meta"):
+            block = TransformerBlock(cfg, layer)
+        attention = sum(p.numel() for p in block.attention.parameters() if p.dim() == 2)
+        score_width, value_width = block.attention.score_widths(cfg)
+        ff = block.feed_forward
+        if moe:
+            per_expert = sum(p[0].numel() for p in ff.experts.parameters() if p.dim() == 3)
+            shared = (
+                sum(p.numel() for p in ff.shared_experts.parameters() if p.dim() == 2)
+                if ff.shared_experts
+                else 0
+            )
+            mlp = ff.router.weight.numel() + min(cfg.top_k, cfg.num_experts) * per_expert + shared
+        else:
+            mlp = sum(p.numel() for p in ff.parameters() if p.dim() == 2)
+        _MATMULS[key] = LayerMatmuls(attention, score_width, value_width, mlp)
+    return _MATMULS[key]
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training matmul FLOPs per token, the MFU numerator: 3 x the forward (backward = 2 forwards).
 
-    Only matrix products count, so MFU compares like with like against a matmul ceiling: the q, k, v
-    and o projections (k and v at the kv-head width), the MLP (MoE: the router and the top-k experts
-    a token goes to, plus shared experts), the output head (tied or not: its matmul is real work),
-    and the attention products QK^T and PV over a causal mask, which see seq_len / 2 keys on average.
+    Only matrix products count, so MFU compares like with like against a matmul ceiling: the
+    attention's projections, the MLP (MoE: the router and the top-k experts a token goes to, plus
+    shared experts), the output head (tied or not: its matmul is real work), and the attention
+    products QK^T and PV over a causal mask, which see seq_len / 2 keys on average (`layer_matmuls`).
     Embedding lookups (token and position), norms, biases and activations are not matmuls.
     """
-    h, head_dim = cfg.hidden_size, head_size(cfg)
-    q_width, kv_width = cfg.num_heads * head_dim, kv_heads(cfg) * head_dim
-    mlp_matrices = 3 if family_of(cfg).swiglu else 2  # SwiGLU: gate, up, down; GELU: fc, proj
-    projections = 2 * h * (2 * q_width + 2 * kv_width)  # q and o at q width, k and v at kv width
-    attention = 2 * 2 * q_width * (seq_len / 2)  # QK^T and PV, seq_len / 2 keys per query on average
-    moe_layers = set(moe_layer_ids(cfg))
-    forward = 2.0 * h * cfg.vocab_size  # output head
+    forward = 2.0 * cfg.hidden_size * cfg.vocab_size  # output head
     for layer in range(cfg.num_layers):
-        if layer in moe_layers:
-            routed = min(cfg.top_k, cfg.num_experts) * expert_ffn_size(cfg)
-            shared = cfg.num_shared_experts * expert_ffn_size(cfg)
-            mlp = 2 * h * cfg.num_experts + mlp_matrices * 2 * h * (routed + shared)
-        else:
-            mlp = mlp_matrices * 2 * h * ffn_size(cfg)
-        forward += projections + attention + mlp
+        m = layer_matmuls(cfg, layer)
+        forward += 2 * m.attention + 2 * (seq_len / 2) * (m.score_width + m.value_width) + 2 * m.mlp
     return 3.0 * forward
 
 

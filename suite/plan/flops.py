@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from suite.config.schema import ModelConfig
-from suite.models.family import family_of
+from suite.models.transformer import layer_matmuls
 
 
 def narayanan_flops(
@@ -46,22 +46,11 @@ class LayerFlops:
 
 
 def layer_forward_flops(cfg: ModelConfig, seq: int, layer: int) -> LayerFlops:
-    """2 s (h (2 q_w + 2 kv_w)) for the projections, 2 * 2 s^2 q_w for QK^T and PV (full matrix),
-    2 s h f per MLP matrix (2 for GELU, 3 for SwiGLU; MoE: top_k + shared experts, + the router)."""
-    from suite.models.moe import expert_ffn_size, moe_layer_ids
-    from suite.models.transformer import ffn_size, head_size, kv_heads
-
-    h = cfg.hidden_size
-    q_w, kv_w = cfg.num_heads * head_size(cfg), kv_heads(cfg) * head_size(cfg)
-    matrices = 3 if family_of(cfg).swiglu else 2
-    projections = 2 * seq * h * (2 * q_w + 2 * kv_w)
-    core = 2 * 2 * seq * seq * q_w
-    if layer in moe_layer_ids(cfg):
-        width = (min(cfg.top_k, cfg.num_experts) + cfg.num_shared_experts) * expert_ffn_size(cfg)
-        mlp = 2 * seq * h * cfg.num_experts + matrices * 2 * seq * h * width
-    else:
-        mlp = matrices * 2 * seq * h * ffn_size(cfg)
-    return LayerFlops(projections, core, mlp)
+    """2 s x the attention's weights for the projections, 2 s^2 x (score + value width) for QK^T and
+    PV (full matrix), 2 s x the MLP weights a token goes through (MoE: router, top_k + shared experts),
+    read off the block the trainer builds (suite.models.transformer.layer_matmuls: any family, MLA too)."""
+    m = layer_matmuls(cfg, layer)
+    return LayerFlops(2 * seq * m.attention, 2 * seq * seq * (m.score_width + m.value_width), 2 * seq * m.mlp)
 
 
 _TABLES: dict[tuple, tuple[LayerFlops, ...]] = {}

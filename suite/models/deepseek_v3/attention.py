@@ -45,6 +45,11 @@ class SharedKey(nn.Module):
 
 class LatentAttention(nn.Module):
     @staticmethod
+    def score_widths(cfg: ModelConfig) -> tuple[int, int]:
+        """(q . k width, value width) over all heads: nope + rope per head for the scores, v_head_dim for PV."""
+        return cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.num_heads * cfg.v_head_dim
+
+    @staticmethod
     def tp_roles(cfg: ModelConfig) -> dict[str, str]:
         """How tensor parallelism splits it: by heads (the up-projections, wo by its input), the
         low-rank down-projections and their norms whole on every rank, the shared key summed."""
