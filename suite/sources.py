@@ -35,9 +35,10 @@ from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
 
 HF_PREFIX = "hf:"
 # parameters a training verb adds beside the model's own (suite distill's hidden-state projections;
-# compress=qat-*'s learned scales, which only the conversion to int4/int8 reads): saved in its
-# checkpoints for resume, never part of the model a run's weights are read as
-TRAINING_ONLY = ("distill_proj.",)
+# compress=qat-*'s learned scales, which only the conversion to int4/int8 reads; multi-token prediction
+# modules, suite.models.mtp): saved in its checkpoints for resume, never part of the model a run's
+# weights are read as
+TRAINING_ONLY = ("distill_proj.", "mtp.")
 TRAINING_ONLY_PARTS = (".weight_fake_quantizer.",)
 
 

@@ -70,6 +70,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # multi-token prediction (DeepSeek-V3's num_nextn_predict_layers; suite/models/mtp.py): modules that
+    # predict the token k + 1 ahead from the model's last hidden state and the next tokens' embeddings,
+    # their mean cross-entropy times mtp_loss_coef added to the training loss; dropped on export
+    num_mtp_layers: int = 0
+    mtp_loss_coef: float = 0.3
     moe_every: int = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...)
     moe_layers: Optional[list[int]] = None  # explicit MoE layer ids; overrides moe_every
     num_shared_experts: int = 0  # experts every token also goes through (one MLP of that many widths)

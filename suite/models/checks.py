@@ -28,6 +28,8 @@ def check_model(m: ModelConfig) -> None:
     if family.rope and head_size(m) % 2:
         what = "model.head_dim" if m.head_dim else "model.hidden_size/model.num_heads"
         raise ConfigError(f"{what}={head_size(m)} must be even for RoPE")
+    if m.num_mtp_layers < 0:
+        raise ConfigError(f"model.num_mtp_layers={m.num_mtp_layers} must be >= 0 (DeepSeek-V3: 1; 0: off)")
     family.checks(m)
     if m.document_attention not in DOCUMENT_ATTENTIONS:
         raise ConfigError(

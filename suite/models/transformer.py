@@ -38,6 +38,7 @@ from suite.models.document_attention import Documents, document_attention
 from suite.models.family import family_of, ffn_size, head_size, kv_heads, rotary_size
 from suite.models.layers import FeedForward, RMSNorm, make_norm
 from suite.models.moe import MoEFeedForward, moe_layer_ids
+from suite.models.mtp import MTPModule, mtp_config, mtp_loss
 
 # re-exported: the dimensions and layers callers read from here
 __all__ = ["FeedForward", "RMSNorm", "ffn_size", "head_size", "kv_heads", "make_norm"]
@@ -372,6 +373,16 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.mtp = None  # multi-token prediction modules (suite.models.mtp), training only
+        self.mtp_loss: torch.Tensor | None = None
+        if cfg.num_mtp_layers:
+            dense = mtp_config(cfg)
+            self.mtp = nn.ModuleDict(
+                {
+                    str(k): MTPModule(cfg, cfg.num_layers + k, TransformerBlock(dense, cfg.num_layers + k))
+                    for k in range(cfg.num_mtp_layers)
+                }
+            )
         if family.rope:
             self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
         else:
@@ -436,6 +447,13 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask, cache)
         if kv_cache is not None:
             kv_cache.advance(h.shape[1])
+        if self.mtp is not None and self.training and tokens is not None and kv_cache is None:
+            tables = (
+                (lambda n: self.rope_tables(positions[..., :n], h.dtype))
+                if rope is not None
+                else (lambda n: None)
+            )
+            self.mtp_loss = mtp_loss(self, tokens, h, tables) * self.cfg.mtp_loss_coef
         if self.norm is not None:
             h = self.norm(h)
         if head is not None and self.output is not None:

@@ -34,10 +34,13 @@ def local_value(loss: torch.Tensor) -> torch.Tensor:
 
 def training_loss(model: nn.Module, moe: bool) -> LossFn:
     """Summed cross-entropy over the targets times `weight` (the step's share of the global batch);
-    for an MoE model in training, plus `aux_weight` times its balance and z-losses (per-micro-batch
-    means: the step weighs them 1 / micro-batches)."""
+    for an MoE model in training, plus `aux_weight` times its balance and z-losses, and with
+    multi-token prediction its weighted MTP loss (per-micro-batch means: the step weighs them
+    1 / micro-batches)."""
     from suite.models.moe import moe_aux_loss
     from suite.train.loss import cross_entropy
+
+    mtp = getattr(model, "mtp", None) is not None
 
     def loss_fn(logits, targets: torch.Tensor, weight, aux_weight: float = 0.0) -> torch.Tensor:
         loss = cross_entropy(logits, targets, "sum") * weight
@@ -45,6 +48,9 @@ def training_loss(model: nn.Module, moe: bool) -> LossFn:
             aux = moe_aux_loss(model)
             if aux is not None:
                 loss = loss + like_loss(aux.to(loss.device), loss) * aux_weight
+        if mtp and model.training and aux_weight and model.mtp_loss is not None:  # suite.models.mtp
+            loss = loss + like_loss(model.mtp_loss.to(loss.device), loss) * aux_weight
+            model.mtp_loss = None
         return loss
 
     return loss_fn

@@ -12,6 +12,7 @@ parallelism, with renormalised top-k weights.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.conftest import pretrain
 from tests.helpers import assert_equivalent, assert_layout, final_weights
@@ -54,7 +55,21 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "deepseek-ep2": (2, [*DEEPSEEK, "parallel.sharding=2", "parallel.ep=2"]),
     "deepseek-pp2": (2, [*DEEPSEEK, "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "deepseek-cp2": (2, [*DEEPSEEK, "parallel.cp=2"]),
+    # multi-token prediction (suite/models/mtp.py): one module, its loss weighted into the step's
+    "deepseek-mtp-single": (1, [*DEEPSEEK, "model.num_mtp_layers=1"]),
+    "deepseek-mtp-sharding2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.sharding=2"]),
+    "deepseek-mtp-ep2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.sharding=2", "parallel.ep=2"]),
 }
+
+
+def _reference(name: str) -> str:
+    """The one-process run a layout is compared with: same family, MoE and MTP settings."""
+    return (
+        name.split("-")[0]
+        + ("-moe" if "-moe" in name else "")
+        + ("-mtp" if "-mtp" in name else "")
+        + "-single"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +91,7 @@ def family_run(tiny_data, tmp_path_factory):
     "name", ["qwen3-tp2-sp", "qwen3-sharding2", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2", "qwen3-moe-tp2"]
 )
 def test_qwen3_layout_matches_single_process(family_run, name):
-    reference = name.split("-")[0] + ("-moe-single" if name.startswith("qwen3-moe") else "-single")
+    reference = _reference(name)
     ref_dir, run_dir = family_run(reference), family_run(name)
     assert_layout(ref_dir, 1, RUNS[reference][1])
     assert_layout(run_dir, *RUNS[name])
@@ -91,7 +106,16 @@ def test_qwen3_layout_matches_single_process(family_run, name):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    ["deepseek-dp2", "deepseek-tp2-sp", "deepseek-sharding2", "deepseek-ep2", "deepseek-pp2", "deepseek-cp2"],
+    [
+        "deepseek-dp2",
+        "deepseek-tp2-sp",
+        "deepseek-sharding2",
+        "deepseek-ep2",
+        "deepseek-pp2",
+        "deepseek-cp2",
+        "deepseek-mtp-sharding2",
+        "deepseek-mtp-ep2",
+    ],
 )
 def test_deepseek_layout_matches_single_process(family_run, name):
     """MLA (its low-rank projections whole on every tp rank, the heads split, the shared RoPE key's
@@ -100,9 +124,23 @@ def test_deepseek_layout_matches_single_process(family_run, name):
     applies the same moves from loads summed over all ranks: suite.parallel.expert_parallel
     update_expert_bias)."""
     test_qwen3_layout_matches_single_process(family_run, name)
-    ref, run = final_weights(family_run("deepseek-single")), final_weights(family_run(name))
+    ref, run = final_weights(family_run(_reference(name))), final_weights(family_run(name))
     bias = "layers.1.feed_forward.expert_bias"
     assert (
         float(ref[bias].abs().max()) >= 0.03
     )  # it moved: 10 steps of +-0.01 (or 0 where the load is the mean)
     assert float((ref[bias] - run[bias]).abs().max()) <= 1e-6, (ref[bias], run[bias])
+
+
+def test_multi_token_prediction_trains_its_modules_and_adds_its_loss(family_run):
+    """The MTP run's logged loss is the main loss plus 0.3 x the MTP module's cross-entropy (about
+    ln(vocab) at the start, so step 1 sits well above the run without MTP, which starts from the same
+    main model), and the module's weights moved (they take gradient through the added loss)."""
+    from tests.helpers import initial_weights, train_losses
+
+    plain, mtp = family_run("deepseek-single"), family_run("deepseek-mtp-single")
+    first_plain, first_mtp = train_losses(plain)[1], train_losses(mtp)[1]
+    assert 0.2 * 5.5 < first_mtp - first_plain < 0.4 * 7.0, (first_plain, first_mtp)
+    start, end = initial_weights(mtp), final_weights(mtp)
+    moved = [n for n in start if n.startswith("mtp.0.") and not torch.equal(start[n], end[n])]
+    assert "mtp.0.projection.weight" in moved and any(".block.attention." in n for n in moved), moved

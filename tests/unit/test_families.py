@@ -297,3 +297,58 @@ def test_a_mixture_of_experts_is_refused_by_the_graph_exports_in_one_line(tmp_pa
     hf.save_pretrained(run)
     assert main(["export", f"ckpt=hf:{run}", "format=onnx", f"out={tmp_path / 'onnx'}"]) == 2
     assert not (tmp_path / "onnx").exists()
+
+
+def test_mtp_modules_train_only_and_are_dropped_on_export(tmp_path):
+    """In training the forward leaves the weighted MTP loss for the step (about 0.3 x ln(vocab) at a
+    fresh init); in evaluation it computes none; the HF export holds no MTP tensor and transformers
+    loads it with the main model's logits. Fails if MTP leaks into the exported weights or runs
+    outside training."""
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig(
+        family="deepseek_v3",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=96,
+        max_seq_len=64,
+        ffn_hidden_size=48,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        num_mtp_layers=1,
+        tie_embeddings=False,
+    )
+    model = materialize(build_model(cfg), "cpu", seed=3)
+    model.train()
+    model(TOKENS)
+    assert model.mtp_loss is not None and 0.2 < float(model.mtp_loss) / torch.log(torch.tensor(96.0)) < 0.4
+    model.eval()
+    model.mtp_loss = None
+    model(TOKENS)
+    assert model.mtp_loss is None
+    export_hf(model, cfg, tmp_path)
+    assert not [k for k in load_file(tmp_path / "model.safetensors") if "mtp" in k or "layers.2." in k]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, model(TOKENS), atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_under_pipeline_parallelism_is_refused_in_one_line(capsys):
+    from suite.cli import main
+
+    code = main(
+        [
+            "pretrain",
+            "recipe=deepseek-tiny",
+            "model.num_mtp_layers=1",
+            "parallel.pp=2",
+            "launch.nproc_per_node=2",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "model.num_mtp_layers=1" in err[0] and "parallel.pp=1" in err[0], (
+        err
+    )
