@@ -220,8 +220,8 @@ runs it (transformers, torch.export, onnxruntime), also recorded there. See docs
 Examples:
   suite export ckpt=runs/gpt-tiny
   suite export ckpt=runs/gpt-tiny out=exports/gpt-tiny-bf16 export.dtype=bf16 export.max_shard_mb=1
-  suite export ckpt=runs/gpt-tiny format=onnx export.quantize=int8
-  suite generate ckpt=runs/gpt-tiny/export-onnx prompt="The module" generate.temperature=0
+  suite export ckpt=runs/gpt-tiny format=onnx export.quantize=int8 out=exports/gpt-tiny-onnx-int8
+  suite generate ckpt=exports/gpt-tiny-onnx-int8 prompt="The module" generate.temperature=0
   suite export ckpt=runs/gpt-tiny format=gguf export.quantize=q8_0 out=exports/gpt-tiny-gguf""",
     "prune": """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] [prune.heads=FRACTION]
        [prune.hidden=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
