@@ -66,8 +66,8 @@ SUITE_EXTRA_ROWS = {"bf16": {"bf16 params": ("train.param_dtype=bf16",)}, "fp32"
 def suite_config(shape: str, precision: str, extra: tuple[str, ...] | list[str] = ()):
     """The composed, validated suite config of a shape (the source of truth for both contenders);
     `extra`: further overrides (the suite contender's settings)."""
-    from suite.checks import validate
     from suite.config.compose import compose_config, to_object
+    from suite.preflight import validate
     from suite.runtime import resolve_auto
 
     spec = SHAPES[shape]

@@ -185,7 +185,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from suite.infer.engines import GraphEngine, ModelEngine
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     threads = torch.get_num_threads()
     model = ModelSource.parse(str(ckpt)).load_model("cpu")

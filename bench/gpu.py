@@ -95,10 +95,10 @@ def one_row(model: str, variant: str, args) -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from suite.checks import validate
     from suite.config.compose import compose_config, to_object
     from suite.data.batch import Batch
     from suite.models import flops_per_token
+    from suite.preflight import validate
     from suite.runtime import resolve_auto
     from suite.train.flops import cuda_memory_stats, peak_flops
     from suite.train.trainer import standalone_step

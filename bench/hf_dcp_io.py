@@ -4,7 +4,7 @@
     python bench/hf_dcp_io.py            # both parts, CPU, ~1 minute; the numbers docs/architecture.md cites
 
 import  (2 gloo processes, FSDP2 shards dim 0 of every parameter): tiny GPT-2, Llama and Llama
-        loaded with model.fused_projections=true, each from an HF folder, two ways: suite.sources
+        loaded with model.fused_projections=true, each from an HF folder, two ways: suite.model_source
         (lazy mapping, each rank reads its own box of every tensor) and DCP's HuggingFaceStorageReader
         behind the suite -> HF name table as torchtitan uses it (to_hf on the model's DTensors,
         dcp.load, from_hf, copy back). Per rank: bytes read from the safetensors files, bytes the load
@@ -71,13 +71,13 @@ def _import_worker(rank: int, folder: str, fused: bool, port: int, result: str) 
     from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
     from torch.distributed.device_mesh import init_device_mesh
 
-    import suite.sources as sources
+    import suite.model_source as sources
     from suite.models.hf import from_hf_state_dict, model_config_from_hf, to_hf_state_dict
 
     mesh = init_device_mesh("cpu", (2,))
     cfg = dataclasses.replace(model_config_from_hf(Path(folder)), fused_projections=fused)
     counts = {"ours_read": 0, "dcp_read": 0}
-    # suite.sources: count what the lazy readers take from the files
+    # suite.model_source: count what the lazy readers take from the files
     original = sources.hf_weights
 
     def counting(*args, **kwargs):
@@ -193,8 +193,8 @@ def _export_child(how: str, ckpt: str, out: str) -> None:
 
     from suite.config.schema import ModelConfig
     from suite.export.hf import write_hf_folder
+    from suite.model_source import checkpoint_weights
     from suite.models.hf import hf_config, to_hf_state_dict
-    from suite.sources import checkpoint_weights
 
     cfg = ModelConfig(**EXPORT_CFG)
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here

@@ -53,7 +53,7 @@ def hf_logit_error(run: Path, hf: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     ours = ModelSource.parse(str(run)).load_model().eval()
     theirs = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()

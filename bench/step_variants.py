@@ -33,9 +33,9 @@ def build(shape: str, extra: tuple[str, ...], device: str, precision: str):
     import torch
 
     import bench.contenders as tp
-    from suite.checks import validate
     from suite.config.compose import compose_config, to_object
     from suite.data.batch import Batch
+    from suite.preflight import validate
     from suite.runtime import resolve_auto
     from suite.train.schedule import lr_at
     from suite.train.trainer import standalone_step

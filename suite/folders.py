@@ -32,7 +32,7 @@ OVERWRITE = "--overwrite"  # the switch of every verb without train.overwrite in
 
 
 def source_identity(folder: Path, is_hf: bool) -> str:
-    """A model source (suite.sources.ModelSource's folder) as it is on disk: an HF folder by its
+    """A model source (suite.model_source.ModelSource's folder) as it is on disk: an HF folder by its
     resolved path; a suite checkpoint by its resolved folder and its manifest's sha256 (another step,
     or the same path retrained, is another source)."""
     folder = Path(folder).resolve()

@@ -1,4 +1,4 @@
-"""A `main(argv)` for tests/unit/test_fork_server.py to run through suite.fork_server: it reports
+"""A `main(argv)` for tests/unit/test_fork_server.py to run through suite.launch.fork_server: it reports
 its process, then exits with a code, kills itself with a signal, or waits for SIGTERM."""
 
 from __future__ import annotations

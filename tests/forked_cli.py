@@ -39,7 +39,7 @@ def _child(request: dict) -> None:
             os.dup2(handle, fd)
             os.close(handle)
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (not the server's request pipe)
-        from suite.fork_server import run_main
+        from suite.launch.fork_server import run_main
 
         # what `python -m suite` does, exit functions included (logging, wandb, temporary files)
         code = run_main("suite.cli", request["argv"], exit_functions=True)
@@ -71,7 +71,7 @@ def serve() -> None:
 
     import suite.cli  # noqa: F401
     import suite.infer.generate  # noqa: F401
-    import suite.sources  # noqa: F401
+    import suite.model_source  # noqa: F401
     import suite.train.trainer  # noqa: F401
     from suite.config.compose import compose_config
 

@@ -194,9 +194,9 @@ def initial_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     (every layout starts from these values), the base model's weights for finetuning, fresh LoRA
     adapters (names as `final_weights` gives them). tests/e2e/test_checks.py checks it against a
     run that cannot move its weights."""
+    from suite.model_source import ModelSource
     from suite.models import materialize
     from suite.models.lora import init_lora
-    from suite.sources import ModelSource
 
     cfg = run_config(run_dir)
     model = materialize(_model_like_run(cfg), "cpu", cfg.train.seed)
@@ -431,7 +431,7 @@ def assert_close_updates(ref_run: Path, got_run: Path, tol: float = 1e-4) -> Non
 
 
 def worker_pids(parent: int, attempt: int | None = None) -> dict[int, int]:
-    """{global rank: pid} of the live `suite.worker` processes whose parent is `parent` (the
+    """{global rank: pid} of the live `suite.cli.worker` processes whose parent is `parent` (the
     launching `suite` process), found from outside through /proc; with `attempt`, only those of
     that restart attempt (TORCHELASTIC_RESTART_COUNT, 0 for the first group)."""
     found = {}
@@ -447,7 +447,7 @@ def worker_pids(parent: int, attempt: int | None = None) -> dict[int, int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != parent or b"suite.worker" not in cmdline or b"RANK" not in environ:
+        if ppid != parent or b"suite.cli.worker" not in cmdline or b"RANK" not in environ:
             continue
         if attempt is not None and int(environ.get(b"TORCHELASTIC_RESTART_COUNT", b"0")) != attempt:
             continue

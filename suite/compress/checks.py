@@ -74,8 +74,8 @@ def check_no_compress(cfg: SuiteConfig) -> None:
 def refuse_quantized(text: str, key: str, purpose: str) -> None:
     """A quantized checkpoint, or LoRA adapters trained over one (QLoRA), cannot be quantized again,
     exported, pruned, distilled from or trained on as full weights (yet)."""
+    from suite.model_source import ModelSource
     from suite.models.quantized import quantized_info
-    from suite.sources import ModelSource
 
     source = ModelSource.parse(text, key)
     if source.is_hf:
@@ -139,7 +139,7 @@ def check_qat_layout(cfg: SuiteConfig, dims, verb: str) -> None:
 def check_quantized_base(cfg: SuiteConfig, dims) -> None:
     """Finetuning over a `suite quantize` checkpoint (QLoRA): LoRA adapters over its frozen quantized
     weights, one process (torchao's tensors are not sharded or replicated by the engine)."""
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     init_from = cfg.model.init_from
     if not init_from or not ModelSource.parse(init_from, "model.init_from").quantized:

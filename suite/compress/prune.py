@@ -265,9 +265,9 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     from suite.compress.quantize import held_out_and_calibration, progress
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
     from suite.folders import claim, write_record
+    from suite.model_source import ModelSource
     from suite.models import build_model, materialize
     from suite.models.transformer import fuse_state_dict, head_size, kv_heads, unfuse_state_dict
-    from suite.sources import ModelSource
     from suite.train.checkpoint import save_checkpoint
 
     p = cfg.prune

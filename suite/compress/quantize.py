@@ -163,6 +163,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     from suite.compress.methods import METHODS, linear_plan, quantize_model, usable_scales
     from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
     from suite.folders import claim, write_record
+    from suite.model_source import ModelSource
     from suite.models import build_model
     from suite.models.quantized import (
         WEIGHTS_FILE,
@@ -170,7 +171,6 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         load_quantized_model,
         narrow_block_floats,
     )
-    from suite.sources import ModelSource
 
     device = quantize_device(cfg)
     check_compress(cfg, device)

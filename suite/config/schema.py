@@ -223,7 +223,7 @@ class LaunchConfig:
     backend: str = "auto"  # auto | nccl | gloo
     # how each rank's process starts: spawn (a fresh interpreter that imports torch and the suite,
     # ~4 s of CPU per rank), fork (forked from one process per job that imported them once:
-    # suite/fork_server.py), auto (fork for CPU workers, spawn for GPU ones, not yet measured there)
+    # suite/launch/fork_server.py), auto (fork for CPU workers, spawn for GPU ones, not yet measured there)
     worker_start: str = "auto"
 
 

@@ -1,7 +1,7 @@
 """Checks of single keys' values (choices, positive counts, ranges) and the launch's process counts.
 
 Relations between keys belong to the subsystem that reads them (suite.models.checks,
-suite.data.checks, suite.parallel.dims, suite.runtime, suite.finetune.checks); suite.checks runs
+suite.data.checks, suite.parallel.dims, suite.runtime, suite.finetune.checks); suite.preflight runs
 them all once, in the parent, before any process starts.
 """
 

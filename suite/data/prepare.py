@@ -27,7 +27,7 @@ from suite.data.corpus import build_embedded_corpus, read_corpus
 from suite.data.shards import IndexedTokens, ShardWriter
 from suite.data.sources import read_source, source_fields
 from suite.data.tokenizer import load_tokenizer, train_tokenizer
-from suite.outputs import check_replaceable
+from suite.output_paths import check_replaceable
 
 try:
     import fcntl

@@ -1,4 +1,4 @@
-"""The distill section's checks, run once in the parent (suite.cli.cmd_distill, suite.checks) before
+"""The distill section's checks, run once in the parent (suite.cli.cmd_distill, suite.preflight) before
 any process starts."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def check_distill(cfg: SuiteConfig) -> None:
     if d.chunk_tokens < 1:
         raise ConfigError(f"distill.chunk_tokens={d.chunk_tokens} must be >= 1; e.g. 1024")
     from suite.compress.checks import refuse_quantized
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     refuse_quantized(d.teacher, "distill.teacher", "distilling from it")  # `suite quantize` output
     teacher = ModelSource.parse(d.teacher, "distill.teacher")  # one line when missing or corrupt
@@ -76,8 +76,8 @@ def check_distill_layout(cfg: SuiteConfig, dims) -> None:
                 f"only so far; set parallel.{axis}=1"
             )
     if dims.tp > 1 and cfg.distill.teacher:
+        from suite.model_source import ModelSource
         from suite.models.transformer import ffn_size
-        from suite.sources import ModelSource
 
         teacher = ModelSource.parse(cfg.distill.teacher, "distill.teacher").model_config()
         kv = teacher.num_kv_heads or teacher.num_heads

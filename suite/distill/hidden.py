@@ -14,7 +14,7 @@ The projections (one bias-free nn.Linear per student block, student width -> tea
 submodule of the student, `distill_proj`, attached before parallelize like LoRA adapters: the
 optimizer trains them, FSDP shards them with the root's parameters, checkpoints hold them, so resume
 is exact. They are no part of the student: the model's own forward never calls them, and reading the
-run's weights (eval, generate, export, model.init_from) leaves them out (suite.sources.TRAINING_ONLY).
+run's weights (eval, generate, export, model.init_from) leaves them out (suite.model_source.TRAINING_ONLY).
 Block outputs are captured with forward hooks; the models hold no distillation code.
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.data.batch import IGNORE_INDEX
-from suite.sources import TRAINING_ONLY
+from suite.model_source import TRAINING_ONLY
 
 HIDDEN_LOSSES = ("cosine", "mse")
 HIDDEN_SCHEDULES = ("constant", "linear")

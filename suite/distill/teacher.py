@@ -2,7 +2,7 @@
 
 The teacher is parallelised by the same `parallelize` as the student (same mesh and data-parallel
 kind: sharded under FSDP, so no rank holds a whole teacher it would not hold a whole student of),
-loaded from its source (suite.sources.ModelSource: a suite run/checkpoint or hf:<folder>, resharded
+loaded from its source (suite.model_source.ModelSource: a suite run/checkpoint or hf:<folder>, resharded
 to this layout), set to eval mode with every parameter frozen. It hands the step its final hidden
 states (the forward's `head` hook returns them instead of logits) and its output head weight, gathered
 once into a plain tensor (under tp only this rank's vocabulary rows of it, the rows its student head
@@ -19,11 +19,11 @@ from torch import nn
 
 from suite.config.errors import ConfigError
 from suite.config.schema import RecomputeConfig, SuiteConfig
+from suite.model_source import ModelSource
 from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
 from suite.parallel.parallelize import parallelize
 from suite.runtime import PrecisionPolicy
-from suite.sources import ModelSource
 
 
 class Teacher:

@@ -15,7 +15,7 @@ from suite.distill.hidden import attach_projections, hidden_weight_at
 from suite.distill.step import DistillStep
 from suite.distill.teacher import Teacher, load_teacher
 from suite.finetune.trainer import FinetuneTrainer
-from suite.sources import ModelSource
+from suite.model_source import ModelSource
 from suite.train.step import training_loss
 from suite.train.trainer import Trainer
 

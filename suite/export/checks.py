@@ -10,7 +10,7 @@ from suite import folders
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.family import family_of, head_size
-from suite.outputs import check_output_folder
+from suite.output_paths import check_output_folder
 
 MARKER = "suite_export.json"  # written into every export folder (suite.export.hf): reusing one is safe
 OWNED = (MARKER, folders.RECORD)  # either marks an export's folder (made_by.json: one being written)

@@ -1,7 +1,7 @@
 """`suite export format=hf`: a folder that transformers' AutoModelForCausalLM loads with no custom code.
 
 The names, transposes and fusions are suite.models.hf's mapping; the weights come from a model
-source (suite.sources) as lazy tensors, so a checkpoint from any parallel layout (LoRA adapters
+source (suite.model_source) as lazy tensors, so a checkpoint from any parallel layout (LoRA adapters
 folded in) or another HF folder converts one tensor at a time, holding at most one output shard
 of `max_shard_bytes` in memory. Config files are written through transformers' own classes, with
 the source's special-token ids (suite.export.special: never one outside the vocabulary), and the
@@ -20,9 +20,9 @@ import torch
 from suite.config.schema import ModelConfig
 from suite.export.special import SpecialIds, hf_folder_ids, in_vocabulary, tokenizer_ids
 from suite.export.verify import verify_hf_folder
+from suite.model_source import ModelSource
 from suite.models.hf import hf_config, on_disk_names, to_hf_state_dict
 from suite.models.lazy import LazyTensor, as_lazy
-from suite.sources import ModelSource
 
 MAX_SHARD_BYTES = 2 * 1024**3
 

@@ -64,7 +64,7 @@ def write_manifest(
     verification: dict,
     extra: dict | None = None,
 ) -> Path:
-    """Write <out>/export_manifest.json. `source`: the suite.sources.ModelSource exported; `files`:
+    """Write <out>/export_manifest.json. `source`: the suite.model_source.ModelSource exported; `files`:
     the artifact's files, relative to `out` (their sizes are recorded); `verification`: the
     self-check, e.g. {"max_abs_logits_error": 3e-4, "inputs": "2 x 32 tokens", "loaded_with": ...};
     `extra`: format-specific entries (tensor types, notes)."""

@@ -29,8 +29,8 @@ from suite.infer.graphs import (
     prepare_for_export,
 )
 from suite.infer.runners import SuiteRunner, decode_steps, load_runner
+from suite.model_source import ModelSource
 from suite.models.transformer import Transformer
-from suite.sources import ModelSource
 
 ONNX_QUANTIZE = ("int8", "int4")
 INT4_BLOCK = 32

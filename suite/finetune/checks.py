@@ -1,4 +1,4 @@
-"""The finetune section's checks, run once in the parent (suite.checks) before any process starts."""
+"""The finetune section's checks, run once in the parent (suite.preflight) before any process starts."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ checkpoints and resume are the Trainer's):
               files / `datasets`, rendered with the chat template, loss masked to assistant tokens,
               packed; batches are suite.data.batch.Batch (tokens, labels, positions, doc_ids), the
               type pretraining uses, and the step's one loss weighs every target token of the global batch
-    weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.sources) replaces
+    weights   model.init_from (a suite run or checkpoint folder, or hf:<folder>; suite.model_source) replaces
               the seeded initialisation, in whatever layout the run has
     lora      finetune.method=lora: adapters added on the meta model before parallelize, base
               frozen (only adapters reach the optimizer; on a MoE model per-expert adapters on the
@@ -33,8 +33,8 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data.chat import use_chat_template
 from suite.data.sft import SFTBatches, SFTDataset, SFTOptions, iter_sft_rows
+from suite.model_source import ModelSource
 from suite.parallel.env import barrier
-from suite.sources import ModelSource
 from suite.train.trainer import Trainer
 
 TASK_DIR = "task"

@@ -69,7 +69,7 @@ def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[
             f"ckpt='{ckpt}': {fmt} export ({precision}) of {engine.manifest['source']['ckpt']}",
         )
     from suite.infer.generate import load_for_inference
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     source = ModelSource.parse(ckpt, "ckpt")
     model, tokenizer, _ = load_for_inference(source, device)

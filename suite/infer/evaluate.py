@@ -101,7 +101,7 @@ def evaluate_checkpoint(ckpt: str, eval_cfg, device: str = "auto") -> dict[str, 
     from suite.config.schema import SFTDataConfig
     from suite.data.tasks import get_task, write_task
     from suite.infer.generate import load_for_inference
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Sampling with a KV cache from any model source (suite.sources)."""
+"""Sampling with a KV cache from any model source (suite.model_source)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig
+from suite.model_source import ModelSource
 from suite.models import KVCache, Transformer
 from suite.models.quantized import is_quantized, load_quantized_model
-from suite.sources import ModelSource
 
 
 def load_for_inference(

@@ -1,7 +1,7 @@
 """`suite eval metric=perplexity launch.nproc_per_node=N parallel.tp=N`: perplexity of a model too big
 for one device, under tensor parallelism.
 
-The parent (suite.cli_infer) checks the layout against the checkpoint's architecture (its model config replaces the
+The parent (suite.cli.infer) checks the layout against the checkpoint's architecture (its model config replaces the
 recipe's, as for model.init_from) and hands the frozen config to the elastic launcher with verb
 `eval`; every worker builds the model on the meta device, applies the same DTensor plan as training
 (suite.parallel.parallelize), and reads only its own shard of every tensor
@@ -26,11 +26,11 @@ def run_worker(cfg: Any, dims: Any) -> int:
     import torch
 
     from suite.infer.perplexity import score_model
+    from suite.model_source import ModelSource
     from suite.models import build_model, materialize
     from suite.parallel.env import DistEnv, init_process_group
     from suite.parallel.parallelize import parallelize
     from suite.runtime import pick_device, resolve_precision
-    from suite.sources import ModelSource
 
     env = DistEnv.from_environ()
     device = pick_device(cfg.train.device, env)

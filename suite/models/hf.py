@@ -8,7 +8,7 @@ transformers' own config classes, never written by hand. A model with fused proj
 
 Pure functions of a config and a dict of tensors: they run unchanged on lazy tensors
 (suite.models.lazy), which is how import and export read one tensor, or one shard, at a time.
-Reading and writing files is suite.sources (import) and suite.export.hf (export).
+Reading and writing files is suite.model_source (import) and suite.export.hf (export).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def on_disk_names(cfg: ModelConfig, hf_sd: dict) -> dict:
 # ---- HF -> suite -------------------------------------------------------------------------------
 def model_config_from_hf(folder: Path, where: str | None = None) -> ModelConfig:
     """Read config.json through transformers (no remote code) into a suite ModelConfig; `where`
-    names the source in errors as the user wrote it (suite.sources: "ckpt='hf:DIR'")."""
+    names the source in errors as the user wrote it (suite.model_source: "ckpt='hf:DIR'")."""
     from transformers import AutoConfig
 
     where = where or f"the HF folder {folder}"

@@ -13,7 +13,7 @@ refused for now (suite.compress.checks).
 compress.learn_scales (the default): the scales are parameters trained with the weights (learned step
 size quantization, torchao's range learning), each starting at the max|w| / 7.5 (int8: 127.5) that the
 per-step computation gives; they live in the checkpoint beside the weights (`<linear>` + LEARNED_SCALE,
-left out wherever the run is read as a float model: suite.sources.training_only) and the conversion
+left out wherever the run is read as a float model: suite.model_source.training_only) and the conversion
 stores them with the integers training rounded to (suite.compress.methods): exactly, where the
 parameters are fp32; under bf16 parameters (FSDP's mixed precision, train.param_dtype) the forward
 rounds bf16 weights on bf16 scales, as the weights themselves were only ever seen in bf16 there.

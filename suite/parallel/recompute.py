@@ -104,7 +104,7 @@ def recomputed_layers(layer_ids: list[int], cfg: RecomputeConfig) -> list[int]:
 
 
 def check_recompute(cfg: RecomputeConfig, num_layers: int) -> None:
-    """One-line errors for impossible recompute settings (suite.checks runs it before launch)."""
+    """One-line errors for impossible recompute settings (suite.preflight runs it before launch)."""
     if cfg.granularity not in GRANULARITIES:
         raise ConfigError(
             f"recompute.granularity={cfg.granularity!r} is not supported; use one of: {', '.join(GRANULARITIES)}"

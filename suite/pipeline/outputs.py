@@ -2,7 +2,7 @@
 skipped), and the figures its result gives (accuracy, perplexity, size, decode speed).
 
 A run-folder stage (pretrain, finetune, distill, quantize, prune) is fingerprinted by the checkpoint
-`suite.sources.ModelSource.parse` finds in it (every file checked against the checkpoint's manifest)
+`suite.model_source.ModelSource.parse` finds in it (every file checked against the checkpoint's manifest)
 and that manifest's sha256; an export or prepare stage by the sha256 of every file it wrote; an eval or
 generate stage by its result.json.
 """
@@ -34,7 +34,7 @@ def fingerprint(stage: Stage) -> dict[str, Any]:
     """The stage's outputs as they are now; ConfigError (one line) when they are missing or broken."""
     folder = stage.folder
     if stage.verb in RUN_FOLDER_VERBS:
-        from suite.sources import ModelSource
+        from suite.model_source import ModelSource
         from suite.train.checkpoint import MANIFEST, checkpoint_step
 
         source = ModelSource.parse(str(folder), f"stage {stage.name}")
@@ -68,8 +68,8 @@ def read_result(stage: Stage, printed: dict[str, Any] | None) -> dict[str, Any]:
 def _params(folder: Path) -> int | None:
     """Parameters of the model a run folder's newest checkpoint holds (built on the meta device)."""
     try:
+        from suite.model_source import ModelSource
         from suite.models import build_model
-        from suite.sources import ModelSource
 
         model = build_model(ModelSource.parse(str(folder)).model_config(), "meta")
         return sum(p.numel() for p in model.parameters())

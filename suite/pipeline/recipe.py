@@ -28,7 +28,7 @@ from typing import Any
 
 from suite import user_files
 from suite.config.errors import ConfigError
-from suite.outputs import check_output_folder
+from suite.output_paths import check_output_folder
 
 REF = re.compile(r"\$\{stage:([^}]*)\}")
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")

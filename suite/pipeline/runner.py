@@ -1,7 +1,7 @@
 """`suite run pipeline=<name>`: every stage as a subprocess of the same CLI, in order, resumable.
 
 On a machine without a GPU the stages are forked from one process per run that imported torch and
-the suite once (suite/fork_server.py), which saves each stage a fresh interpreter's ~4 s of imports;
+the suite once (suite/launch/fork_server.py), which saves each stage a fresh interpreter's ~4 s of imports;
 each stage is still a process of its own, with its own exit code, stopped by SIGTERM.
 
 A stage that finished left a marker (<dir>/logs/<stage>.done.json: the command it ran, a digest of
@@ -79,7 +79,7 @@ class Run:
         else:
             self.selected = set(names)
         self.forced = self.selected if (start or only) else set()
-        self.server = None  # suite.fork_server.ForkServer, started by the first stage that runs
+        self.server = None  # suite.launch.fork_server.ForkServer, started by the first stage that runs
         self.server_dir: str | None = None
         self.figures: dict[str, dict[str, Any]] = {}
         self.done: dict[str, dict[str, Any]] = {}  # stage name -> its marker
@@ -224,7 +224,7 @@ class Run:
     def spawn(self, stage: Stage) -> tuple[int, dict[str, Any] | None]:
         """`python -m suite <verb> ...`, its stdout and stderr streamed here and into logs/<stage>.log;
         returns the exit code and the last JSON object it printed on stdout."""
-        from suite.fork_server import SERVER_ENV, client_command
+        from suite.launch.fork_server import SERVER_ENV, client_command
 
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         command = [sys.executable, "-m", "suite", *stage.argv()]
@@ -276,8 +276,8 @@ class Run:
             import tempfile
 
             from suite.config.schema import LaunchConfig
-            from suite.fork_server import ForkServer
-            from suite.parallel.launcher import VERB_PRELOAD, WORKER_PRELOAD, forks_workers
+            from suite.launch.fork_server import ForkServer
+            from suite.launch.launcher import VERB_PRELOAD, WORKER_PRELOAD, forks_workers
 
             self.server_dir = tempfile.mkdtemp(prefix="suite-run-")
             if forks_workers(LaunchConfig(), "auto") and len(self.server_dir) < 90:

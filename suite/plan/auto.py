@@ -3,7 +3,7 @@
 In the parent process, before any worker starts: the search of `suite plan` runs for the world this
 run launches (launch.nnodes x launch.nproc_per_node) on the devices of the cluster group (sized to
 the launch: suite.plan.fit.launched_cluster), the recipe's global batch kept. Its ranked layouts are
-tried fastest first against the trainer's own checks (suite.checks.validate: what the planner does
+tried fastest first against the trainer's own checks (suite.preflight.validate: what the planner does
 not model, e.g. the data or precision rules); the first one accepted is written into the config
 (every parallel degree, micro_batch_size, recompute), so the run folder's config.yaml records the
 layout that ran and replays it without the planner (`parallel.auto: false` there).
@@ -136,7 +136,7 @@ def check_auto(cfg: SuiteConfig, here: bool = True) -> None:
 def choose_layout(raw: DictConfig, validate_fn=None, here: bool = True) -> Choice:
     """Search the launch's world and return the fastest layout the trainer accepts (module
     docstring). `validate_fn(cfg)` raises ConfigError for a config the trainer refuses (default:
-    suite.checks.validate without the run-folder and data checks, which do not depend on the layout).
+    suite.preflight.validate without the run-folder and data checks, which do not depend on the layout).
     `here=False` (a dry run, nothing allocated): the cluster group as it is, whatever this machine has."""
     from suite.config.compose import to_object
     from suite.plan.command import job_of
@@ -151,7 +151,7 @@ def choose_layout(raw: DictConfig, validate_fn=None, here: bool = True) -> Choic
 
         raise ConfigError(f"parallel=auto: {no_fit(job, result)}")
     if validate_fn is None:
-        from suite.checks import validate
+        from suite.preflight import validate
 
         def validate_fn(c: SuiteConfig) -> object:
             return validate(c, needs_data=False, writes_run=False)

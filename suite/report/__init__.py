@@ -3,7 +3,7 @@ of every training run), and one figure comparing several runs' loss curves.
 
 runs.py reads a run folder, plots.py draws (matplotlib, Agg), markdown.py writes the text, build.py
 puts them in a folder. Imports nothing of suite but suite.config (its errors), suite.user_files (the
-reader of files users hand in), suite.outputs (the check that the report's folder can be written) and
+reader of files users hand in), suite.output_paths (the check that the report's folder can be written) and
 suite.folders (what a report's own folder records)."""
 
 from suite.report.build import compare_runs, report_at_end, report_run

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from suite import folders
 from suite.config.errors import ConfigError
-from suite.outputs import check_output_folder
+from suite.output_paths import check_output_folder
 from suite.report.markdown import compare_markdown, run_markdown
 from suite.report.plots import PANELS, plot_comparison, plot_run
 from suite.report.runs import load_run

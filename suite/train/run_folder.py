@@ -101,7 +101,7 @@ def of_run(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> dict[st
 
 
 def _source_identity(text: str, key: str) -> str:
-    """A source as suite.sources.ModelSource.parse resolves it (parsed there first, by the verb;
+    """A source as suite.model_source.ModelSource.parse resolves it (parsed there first, by the verb;
     train sits below sources, so only the folder is found here)."""
     if text.startswith("hf:"):
         return folders.source_identity(Path(text[3:]).expanduser(), True)

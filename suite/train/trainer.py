@@ -91,7 +91,7 @@ class Trainer:
         init_weights: Callable[[torch.nn.Module], None] | None = None,
     ):
         """`init_weights(model)`: loads model.init_from into the parallelized model (the verb
-        builds it from the model source, suite.sources.initial_weights; train does not import it)."""
+        builds it from the model source, suite.model_source.initial_weights; train does not import it)."""
         self.cfg = cfg
         self.init_weights = init_weights
         self.dims = dims

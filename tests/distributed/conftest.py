@@ -36,7 +36,7 @@ LLAMA = ["recipe=llama-tiny", "model.num_kv_heads=2", "model.ffn_hidden_size=128
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
     "dp2": (2, ["parallel.dp=2"]),
-    # every rank a fresh interpreter, as before the fork server (suite/fork_server.py, the CPU default)
+    # every rank a fresh interpreter, as before the fork server (suite/launch/fork_server.py, the CPU default)
     "dp2-spawn": (2, ["parallel.dp=2", "launch.worker_start=spawn"]),
     "sharding2-stage1": (2, ["parallel.sharding=2", "parallel.sharding_stage=1"]),
     "sharding2-stage2": (2, ["parallel.sharding=2", "parallel.sharding_stage=2"]),

@@ -104,7 +104,7 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(
     checkpoints hold the projections, the weights a run is read as (eval, export) do not."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     one = hidden_single
     sharded = tmp_path / "sharded"

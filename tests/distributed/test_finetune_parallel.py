@@ -95,8 +95,8 @@ def test_lora_tp2_matches_then_loads_and_merges_in_one_process(tmp_path, base, f
     with torch.no_grad():
         assert (merged(ids) - adapted(ids)).abs().max() <= 1e-4
     # the adapters alone (<run.dir>/lora/, gathered from the tp ranks) on the HF base, merged
+    from suite.model_source import load_hf_weights
     from suite.models.lora import load_lora, merge_lora
-    from suite.sources import load_hf_weights
 
     from_adapters = materialize(build_model(cfg.model), "cpu", seed=0)
     load_hf_weights(from_adapters, base, cfg.model.fused_projections)

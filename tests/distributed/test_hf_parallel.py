@@ -3,7 +3,7 @@
 Tiny random models that transformers itself creates and save_pretrained's (Llama with
 grouped-query attention, GPT-2 with tied embeddings and its fused, transposed c_attn) are finetuned
 from `model.init_from=hf:<folder>`: Llama under tp=2, GPT-2 under sharding=2 (FSDP2). Each rank
-reads only its own shard of every tensor (suite.sources). Checked:
+reads only its own shard of every tensor (suite.model_source). Checked:
 
 - import: step 1's loss (nothing trained yet: the imported weights) equals the single-process
   import's loss recomputed here, within rtol 1e-4 (fp32), and every step (loss, gradient norm,
@@ -128,7 +128,7 @@ def test_pretrain_from_hf_under_tp2_starts_from_the_imported_weights(tmp_path, g
 
     from suite.config.schema import TrainConfig
     from suite.data.loader import TokenBatches
-    from suite.sources import load_hf_model
+    from suite.model_source import load_hf_model
 
     run = tmp_path / "gpt2-pretrain-tp2"
     run_suite(

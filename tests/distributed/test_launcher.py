@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from suite.cli import main as cli_main
-from suite.parallel.launcher import rendezvous_endpoint
+from suite.launch.launcher import rendezvous_endpoint
 from tests.distributed.conftest import COMMON
 from tests.helpers import (
     REPO,
@@ -166,7 +166,7 @@ def test_two_loopback_nodes_train_like_one_process(layout_run, tiny_data, tmp_pa
 @pytest.mark.parametrize("worker_start", ["fork", "spawn"])
 def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path, worker_start):
     """SIGKILL to rank 1's process, as the OOM killer would. Under `fork` that process is the client
-    of a worker forked by the job's server (suite/fork_server.py): the test asserts that process
+    of a worker forked by the job's server (suite/launch/fork_server.py): the test asserts that process
     tree, and that the client's death takes the forked worker with it."""
     run_dir = tmp_path / "dies"
     log = tmp_path / "job.log"
@@ -195,7 +195,7 @@ def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path, wo
             time.sleep(0.5)
         workers = worker_pids(job.pid)
         assert sorted(workers) == [0, 1], (workers, log.read_text())
-        servers = [pid for pid, cmd in child_processes(job.pid).items() if b"suite.fork_server" in cmd]
+        servers = [pid for pid, cmd in child_processes(job.pid).items() if b"suite.launch.fork_server" in cmd]
         forked = child_processes(servers[0]) if servers else {}
         if worker_start == "fork":
             assert len(servers) == 1 and len(forked) == 2, (servers, forked)

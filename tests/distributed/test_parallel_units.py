@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from suite.config.schema import ModelConfig
+from suite.launch.launcher import _first_failure
 from suite.models import build_model, materialize
 from suite.parallel.data_parallel import canonical_name, full_init
-from suite.parallel.launcher import _first_failure
 from suite.train.zero1 import _row_slice
 
 

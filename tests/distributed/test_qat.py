@@ -72,7 +72,7 @@ def test_learned_scales_resume_exactly_and_stay_out_of_the_float_model(tmp_path,
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     saved = FileSystemReader(str(qat_single / "checkpoints" / f"step_{STEPS}")).read_metadata()
     scales = [k for k in saved.state_dict_metadata if k.startswith("model.") and k.endswith(LEARNED_SCALE)]
@@ -151,7 +151,7 @@ def test_a_checkpoint_from_before_learned_scales_refuses_the_default_and_resumes
 
 def _scales(folder):
     """A checkpoint's learned scales by parameter name."""
-    from suite.sources import checkpoint_tensors
+    from suite.model_source import checkpoint_tensors
 
     return {
         k: v.read() for k, v in checkpoint_tensors(folder, lambda key: key.endswith(LEARNED_SCALE)).items()
@@ -161,9 +161,9 @@ def _scales(folder):
 def _fake_quantized(run):
     """The QAT run's final model as training computed it: fake-quantized Linear layers holding the
     checkpoint's weights and learned scales."""
+    from suite.model_source import ModelSource
     from suite.models import build_model, materialize
     from suite.models.qat import init_learned_scales, prepare_qat
-    from suite.sources import ModelSource
     from suite.train.checkpoint import load_model_weights
 
     source = ModelSource.parse(str(run))
@@ -180,8 +180,8 @@ def test_qat_conversion_computes_what_training_computed(qat_single):
     """The int4 model in <run.dir>-int4 gives the logits of the fake-quantized model training ended
     with (the learned scales stored in bf16), and round to nearest on the same weights does not."""
     from suite.compress.methods import quantize_model
+    from suite.model_source import ModelSource
     from suite.models.quantized import load_quantized_model
-    from suite.sources import ModelSource
 
     trained, source = _fake_quantized(qat_single)
     assert any(n.endswith(LEARNED_SCALE) for n, _ in trained.named_parameters())

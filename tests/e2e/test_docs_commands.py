@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from suite.cli_help import VERB_HELP, verb_help
+from suite.cli.help import VERB_HELP, verb_help
 from tests.conftest import write_tiny_corpus
 from tests.forked_cli import ForkedCLI
 from tests.helpers import REPO, suite_env

@@ -100,7 +100,7 @@ def test_gguf_metadata_and_tokenizer(runs, tmp_path, family):
     import gguf
     from transformers import AutoTokenizer
 
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     path = _export(runs[family], tmp_path / "out", "f16")
     source = ModelSource.parse(runs[family])

@@ -15,7 +15,7 @@ import torch
 from suite.config.schema import GenerateConfig
 from suite.infer.generate import generate_tokens
 from suite.infer.runners import SuiteRunner, decode_steps, greedy, load_runner
-from suite.sources import ModelSource
+from suite.model_source import ModelSource
 from tests.helpers import TINY_MODEL, run_suite
 
 FAMILIES = {

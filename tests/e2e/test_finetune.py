@@ -77,7 +77,7 @@ def first_step_loss_in_process(run_dir: Path, base: Path) -> float:
     from suite.data.batch import IGNORE_INDEX
     from suite.data.sft import SFTBatches, SFTDataset
     from suite.finetune.trainer import sft_options
-    from suite.sources import load_hf_model
+    from suite.model_source import load_hf_model
     from suite.train.loss import cross_entropy
 
     cfg = load_saved_config(run_dir / "config.yaml")
@@ -114,7 +114,7 @@ def test_lora_trains_and_saves_only_adapters(lora_run, base):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    from suite.sources import load_hf_model
+    from suite.model_source import load_hf_model
 
     adapters = load_file(str(lora_run / "lora" / "lora.safetensors"))
     assert adapters and all(".lora_a." in k or ".lora_b." in k for k in adapters)

@@ -14,7 +14,7 @@ import torch
 from suite.config.schema import GenerateConfig
 from suite.infer.engines import ModelEngine, load_engine
 from suite.infer.generate import generate_texts, generate_tokens
-from suite.sources import ModelSource
+from suite.model_source import ModelSource
 from tests.helpers import REPO, TINY_MODEL, run_suite, suite_env
 
 GREEDY = GenerateConfig(max_new_tokens=12, temperature=0.0, top_k=None, top_p=None)

@@ -244,7 +244,7 @@ def test_another_pipeline_into_a_pipeline_folder_is_refused_then_moved_aside(run
 
 def test_readers_read_latest_not_the_highest_step(runs, tmp_path):
     """A step folder beside the one `latest` names (a leftover, never committed last) is not read."""
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     run = tmp_path / "run"
     shutil.copytree(runs["a"], run)

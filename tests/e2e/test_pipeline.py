@@ -156,7 +156,7 @@ def test_a_failing_gate_stops_the_pipeline_in_one_line(finished, tiny_data):
 
 def test_killed_during_finetuning_resumes_it(tmp_path, tiny_data):
     """SIGKILL to the whole `suite run` (its process group) while finetuning. The stage is a process
-    forked by the run's fork server (suite/fork_server.py; no GPU here), standing behind a client
+    forked by the run's fork server (suite/launch/fork_server.py; no GPU here), standing behind a client
     in the run's group: the test asserts that process tree, and that the stage dies with the run."""
     recipe = write_recipe(tmp_path, tiny_data, ft_steps=400)
     out = tmp_path / "run"
@@ -176,7 +176,9 @@ def test_killed_during_finetuning_resumes_it(tmp_path, tiny_data):
             break
         time.sleep(0.05)
     tree = child_processes(proc.pid)
-    servers = [pid for pid, cmd in tree.items() if b"suite.fork_server" in cmd and b"--client" not in cmd]
+    servers = [
+        pid for pid, cmd in tree.items() if b"suite.launch.fork_server" in cmd and b"--client" not in cmd
+    ]
     clients = [pid for pid, cmd in tree.items() if b"--client\0suite.cli\0finetune" in cmd]
     forked = child_processes(servers[0]) if servers else {}
     os.killpg(proc.pid, signal.SIGKILL)

@@ -50,9 +50,9 @@ def qlora_run(int4, tmp_path_factory) -> Path:
 
 
 def test_lora_over_int4_keeps_the_int_weights_and_trains_the_adapters(int4, qlora_run):
+    from suite.model_source import ModelSource
     from suite.models.lora import LoRALinear, merge_lora
     from suite.models.quantized import is_quantized_tensor, load_quantized_model
-    from suite.sources import ModelSource
 
     losses = train_losses(qlora_run)
     assert sorted(losses) == list(range(1, STEPS + 1)) and all(

@@ -71,7 +71,7 @@ def quantized(base_run) -> dict[str, Path]:
 
 def _held_out_tokens(base_run: Path) -> torch.Tensor:
     from suite.compress.quantize import held_out_and_calibration
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
     from tests.helpers import run_config
 
     cfg = run_config(base_run)
@@ -82,8 +82,8 @@ def _held_out_tokens(base_run: Path) -> torch.Tensor:
 @pytest.mark.parametrize("method", list(METHODS))
 def test_quantized_logits_close_and_weights_are_torchao_tensors(base_run, quantized, method):
     from suite.infer.generate import load_for_inference
+    from suite.model_source import ModelSource
     from suite.models.quantized import is_quantized_tensor
-    from suite.sources import ModelSource
 
     tolerance, type_name = METHODS[method]
     tokens = _held_out_tokens(base_run)
@@ -131,7 +131,7 @@ def test_bytes_shrink_and_report_fields(quantized):
 def test_gptq_tracks_the_model_closer_than_round_to_nearest(base_run, quantized):
     """Same int4 grid and tensor type; GPTQ's error compensation gives logits nearer the source's."""
     from suite.infer.generate import load_for_inference
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     tokens = _held_out_tokens(base_run)
     with torch.no_grad():

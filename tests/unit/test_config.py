@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from suite.checks import validate
 from suite.config.compose import SHIPPED_RECIPES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
+from suite.preflight import validate
 from suite.runtime import resolve_auto
 
 GROUPS = sorted(p.name for p in SHIPPED_RECIPES.iterdir() if p.is_dir() and not p.name.startswith("_"))

@@ -7,7 +7,7 @@ import json
 
 from suite.config.schema import ModelConfig
 from suite.export.manifest import MANIFEST_FILE, config_hash, write_manifest
-from suite.sources import ModelSource
+from suite.model_source import ModelSource
 from tests.unit.test_hf_roundtrip import _hf_folder
 
 

@@ -23,10 +23,10 @@ from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig, ModelConfig
 from suite.export.hf import export_hf
 from suite.infer.generate import generate_tokens
+from suite.model_source import load_hf_model
 from suite.models import build_model, materialize
 from suite.models.checks import check_model
 from suite.models.family import FAMILIES
-from suite.sources import load_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(

@@ -1,4 +1,4 @@
-"""suite.fork_server on its own: a client stands for a process the server forked (output, folder,
+"""suite.launch.fork_server on its own: a client stands for a process the server forked (output, folder,
 environment, exit code, killing signal, SIGTERM passed on, its SIGKILL taking the process along),
 and runs the process itself where there is no server. tests/fork_target.py is the forked `main`."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from suite.fork_server import SERVER_ENV, ForkServer, client_command
+from suite.launch.fork_server import SERVER_ENV, ForkServer, client_command
 from tests.helpers import REPO, child_processes, process_gone
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process trees from /proc")
@@ -92,7 +92,7 @@ def test_sigterm_reaches_the_process_and_sigkill_of_the_client_takes_it_along(se
 
 def test_the_server_ends_with_its_parent(tmp_path):
     code = (
-        f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from suite.fork_server import ForkServer; "
+        f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from suite.launch.fork_server import ForkServer; "
         f"s = ForkServer({str(tmp_path)!r}, [], {{}}); print(s.proc.pid, flush=True); time.sleep(60)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -22,8 +22,8 @@ from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig, ModelConfig
 from suite.export.hf import export_hf
 from suite.infer.generate import generate_tokens
+from suite.model_source import load_hf_model
 from suite.models import build_model, materialize
-from suite.sources import load_hf_model
 
 SMALL = dict(
     vocab_size=96,
@@ -153,8 +153,8 @@ def test_import_into_fused_projections_matches_transformers_logits(tmp_path, nam
     """HF weights converted into the fused layout (wqkv, w13) give transformers' logits."""
     import dataclasses
 
+    from suite.model_source import read_hf_weights
     from suite.models.hf import from_hf_state_dict, model_config_from_hf
-    from suite.sources import read_hf_weights
 
     torch.manual_seed(0)
     hf = HF_MODELS[name]().eval()
@@ -180,8 +180,8 @@ def test_unknown_architecture_is_refused(tmp_path):
 
 def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
     """transformers 5 holds experts fused (gate_up_proj [E, 2*ffn, h]); its files list them per expert."""
+    from suite.model_source import read_hf_weights
     from suite.models.hf import from_hf_state_dict, model_config_from_hf
-    from suite.sources import read_hf_weights
 
     hf = HF_MODELS["mixtral"]()
     _randomise(hf)
@@ -198,12 +198,12 @@ def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
 def test_lazy_import_reads_only_the_requested_box(tmp_path, name):
     """The HF -> suite mapping run on unread tensors: any box of any suite tensor equals the eager
     conversion's, and reading a box reads only that many elements from the files (how each rank of
-    a sharded run loads its own shard: suite.sources)."""
+    a sharded run loads its own shard: suite.model_source)."""
     import dataclasses
 
+    from suite.model_source import hf_weights, read_hf_weights
     from suite.models.hf import from_hf_state_dict, model_config_from_hf
     from suite.models.lazy import Source
-    from suite.sources import hf_weights, read_hf_weights
 
     hf = HF_MODELS[name.removesuffix("-fused")]()
     _randomise(hf)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from suite.checks import validate
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
 from suite.data.batch import Batch
 from suite.models import build_model, materialize
 from suite.parallel.parallelize import parallelize
+from suite.preflight import validate
 from suite.runtime import resolve_auto, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train.master_weights import MasterWeightOptimizer

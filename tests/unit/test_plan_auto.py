@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from suite.checks import validate
 from suite.cli import _compose
 from suite.config.errors import ConfigError
 from suite.plan.auto import PARALLEL_KEYS, choose_layout
 from suite.plan.cost import GIB
 from suite.plan.fit import FIT_MARGIN, check_fits, estimate_fit, plan_command
+from suite.preflight import validate
 from tests.helpers import TINY_MODEL
 
 TINY = [*TINY_MODEL, "data.vocab_size=512", "train.device=cpu", "parallel=auto"]

@@ -16,13 +16,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from suite.checks import validate
 from suite.config.compose import compose_config, to_object
 from suite.data.batch import Batch
 from suite.plan.cost import evaluate
 from suite.plan.fit import recipe_layout
 from suite.plan.layout import Job
 from suite.plan.params import count_params
+from suite.preflight import validate
 from suite.train.tensor_memory import TensorMemory
 from suite.train.trainer import standalone_step
 

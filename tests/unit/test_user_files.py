@@ -17,7 +17,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import DataSourceConfig
 from suite.data.sft import iter_sft_rows
 from suite.data.sources import read_source
-from suite.outputs import check_output_folder, check_replaceable
+from suite.output_paths import check_output_folder, check_replaceable
 
 ROWS = [{"text": "café au lait"}, {"text": "naïve résumé"}, {"text": "plain"}]
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from suite.checks import validate
-from suite.cli_common import _compose, _compose_with_ckpt, _report, _say
+from suite.cli.common import _compose, _compose_with_ckpt, _report, _say
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
 from suite.export.checks import record_export
 from suite.infer.parallel_eval import RESULT
+from suite.preflight import validate
 from suite.runtime import DTYPES
 
 
@@ -224,7 +224,7 @@ def cmd_eval(overrides: list[str], flags: set[str]) -> int:
 def _launch_perplexity(raw: Any, source: Any) -> dict[str, Any]:
     """In the parent: check, launch the workers, return rank 0's result."""
     from suite.config.compose import to_object
-    from suite.parallel.launcher import launch
+    from suite.launch.launcher import launch
 
     cfg = to_object(raw)
     e = cfg.eval

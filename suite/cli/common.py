@@ -47,7 +47,7 @@ def _compose_with_ckpt(overrides: list[str], example: str):
         raise ConfigError(
             f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
         )
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
 
     return cfg, ModelSource.parse(cfg.ckpt, "ckpt")
 

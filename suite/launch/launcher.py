@@ -1,7 +1,7 @@
 """Run a verb on many processes with torch's elastic launcher, started in-process by the CLI.
 
 The parent composes and validates the config once and freezes it to a file; every worker reads
-that file (`python -m suite.worker <verb> <config.yaml>`), so no worker ever re-runs Hydra.
+that file (`python -m suite.cli.worker <verb> <config.yaml>`), so no worker ever re-runs Hydra.
 
     launch.nproc_per_node   workers on this node (one per GPU; CPU processes on a CPU machine)
     launch.nnodes           nodes in the job; run the same command on each with its node_rank
@@ -15,7 +15,7 @@ that file (`python -m suite.worker <verb> <config.yaml>`), so no worker ever re-
                             (workers resume from the newest checkpoint)
     launch.worker_start     spawn: every rank a fresh interpreter; fork: ranks forked from one
                             process per job that imported torch and the suite once
-                            (suite/fork_server.py); auto: fork for CPU workers, spawn on GPUs
+                            (suite/launch/fork_server.py); auto: fork for CPU workers, spawn on GPUs
 
 Elastic process range (`launch.nproc_per_node=min:max`, one node): the job starts on max workers.
 After a failure (with restarts left) the suite's launcher starts a new worker group itself: on the
@@ -170,16 +170,16 @@ class GroupFailed(Exception):
         return f"{verb} failed, {where}{detail}"
 
 
-# what a worker of each verb imports (suite/worker.py: run_trainer), imported once by the fork server
+# what a worker of each verb imports (suite/cli/worker.py: run_trainer), imported once by the fork server
 WORKER_PRELOAD = (
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
-    "suite.checks",
+    "suite.preflight",
     "suite.parallel",
-    "suite.sources",
+    "suite.model_source",
     "suite.train.trainer",
-    "suite.worker",
+    "suite.cli.worker",
 )
 VERB_PRELOAD = {
     "finetune": ("suite.finetune.trainer",),
@@ -217,7 +217,7 @@ def launch(
     verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Path, device: str = "auto"
 ) -> None:
     """Start the workers on this node (one node of nnodes) and wait for them."""
-    from suite.fork_server import SERVER_ENV, ForkServer
+    from suite.launch.fork_server import SERVER_ENV, ForkServer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="suite-launch-"))
@@ -339,7 +339,7 @@ def _run_group(
     os.environ.update(env)
     waiting = _announce_waiting(launch_cfg, endpoint, frozen.with_name(STARTED)) if nodes > 1 else None
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "suite.worker", verb, str(frozen))
+        elastic_launch(config, entrypoint=sys.executable)("-m", "suite.cli.worker", verb, str(frozen))
     except ChildFailedError as exc:
         raise GroupFailed(*_first_failure(exc)) from None
     except SignalException as exc:

@@ -4,12 +4,12 @@ interpreter each.
 A worker's imports (torch, its distributed packages, the trainer) cost ~4 s of CPU per rank, paid
 by every rank at every start and restart; a `suite run` stage pays as much before it does
 anything. With `launch.worker_start=fork` the launcher starts one server per job
-(`python -m suite.fork_server <socket> <modules>`), which imports all that once; each rank is still
-the process torch's elastic agent starts, `python -m suite.worker <verb> <config>`, but that
+(`python -m suite.launch.fork_server <socket> <modules>`), which imports all that once; each rank is still
+the process torch's elastic agent starts, `python -m suite.cli.worker <verb> <config>`, but that
 process (the *client*, a bare interpreter) hands its argv, environment, working folder and
 stdin/stdout/stderr to the server over a Unix socket and the server forks the real worker from its
 warm state. A pipeline (suite.pipeline.runner) does the same with one server per `suite run`, its
-stages started as `python -m suite.fork_server --client suite.cli <verb> ...`, each the CLI's `main`.
+stages started as `python -m suite.launch.fork_server --client suite.cli <verb> ...`, each the CLI's `main`.
 This module imports nothing of the suite itself: its callers name the modules to preload and the
 module whose `main(argv)` each process runs.
 The client then stands for the forked process:
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-WORKER_MODULE = "suite.worker"  # a launched rank: ends without exit functions, as suite.worker does
+WORKER_MODULE = "suite.cli.worker"  # a launched rank: ends without exit functions, as suite.cli.worker does
 SERVER_ENV = "SUITE_WORKER_SERVER"
 THREADS_ENV = "SUITE_FORK_THREADS"  # the intra-op thread count a forked process takes by default  # "<server pid>:<socket path>", set by the launcher for the clients
 CONNECT_WAIT_S = 300.0  # the server imports for a few seconds first; a slow machine may take longer
@@ -95,7 +95,7 @@ def run_main(module: str, argv: list[str], exit_functions: bool) -> int:
     """`module.main(argv)` as `python -m` runs an entry point: its return value is the exit code, a
     SystemExit's code or one-line message (on stderr, code 1), an uncaught exception's traceback
     (code 1); then, with `exit_functions`, the interpreter's exit functions (wandb, logging,
-    temporary files), which suite.worker leaves out on purpose (see its `_exit`)."""
+    temporary files), which suite.cli.worker leaves out on purpose (see its `_exit`)."""
     import atexit
     import importlib
     import traceback
@@ -202,7 +202,7 @@ def serve(path: str, modules: list[str], parent: int) -> None:
 
     Event-driven (the listener and SIGCHLD through a wakeup pipe): a worker's death reaches its
     client within a millisecond, so the agent sees it at the same poll as its peers' failures,
-    which follow it (see suite.parallel.launcher._first_failure)."""
+    which follow it (see suite.launch.launcher._first_failure)."""
     import selectors
 
     preload(modules)  # `parent`: the launcher's pid, passed in (it may have died while this started)
@@ -307,7 +307,14 @@ class ForkServer:
         torch = sys.modules.get("torch")
         threads = env.get("OMP_NUM_THREADS") or str(torch.get_num_threads() if torch else os.cpu_count() or 1)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "suite.fork_server", self.path, ",".join(modules), str(os.getpid())],
+            [
+                sys.executable,
+                "-m",
+                "suite.launch.fork_server",
+                self.path,
+                ",".join(modules),
+                str(os.getpid()),
+            ],
             env={
                 **env,
                 # one OpenMP thread while importing: an OpenMP pool in the server would be broken in
@@ -423,7 +430,7 @@ def _end_by(signals: list[int]) -> None:
 def client_command(module: str, argv: list[str]) -> list[str]:
     """The command of a process that stands for `module.main(argv)` run by the server whose address
     is in its environment (SERVER_ENV), or runs it itself when there is none."""
-    return [sys.executable, "-m", "suite.fork_server", "--client", module, *argv]
+    return [sys.executable, "-m", "suite.launch.fork_server", "--client", module, *argv]
 
 
 def _client_main(module: str, argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from suite.config.schema import SuiteConfig
 from suite.config.validate import check_values, world_size
 from suite.data.checks import check_data
 from suite.models.checks import check_model
-from suite.outputs import check_run_dir
+from suite.output_paths import check_run_dir
 from suite.parallel.dims import ParallelDims, check_elastic, resolve_dims
 from suite.parallel.recompute import check_recompute
 from suite.runtime import check_device, check_precision

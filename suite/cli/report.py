@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from suite.cli_common import _report
+from suite.cli.common import _report
 from suite.config.errors import ConfigError
 from suite.folders import OVERWRITE
 

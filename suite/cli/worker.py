@@ -1,8 +1,8 @@
 """Entry point of a launched worker: read the parent's frozen config and run the verb.
 
-The elastic launcher starts `python -m suite.worker <verb> <config.yaml>` once per rank; with
+The elastic launcher starts `python -m suite.cli.worker <verb> <config.yaml>` once per rank; with
 `launch.worker_start=fork` that process hands the work to a warm process forked by
-suite.fork_server and stands for it (this module then imports nothing heavy first). Failures
+suite.launch.fork_server and stands for it (this module then imports nothing heavy first). Failures
 are recorded in the launcher's per-rank error file (so the parent can name the rank and the cause
 in one line); a ConfigError exits 2 without a traceback, anything else prints its traceback here,
 on this rank's console, and exits 1. Workers end with os._exit once their output is flushed (see
@@ -29,8 +29,8 @@ def _record(exc: BaseException) -> None:
 
 
 def run(verb: str, config_path: Path) -> int:
-    from suite.checks import worker_dims
     from suite.config.compose import load_saved_config
+    from suite.preflight import worker_dims
 
     resolved_yaml = config_path.read_text()
     with contextlib.suppress(OSError):  # the launcher stops saying that this node waits for its peers
@@ -48,7 +48,7 @@ def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
     from suite.config.errors import ConfigError
 
     if verb == "pretrain":
-        from suite.sources import initial_weights
+        from suite.model_source import initial_weights
         from suite.train.trainer import Trainer
 
         Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
@@ -60,7 +60,7 @@ def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
         return 0
     if verb == "distill":
         from suite.distill.trainer import DistillTrainer, SFTDistillTrainer
-        from suite.sources import initial_weights
+        from suite.model_source import initial_weights
 
         if cfg.distill.data == "sft":
             SFTDistillTrainer(cfg, dims, resolved_yaml).train()
@@ -77,7 +77,7 @@ def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(
-            "usage: python -m suite.worker <verb> <config.yaml> (started by the suite launcher)",
+            "usage: python -m suite.cli.worker <verb> <config.yaml> (started by the suite launcher)",
             file=sys.stderr,
         )
         return 2
@@ -120,8 +120,8 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    from suite.fork_server import SERVER_ENV, forward
+    from suite.launch.fork_server import SERVER_ENV, forward
 
     address = os.environ.get(SERVER_ENV)
-    forwarded = forward("suite.worker", sys.argv[1:], address) if address else None
+    forwarded = forward("suite.cli.worker", sys.argv[1:], address) if address else None
     _exit(main(sys.argv[1:]) if forwarded is None else forwarded)

@@ -14,17 +14,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from suite.checks import validate
-from suite.cli_common import _compose, _compose_with_ckpt, _expand, _report, _say
-from suite.cli_help import USAGE, verb_help
-from suite.cli_infer import cmd_chat, cmd_eval, cmd_export, cmd_generate
-from suite.cli_report import cmd_report
+from suite.cli.common import _compose, _compose_with_ckpt, _expand, _report, _say
+from suite.cli.help import USAGE, verb_help
+from suite.cli.infer import cmd_chat, cmd_eval, cmd_export, cmd_generate
+from suite.cli.report import cmd_report
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
 from suite.folders import OVERWRITE
-from suite.outputs import check_new_file
+from suite.output_paths import check_new_file
 from suite.pipeline import cmd_run
+from suite.preflight import validate
 from suite.runtime import resolve_auto
 
 BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
@@ -109,12 +109,12 @@ def _train(verb: str, cfg, dims, resolved_yaml: str) -> int:
 def _run_training(verb: str, cfg, dims, resolved_yaml: str) -> int:
     """Train here, or hand the frozen config to the elastic launcher when more processes are asked for."""
     if world_size(cfg) > 1:
-        from suite.parallel.launcher import inside_worker, launch
+        from suite.launch.launcher import inside_worker, launch
 
         if not inside_worker():
             launch(verb, resolved_yaml, cfg.launch, Path(cfg.run.dir), device=cfg.train.device)
             return 0
-    from suite.worker import run_trainer
+    from suite.cli.worker import run_trainer
 
     return run_trainer(verb, cfg, dims, resolved_yaml)
 
@@ -159,7 +159,7 @@ def _with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
     from dataclasses import asdict
 
     from suite.compress.checks import refuse_quantized
-    from suite.sources import ModelSource
+    from suite.model_source import ModelSource
     from suite.train.run_folder import ARCHITECTURE
 
     init_from = raw.model.init_from
@@ -405,7 +405,7 @@ def _print_launch(verb: str, overrides: list[str]) -> int:
     launch = cfg.launch
     if launch.nnodes < 1:
         raise ConfigError(f"launch.nnodes={launch.nnodes} must be a positive integer")
-    from suite.parallel.launcher import node_commands
+    from suite.launch.launcher import node_commands
 
     host = launch.rdzv_endpoint.rsplit(":", 1)[0]
     if launch.nnodes > 1 and host.startswith(("127.", "localhost")):
