@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
 from suite.runtime import resolve_auto
@@ -59,3 +61,18 @@ def _report(flags: set[str], result: dict, text: str, source=None) -> int:
         _say(source.describe())
     print(json.dumps(result) if "--json" in flags else text)
     return 0
+
+
+def _report_compression(report: dict, what: str, flags: set[str]) -> int:
+    """A compression verb's result: its before/after table, where it wrote, the report file."""
+    text = f"{report['table']}\n{what} checkpoint: {report['checkpoint']}\nreport: {report['report']}"
+    return _report(flags, {k: v for k, v in report.items() if k != "table"}, text)
+
+
+def _explicit_dir(overrides: list[str]) -> bool:
+    """run.dir typed on the command line (else the verb names its output folder after its input)."""
+    return any(o.split("=", 1)[0] == "run.dir" for o in overrides)
+
+
+def _device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device

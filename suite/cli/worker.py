@@ -1,6 +1,7 @@
 """Entry point of a launched worker: read the parent's frozen config and run the verb.
 
-The elastic launcher starts `python -m suite.cli.worker <verb> <config.yaml>` once per rank; with
+The elastic launcher starts `python -m suite.cli.worker <verb> <config.yaml>` once per rank, which
+runs the verb's `in_rank` (suite.verb) there; with
 `launch.worker_start=fork` that process hands the work to a warm process forked by
 suite.launch.fork_server and stands for it (this module then imports nothing heavy first). Failures
 are recorded in the launcher's per-rank error file (so the parent can name the rank and the cause
@@ -28,10 +29,17 @@ def _record(exc: BaseException) -> None:
         ErrorHandler().record_exception(exc)
 
 
-def run(verb: str, config_path: Path) -> int:
+def run(verb_name: str, config_path: Path) -> int:
+    """Run the verb's rank function (suite.verb.Verb.in_rank) on the config the parent froze."""
+    # deferred: this process may only stand for a forked worker (see __main__), and then imports nothing heavy
+    from suite.cli.verbs import VERBS
     from suite.config.compose import load_saved_config
+    from suite.config.errors import ConfigError
     from suite.preflight import worker_dims
 
+    verb = VERBS.get(verb_name)
+    if verb is None or verb.in_rank is None:
+        raise ConfigError(f"verb {verb_name!r} does not run under the launcher")
     resolved_yaml = config_path.read_text()
     with contextlib.suppress(OSError):  # the launcher stops saying that this node waits for its peers
         config_path.with_name("started").touch()
@@ -39,39 +47,8 @@ def run(verb: str, config_path: Path) -> int:
     # this attempt's world: an elastic job (launch.nproc_per_node=min:max) may run below its maximum;
     # the parent checked everything else before it launched us
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    dims = worker_dims(cfg, world, finetune=verb == "finetune", distill=verb == "distill")
-    return run_trainer(verb, cfg, dims, resolved_yaml)
-
-
-def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
-    """Run a training verb's trainer in this process (the parent for one process, or a worker)."""
-    from suite.config.errors import ConfigError
-
-    if verb == "pretrain":
-        from suite.model_source import initial_weights
-        from suite.train.trainer import Trainer
-
-        Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-        return 0
-    if verb == "finetune":
-        from suite.finetune.trainer import FinetuneTrainer
-
-        FinetuneTrainer(cfg, dims, resolved_yaml).train()
-        return 0
-    if verb == "distill":
-        from suite.distill.trainer import DistillTrainer, SFTDistillTrainer
-        from suite.model_source import initial_weights
-
-        if cfg.distill.data == "sft":
-            SFTDistillTrainer(cfg, dims, resolved_yaml).train()
-        else:
-            DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-        return 0
-    if verb == "eval":  # metric=perplexity under tensor parallelism (suite.infer.parallel_eval)
-        from suite.infer.parallel_eval import run_worker
-
-        return run_worker(cfg, dims)
-    raise ConfigError(f"verb {verb!r} does not run under the launcher")
+    dims = worker_dims(cfg, world, verb.layout_checks)
+    return verb.in_rank(cfg, dims, resolved_yaml)
 
 
 def main(argv: list[str]) -> int:

@@ -107,17 +107,14 @@ def check_compress_option(overrides: list[str]) -> None:
             raise ConfigError(f"{key}={value}: {NOT_BUILT[value]}")
 
 
-def check_qat_layout(cfg: SuiteConfig, dims, verb: str) -> None:
-    """Quantization-aware training: on pretrain and finetune (full), whole weights per rank (dp, sharding)."""
+def check_qat_layout(cfg: SuiteConfig, dims) -> None:
+    """Quantization-aware training: on pretrain and finetune (full), whole weights per rank (dp, sharding);
+    a verb that cannot train with it refuses it in its own layout checks (suite.distill.checks)."""
     from suite.models.qat import QAT_METHODS
 
     method = cfg.compress.method
     if method not in QAT_METHODS:
         return
-    if verb not in ("pretrain", "finetune"):
-        raise ConfigError(
-            f"compress={method} is a training option of suite pretrain and suite finetune, not {verb}"
-        )
     for axis in ("tp", "pp", "cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(
@@ -129,7 +126,7 @@ def check_qat_layout(cfg: SuiteConfig, dims, verb: str) -> None:
 
     shape_only = build_model(cfg.model, "meta")
     check_compress_model(cfg, shape_only, linear_plan(shape_only, cfg.compress.skip)[0], cfg.model.name)
-    if verb == "finetune" and cfg.finetune.method == "lora":
+    if cfg.finetune.method == "lora":
         raise ConfigError(
             f"compress={method} with finetune.method=lora: the adapters would be trained against fake-quantized "
             "base weights that LoRA never changes; use finetune.method=full, or quantize after LoRA (suite quantize)"

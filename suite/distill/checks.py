@@ -1,4 +1,4 @@
-"""The distill section's checks, run once in the parent (suite.cli.cmd_distill, suite.preflight) before
+"""The distill section's checks, run once in the parent (suite.cli.verbs.distill, suite.preflight) before
 any process starts."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.distill.hidden import HIDDEN_LOSSES, HIDDEN_SCHEDULES
 from suite.distill.loss import DIVERGENCES
+from suite.models.qat import QAT_METHODS
 
 
 def check_distill(cfg: SuiteConfig) -> None:
@@ -91,3 +92,7 @@ def check_distill_layout(cfg: SuiteConfig, dims) -> None:
                     f"parallel.tp={dims.tp} does not divide the teacher's {key}={size} (distill.teacher="
                     f"'{cfg.distill.teacher}'); the teacher is split like the student: use a tp that divides {size}"
                 )
+    if cfg.compress.method in QAT_METHODS:
+        raise ConfigError(
+            f"compress={cfg.compress.method} is a training option of suite pretrain and suite finetune, not distill"
+        )

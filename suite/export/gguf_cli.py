@@ -1,5 +1,5 @@
 """`suite export`'s branches for issue 20's GGUF file and quantized HF folder, and the manifest of
-the plain HF folder: cmd_export hands over here before its own format=hf path, so each format's
+the plain HF folder: suite.cli.verbs.export hands over here before its own format=hf path, so each format's
 branch stays separate (torch_export and onnx sit beside these)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`suite eval metric=perplexity launch.nproc_per_node=N parallel.tp=N`: perplexity of a model too big
 for one device, under tensor parallelism.
 
-The parent (suite.cli.infer) checks the layout against the checkpoint's architecture (its model config replaces the
+The parent (suite.cli.verbs.eval) checks the layout against the checkpoint's architecture (its model config replaces the
 recipe's, as for model.init_from) and hands the frozen config to the elastic launcher with verb
 `eval`; every worker builds the model on the meta device, applies the same DTensor plan as training
 (suite.parallel.parallelize), and reads only its own shard of every tensor

@@ -170,7 +170,7 @@ class GroupFailed(Exception):
         return f"{verb} failed, {where}{detail}"
 
 
-# what a worker of each verb imports (suite/cli/worker.py: run_trainer), imported once by the fork server
+# what every launched worker imports, imported once by the fork server (a verb adds its own: Verb.rank_imports)
 WORKER_PRELOAD = (
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
@@ -181,11 +181,6 @@ WORKER_PRELOAD = (
     "suite.train.trainer",
     "suite.cli.worker",
 )
-VERB_PRELOAD = {
-    "finetune": ("suite.finetune.trainer",),
-    "distill": ("suite.distill.trainer",),
-    "eval": ("suite.infer.parallel_eval",),
-}
 
 
 def forks_workers(launch_cfg: LaunchConfig, device: str) -> bool:
@@ -214,7 +209,12 @@ def _worker_env(extra_env: dict[str, str]) -> dict[str, str]:
 
 
 def launch(
-    verb: str, resolved_yaml: str, launch_cfg: LaunchConfig, run_dir: Path, device: str = "auto"
+    verb: str,
+    resolved_yaml: str,
+    launch_cfg: LaunchConfig,
+    run_dir: Path,
+    device: str = "auto",
+    preload: tuple[str, ...] = (),
 ) -> None:
     """Start the workers on this node (one node of nnodes) and wait for them."""
     from suite.launch.fork_server import SERVER_ENV, ForkServer
@@ -227,8 +227,7 @@ def launch(
     # fit a Unix socket address (108 bytes)
     server = None
     if forks_workers(launch_cfg, device) and len(str(workdir / "workers.sock")) < 100:
-        preload = [*WORKER_PRELOAD, *VERB_PRELOAD.get(verb, ())]
-        server = ForkServer(str(workdir), preload, _worker_env({}))
+        server = ForkServer(str(workdir), [*WORKER_PRELOAD, *preload], _worker_env({}))
     # empty: no server, even where this command itself was forked by one (a `suite run` stage)
     base_env = {SERVER_ENV: server.address if server else ""}
     try:

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from suite.config.errors import ConfigError
-from suite.pipeline.recipe import TRAINING, Stage
+from suite.pipeline.recipe import Stage
 
-RUN_FOLDER_VERBS = (*TRAINING, "quantize", "prune")
 RESULT = "result.json"  # an eval / generate stage's JSON result, in its folder
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".onnx", ".data", ".pt2", ".bin")
 
@@ -33,7 +32,7 @@ def sha256(path: Path) -> str:
 def fingerprint(stage: Stage) -> dict[str, Any]:
     """The stage's outputs as they are now; ConfigError (one line) when they are missing or broken."""
     folder = stage.folder
-    if stage.verb in RUN_FOLDER_VERBS:
+    if stage.output in ("run", "checkpoint"):
         from suite.model_source import ModelSource
         from suite.train.checkpoint import MANIFEST, checkpoint_step
 
@@ -59,7 +58,7 @@ def describe(output: dict[str, Any]) -> str:
 
 def read_result(stage: Stage, printed: dict[str, Any] | None) -> dict[str, Any]:
     """The stage's result: the verb's --json line; a training verb's summary.json."""
-    if stage.verb in TRAINING:
+    if stage.output == "run":
         summary = stage.folder / "summary.json"
         return json.loads(summary.read_text()) if summary.is_file() else {}
     return printed or {}
@@ -92,20 +91,21 @@ def figures(stage: Stage, result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     An eval stage's figures belong to the stage it measured; a quantize / prune report's `after`
     to itself and its `before` to the stage it read (figures an eval stage gives win over both)."""
     out: dict[str, dict[str, Any]] = {}
-    if stage.verb == "eval" and stage.measures:
-        out[stage.measures] = {k: result.get(k) for k in ("accuracy", "perplexity") if k in result}
-    elif stage.verb in ("quantize", "prune"):
+    measured = {k: result.get(k) for k in ("accuracy", "perplexity") if k in result}
+    if stage.output == "result" and stage.measures and measured:
+        out[stage.measures] = measured
+    elif stage.output == "checkpoint":
         out[stage.name] = _from_report(result.get("after") or {})
         if stage.needs:
             out[stage.needs[0]] = _from_report(result.get("before") or {})
-    elif stage.verb in TRAINING:
+    elif stage.output == "run":
         params = _params(stage.folder)
         out[stage.name] = {
             "accuracy": result.get("last_val_accuracy"),
             "params": params,
             "bytes": None if params is None else 4 * params,  # fp32 weights
         }
-    elif stage.verb == "export":
+    elif stage.output == "files":
         files = [p for p in stage.folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
         out[stage.name] = {"bytes": sum(p.stat().st_size for p in files) or None}
     return {k: {m: v for m, v in row.items() if v is not None} for k, row in out.items()}
@@ -116,5 +116,5 @@ def merge(table: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]], stag
     for name, row in new.items():
         current = table.setdefault(name, {})
         for metric, value in row.items():
-            if stage.verb == "eval" or name == stage.name or metric not in current:
+            if stage.output == "result" or name == stage.name or metric not in current:
                 current[metric] = value

@@ -29,23 +29,11 @@ from typing import Any
 from suite import user_files
 from suite.config.errors import ConfigError
 from suite.output_paths import check_output_folder
+from suite.verb import VERBS, stage_verbs
 
 REF = re.compile(r"\$\{stage:([^}]*)\}")
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 RESERVED = ("pipeline", "run", "logs")  # command-line keys, the folder of the stage logs
-TRAINING = ("pretrain", "finetune", "distill")
-# the key that names a verb's output folder (the pipeline sets it); None: the verb writes no folder
-OUTPUT_KEY = {
-    "prepare": "data.path",
-    "pretrain": "run.dir",
-    "finetune": "run.dir",
-    "distill": "run.dir",
-    "quantize": "run.dir",
-    "prune": "run.dir",
-    "export": "export.out",
-    "eval": None,
-    "generate": None,
-}
 ALIASES = {"out": "export.out"}  # the verbs' short keys that name an output
 GATE_LIMITS = ("max_drop", "max_rise", "min", "max")
 METRICS = ("accuracy", "perplexity", "params", "bytes", "decode_tokens_per_s")
@@ -60,13 +48,18 @@ class Stage:
     folder: Path
 
     @property
+    def output(self) -> str:
+        """What the stage leaves behind (suite.verb.STAGE_OUTPUTS): a run, a checkpoint, files, a result."""
+        return VERBS[self.verb].stage_output
+
+    @property
     def measures(self) -> str | None:
-        """The stage whose model an eval/generate stage measures (its first reference)."""
-        return self.needs[0] if self.verb in ("eval", "generate") and self.needs else None
+        """The stage whose model a stage with a result (eval, generate) measures (its first reference)."""
+        return self.needs[0] if self.output == "result" and self.needs else None
 
     def argv(self) -> list[str]:
         """`suite <verb> ...` as the pipeline runs it: the stage's args, then its output folder."""
-        key = OUTPUT_KEY[self.verb]
+        key = VERBS[self.verb].output_key
         extra = [f"{key}={self.folder}"] if key else []
         return [self.verb, *self.args, *extra, "--json"]
 
@@ -189,9 +182,9 @@ def _stage(name: str, body: Any, folder: Path, earlier: list[Stage], path: Path)
     if not isinstance(body, dict) or set(body) - {"verb", "args"}:
         raise ConfigError(f"{where}: a stage has verb: and args: (a list of key=value strings)")
     verb = body.get("verb") or name
-    if verb not in OUTPUT_KEY:
+    if verb not in stage_verbs():
         raise ConfigError(
-            f"{where}: verb '{verb}' is not one a pipeline runs; use one of: {', '.join(OUTPUT_KEY)}"
+            f"{where}: verb '{verb}' is not one a pipeline runs; use one of: {', '.join(stage_verbs())}"
         )
     args = body.get("args") or []
     if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
@@ -222,7 +215,7 @@ def _check_output_keys(stage: Stage, path: Path) -> None:
     for arg in stage.args:
         key = arg.split("=", 1)[0]
         key = ALIASES.get(key, key)
-        if key in ("run.dir", "export.out", "data.path") and key == OUTPUT_KEY[stage.verb]:
+        if key in ("run.dir", "export.out", "data.path") and key == VERBS[stage.verb].output_key:
             raise ConfigError(
                 f"pipeline {path}, stage '{stage.name}' sets {arg.split('=', 1)[0]}; the pipeline gives every "
                 f"stage its folder ({stage.folder}): drop it, and read other stages with ${{stage:NAME}}"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from suite.pipeline.recipe import Pipeline
+from suite.verb import VERBS
 
 PANELS = (
     ("accuracy", "task accuracy (exact match)", 1.0),
@@ -45,7 +46,7 @@ def write_report(
     ]
     for name, rec in records.items():
         row = figures.get(name, {})
-        measured = rec["needs"][0] if rec["verb"] in ("eval", "generate") and rec["needs"] else None
+        measured = rec["needs"][0] if VERBS[rec["verb"]].stage_output == "result" and rec["needs"] else None
         cells = [
             _cell(row.get(m), m) for m in ("accuracy", "perplexity", "params", "bytes", "decode_tokens_per_s")
         ]

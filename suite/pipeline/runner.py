@@ -31,7 +31,8 @@ from typing import Any
 from suite import folders
 from suite.config.errors import ConfigError
 from suite.pipeline import outputs
-from suite.pipeline.recipe import TRAINING, Gate, Pipeline, Stage
+from suite.pipeline.recipe import Gate, Pipeline, Stage
+from suite.verb import VERBS
 
 GATE_EXIT = 3  # a quality gate stopped the pipeline
 # what most stages import beyond a worker's, imported once by the run's fork server
@@ -164,7 +165,7 @@ class Run:
         folder = stage.folder
         if not folder.exists():
             return
-        if stage.verb in TRAINING:
+        if stage.output == "run":
             n = 1
             while folder.with_name(f"{folder.name}.old-{n}").exists():
                 n += 1
@@ -189,7 +190,7 @@ class Run:
                 flush=True,
             )
             self.clear(stage)
-        elif self.marker_path(stage).is_file() or stage.verb not in TRAINING:
+        elif self.marker_path(stage).is_file() or stage.output != "run":
             if self.marker_path(stage).is_file():
                 print(f"    {stage.name}: {why}; rerunning", flush=True)
             self.clear(stage)
@@ -204,7 +205,7 @@ class Run:
         if code != 0:
             self.records[stage.name].update(status="failed", exit_code=code, seconds=seconds)
             return code
-        if stage.verb in ("eval", "generate"):
+        if stage.output == "result":
             stage.folder.mkdir(parents=True, exist_ok=True)
             _write_json(stage.folder / outputs.RESULT, printed or {})
         result = outputs.read_result(stage, printed)
@@ -277,11 +278,15 @@ class Run:
 
             from suite.config.schema import LaunchConfig
             from suite.launch.fork_server import ForkServer
-            from suite.launch.launcher import VERB_PRELOAD, WORKER_PRELOAD, forks_workers
+            from suite.launch.launcher import WORKER_PRELOAD, forks_workers
 
             self.server_dir = tempfile.mkdtemp(prefix="suite-run-")
             if forks_workers(LaunchConfig(), "auto") and len(self.server_dir) < 90:
-                preload = [*WORKER_PRELOAD, *(m for ms in VERB_PRELOAD.values() for m in ms), *STAGE_PRELOAD]
+                preload = [
+                    *WORKER_PRELOAD,
+                    *(m for v in VERBS.values() for m in v.rank_imports),
+                    *STAGE_PRELOAD,
+                ]
                 self.server = ForkServer(self.server_dir, preload, env)
         return self.server
 

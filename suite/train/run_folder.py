@@ -26,6 +26,7 @@ from suite import folders
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, SuiteConfig
 from suite.train import checkpoint as ckpt
+from suite.verb import VERBS, RunIdentity
 
 FINGERPRINT = ckpt.FINGERPRINT
 # model keys that do not change the weights a checkpoint holds (or that name where they came from)
@@ -46,25 +47,9 @@ SOURCE_KEYS = ("model.init_from:", "distill.teacher:")
 ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_ARCHITECTURE]
 
 
-def tokenizer_file(cfg: SuiteConfig, verb: str, data_dir: Path | None) -> Path | None:
-    """The tokenizer the run trains with: the prepared data's (pretrain), the base model's (finetune)."""
-    if verb != "finetune":
-        return None if data_dir is None else Path(data_dir) / "tokenizer.json"
-    init = str(cfg.model.init_from or "")
-    if not init:
-        return None
-    if init.startswith("hf:"):
-        return Path(init[3:]).expanduser() / "tokenizer.json"
-    path = Path(init).expanduser()  # a run folder, or one of its checkpoint folders
-    return (
-        path / "tokenizer.json"
-        if (path / "tokenizer.json").is_file()
-        else path.parent.parent / "tokenizer.json"
-    )
-
-
 def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> dict[str, Any]:
-    """The flat {dotted key: value} that a checkpoint of this config must share with its resumer."""
+    """The flat {dotted key: value} that a checkpoint of this config must share with its resumer:
+    what every run records, then the verb's own keys (suite.verb.RunIdentity.keys)."""
     out: dict[str, Any] = {"verb": verb}
     out |= {f"model.{k}": getattr(cfg.model, k) for k in ARCHITECTURE}
     out["optim.name"] = cfg.optim.name
@@ -76,11 +61,7 @@ def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> d
         if c.method.startswith("qat-")
         else "compress=none"
     )  # as overrides: the refusal tells them back
-    if verb == "finetune":
-        out["finetune.method"] = cfg.finetune.method
-        if cfg.finetune.method == "lora":
-            out["finetune.lora.rank"] = cfg.finetune.lora.rank
-            out["finetune.lora.target_modules"] = list(cfg.finetune.lora.target_modules)
+    out |= _identity(verb).keys(cfg)
     if tokenizer is not None and tokenizer.is_file():
         out["tokenizer"] = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
     return json.loads(json.dumps(out))  # plain JSON values, as read back from a checkpoint
@@ -90,14 +71,17 @@ def of_run(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) -> dict[st
     """The fingerprint of the run a training verb starts: `fingerprint` with its tokenizer and the
     models it starts from or learns from (model.init_from, distill.teacher) as they are on disk, so
     that resuming with another source is refused rather than continued under the new name."""
-    out = fingerprint(cfg, verb, tokenizer_file(cfg, verb, data_dir))
-    sources = {"model.init_from": cfg.model.init_from}
-    if verb == "distill":
-        sources["distill.teacher"] = cfg.distill.teacher
-    for key, text in sources.items():
+    identity = _identity(verb)
+    out = fingerprint(cfg, verb, identity.tokenizer(cfg, data_dir))
+    for key, text in identity.sources(cfg).items():
         if text:
             out[key] = _source_identity(str(text), key)
     return out
+
+
+def _identity(verb: str) -> RunIdentity:
+    """A training verb's run identity (suite.verb); a verb without one records the common keys."""
+    return VERBS[verb].run_identity or RunIdentity()
 
 
 def _source_identity(text: str, key: str) -> str:

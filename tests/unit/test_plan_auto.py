@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from suite.cli import _compose
+from suite.cli.common import _compose
 from suite.config.errors import ConfigError
 from suite.plan.auto import PARALLEL_KEYS, choose_layout
 from suite.plan.cost import GIB

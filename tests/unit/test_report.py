@@ -107,7 +107,7 @@ def test_runs_compared_without_out_go_to_a_reports_folder_of_their_own(tmp_path,
 
 
 def test_the_verb_takes_run_folders_and_out_only():
-    from suite.cli.report import _parse
+    from suite.cli.verbs.report import _parse
 
     assert _parse(["runs/a", "report.out=x", "runs/b"]) == (["runs/a", "runs/b"], "x")
     with pytest.raises(ConfigError, match="not 'train.max_steps=3'"):
