@@ -12,6 +12,7 @@ from suite.cli.common import _compose, _expand, _report_compression, _say
 from suite.config.compose import to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
+from suite.models.compression import qat_target
 from suite.verb import VERBS
 
 
@@ -105,15 +106,14 @@ def refuse_auto(cfg, verb: str, unplanned: str) -> None:
 def convert_qat(cfg, code: int, flags: set[str]) -> int:
     """compress=qat-*: once training has ended, its final checkpoint converted to the real quantized
     model in <run.dir>-<method> with `suite quantize`'s code and report (suite.models.qat)."""
-    from suite.models.qat import QAT_METHODS
-
-    if code != 0 or cfg.compress.method not in QAT_METHODS:
+    method = qat_target(cfg.compress.method)  # the method a training option converts to; None: no QAT
+    if code != 0 or method is None:
         return code
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from dataclasses import replace
 
     from suite.compress.quantize import run_quantize
 
-    method = QAT_METHODS[cfg.compress.method]
     out = f"{str(cfg.run.dir).rstrip('/')}-{method}"
     # the conversion belongs to the run: after the run trained on, the older conversion is moved aside
     qcfg = replace(

@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import torch
 
+from suite.compress.methods import linear_plan
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.model_source import ModelSource
+from suite.models import build_model
+from suite.models.compression import find, for_training, get, is_none, names, post_training
+from suite.models.quantized import quantized_info
 
 
 def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
     """compress.* on its own and against this device (`suite quantize`)."""
-    from suite.compress.methods import METHODS, NOT_BUILT
-
     c = cfg.compress
-    if c.method in NOT_BUILT:
-        raise ConfigError(f"compress.method={c.method!r}: {NOT_BUILT[c.method]}")
-    if c.method == "none" or c.method not in METHODS:
+    trained = for_training(c.method)
+    if trained is not None:
+        raise ConfigError(f"compress.method={c.method!r}: {trained.training_hint()}")
+    if post_training(c.method) is None:
         raise ConfigError(
-            f"compress.method={c.method!r} is not a quantization method; use one of: {', '.join(METHODS)} "
+            f"compress.method={c.method!r} is not a quantization method; use one of: {', '.join(names())} "
             "(e.g. suite quantize ckpt=runs/gpt-tiny compress=int8)"
         )
-    if METHODS[c.method].cuda_only and device.type != "cuda":
+    if get(c.method).needs_cuda and device.type != "cuda":
         raise ConfigError(
             f"compress.method={c.method!r} needs CUDA (torchao's kernels for it); this device is "
             f"{device.type}: use compress=int4 (group-wise int4 that runs on {device.type})"
@@ -44,7 +48,8 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
 def check_compress_model(cfg: SuiteConfig, model, targets: list[str], name: str) -> None:
     """What the source's model must allow: int4 groups tile the input width of every Linear quantized."""
     c = cfg.compress
-    if not c.method.startswith(("int4", "qat-int4")) and c.method != "gptq":
+    method = find(c.method)
+    if method is None or not method.group_wise:
         return
     modules = dict(model.named_modules())
     widths = sorted({modules[t].in_features for t in targets})
@@ -60,11 +65,9 @@ def check_compress_model(cfg: SuiteConfig, model, targets: list[str], name: str)
 def check_no_compress(cfg: SuiteConfig) -> None:
     """Training and export: a compress method is post-training quantization, run by `suite quantize`;
     only quantization-aware training (qat-*) is a training option."""
-    from suite.models.qat import QAT_METHODS
-
-    if cfg.compress.method in QAT_METHODS:
+    if for_training(cfg.compress.method) is not None:
         return
-    if cfg.compress.method != "none":
+    if not is_none(cfg.compress.method):
         raise ConfigError(
             f"compress.method={cfg.compress.method!r} is post-training quantization, applied by `suite quantize` "
             f"to a trained model, not here: suite quantize ckpt=<run.dir> compress={cfg.compress.method}"
@@ -74,9 +77,6 @@ def check_no_compress(cfg: SuiteConfig) -> None:
 def refuse_quantized(text: str, key: str, purpose: str) -> None:
     """A quantized checkpoint, or LoRA adapters trained over one (QLoRA), cannot be quantized again,
     exported, pruned, distilled from or trained on as full weights (yet)."""
-    from suite.model_source import ModelSource
-    from suite.models.quantized import quantized_info
-
     source = ModelSource.parse(text, key)
     if source.is_hf:
         return
@@ -99,21 +99,18 @@ def refuse_quantized(text: str, key: str, purpose: str) -> None:
 def check_compress_option(overrides: list[str]) -> None:
     """A method named in the plan that is not a `suite quantize` option (qat-*: a training option):
     what to use instead, before the recipe group lookup would only list the options."""
-    from suite.compress.methods import NOT_BUILT
-
     for text in overrides:
         key, _, value = text.partition("=")
-        if key in ("compress", "compress.method") and value in NOT_BUILT:
-            raise ConfigError(f"{key}={value}: {NOT_BUILT[value]}")
+        trained = for_training(value)
+        if key in ("compress", "compress.method") and trained is not None:
+            raise ConfigError(f"{key}={value}: {trained.training_hint()}")
 
 
 def check_qat_layout(cfg: SuiteConfig, dims) -> None:
     """Quantization-aware training: on pretrain and finetune (full), whole weights per rank (dp, sharding);
     a verb that cannot train with it refuses it in its own layout checks (suite.distill.checks)."""
-    from suite.models.qat import QAT_METHODS
-
     method = cfg.compress.method
-    if method not in QAT_METHODS:
+    if for_training(method) is None:
         return
     for axis in ("tp", "pp", "cp", "ep"):
         if getattr(dims, axis) > 1:
@@ -121,9 +118,6 @@ def check_qat_layout(cfg: SuiteConfig, dims) -> None:
                 f"compress={method} with parallel.{axis}={getattr(dims, axis)}: quantization-aware training runs "
                 "under dp and sharding so far; set parallel.{axis}=1".replace("{axis}", axis)
             )
-    from suite.compress.methods import linear_plan
-    from suite.models import build_model
-
     shape_only = build_model(cfg.model, "meta")
     check_compress_model(cfg, shape_only, linear_plan(shape_only, cfg.compress.skip)[0], cfg.model.name)
     if cfg.finetune.method == "lora":
@@ -136,8 +130,6 @@ def check_qat_layout(cfg: SuiteConfig, dims) -> None:
 def check_quantized_base(cfg: SuiteConfig, dims) -> None:
     """Finetuning over a `suite quantize` checkpoint (QLoRA): LoRA adapters over its frozen quantized
     weights, one process (torchao's tensors are not sharded or replicated by the engine)."""
-    from suite.model_source import ModelSource
-
     init_from = cfg.model.init_from
     if not init_from or not ModelSource.parse(init_from, "model.init_from").quantized:
         return
@@ -146,11 +138,9 @@ def check_quantized_base(cfg: SuiteConfig, dims) -> None:
             f"model.init_from='{init_from}' is quantized: its int weights cannot be trained; use "
             "finetune.method=lora (adapters over the frozen quantized weights), or the full-precision model"
         )
-    from suite.compress.methods import METHODS
-    from suite.models.quantized import quantized_info
-
     method = quantized_info(ModelSource.parse(init_from, "model.init_from").folder).get("method", "")
-    if method in METHODS and not METHODS[method].weight_only:
+    stored = post_training(method)
+    if stored is not None and not stored.weight_only:
         raise ConfigError(
             f"model.init_from='{init_from}' is quantized with {method}, whose int8 activations pass no "
             "gradient to the layers below; LoRA needs a weight-only base: quantize with compress=int8, "
@@ -161,7 +151,7 @@ def check_quantized_base(cfg: SuiteConfig, dims) -> None:
             f"model.init_from='{init_from}' is quantized: LoRA over it runs in one process; this layout has "
             f"{dims.world_size}: set launch.nproc_per_node=1 and parallel degrees 1"
         )
-    if cfg.compress.method != "none":
+    if not is_none(cfg.compress.method):
         raise ConfigError(
             f"compress={cfg.compress.method} with a quantized model.init_from='{init_from}': it is quantized "
             "already; use compress=none"

@@ -1,17 +1,6 @@
-"""The quantization methods `compress.method` names, and applying one to a model with torchao.
-
-    int8           Int8WeightOnlyConfig: int8 weights (one scale per output row), float activations
-    w8a8           Int8DynamicActivationInt8WeightConfig: int8 weights, activations quantized per
-                   token on the fly, int8 matmuls
-    int4           group-wise 4-bit weights (compress.group_size per scale): on CPU
-                   IntxWeightOnlyConfig(int4, PerGroup, bf16 scales), on CUDA Int4WeightOnlyConfig
-                   (a QAT run's learned scales: the CPU layout on any device, as gptq)
-    int4-tinygemm  Int4WeightOnlyConfig on any device: CUDA only (torchao's tinygemm kernels)
-    smoothquant    w8a8 after SmoothQuant (activation outliers moved onto the weights, with scales
-                   observed on compress.calib_samples sequences of the recipe's data)
-    gptq           int4's grid (group-wise, CPU layout) with GPTQ's error compensation on calibration
-                   data (suite.compress.gptq, plain torch: CPU and CUDA)
-    gptq-int8      int8 weight-only's grid (per output row) with GPTQ's error compensation
+"""Applying the `compress.method` a user names to a model: which Linear layers, then the method's own
+`quantize` (the methods are classes in the registry, suite.models.compression; `suite quantize --help`
+lists them).
 
 Only nn.Linear modules are quantized; names matching a compress.skip pattern stay in full precision.
 """
@@ -19,100 +8,44 @@ Only nn.Linear modules are quantized; names matching a compress.skip pattern sta
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from suite.config.schema import CompressConfig
-from suite.models.qat import skipped
+from suite.models.compression import for_training, get, skipped
+from suite.models.gptq import Grid, store_values
 from suite.models.quantized import quiet_torchao
 
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    summary: str
-    cuda_only: bool = False
-    calibrated: bool = False
-    # float activations: gradients reach a layer's input (LoRA over it trains what lies below)
-    weight_only: bool = True
-
-
-METHODS = {
-    m.name: m
-    for m in (
-        Method("int8", "int8 weight-only (torchao Int8WeightOnlyConfig)"),
-        Method(
-            "w8a8",
-            "int8 dynamic activations + int8 weights (Int8DynamicActivationInt8WeightConfig)",
-            weight_only=False,
-        ),
-        Method(
-            "int4", "group-wise int4 weight-only (IntxWeightOnlyConfig on CPU, Int4WeightOnlyConfig on CUDA)"
-        ),
-        Method(
-            "int4-tinygemm", "int4 weight-only with torchao's tinygemm kernels (Int4WeightOnlyConfig)", True
-        ),
-        Method(
-            "smoothquant",
-            "w8a8 after SmoothQuant calibration (torchao prototype)",
-            calibrated=True,
-            weight_only=False,
-        ),
-        Method("gptq", "group-wise int4 weights placed by GPTQ (plain torch, any device)", calibrated=True),
-        Method("gptq-int8", "int8 weights placed by GPTQ (plain torch, any device)", calibrated=True),
-    )
-}
-# named in the issue, not built yet: what to use instead
-NOT_BUILT = {
-    "qat-int4": "quantization-aware training is a training option: suite finetune compress=qat-int4 (or "
-    "suite pretrain), which converts its final checkpoint to int4 itself; post-training: compress=int4",
-    "qat-int8": "quantization-aware training is a training option: suite finetune compress=qat-int8 (or "
-    "suite pretrain), which converts its final checkpoint to int8 itself; post-training: compress=int8",
-}
+__all__ = [
+    "grid_for",
+    "linear_plan",
+    "quantize_model",
+    "rtn_config",
+    "skipped",
+    "torchao_config",
+    "usable_scales",
+]
 
 
-def torchao_config(cfg: CompressConfig, device: torch.device):
+def torchao_config(cfg: CompressConfig, device: torch.device) -> Any:
     """The torchao config that quantizes one Linear for `cfg.method` on `device`."""
-    quiet_torchao()
-    from torchao.quantization import (
-        Int4WeightOnlyConfig,
-        Int8DynamicActivationInt8WeightConfig,
-        Int8WeightOnlyConfig,
-        IntxWeightOnlyConfig,
-        PerGroup,
-    )
-
-    method = cfg.method
-    if method in ("gptq", "gptq-int8"):
-        return rtn_config(method, cfg.group_size)
-    if method == "int8":
-        return Int8WeightOnlyConfig()
-    if method in ("w8a8", "smoothquant"):
-        return Int8DynamicActivationInt8WeightConfig()
-    if method == "int4-tinygemm" or (method == "int4" and device.type == "cuda"):
-        return Int4WeightOnlyConfig(group_size=cfg.group_size)
-    if method == "int4":
-        return IntxWeightOnlyConfig(
-            weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size), scale_dtype=torch.bfloat16
-        )
-    raise ValueError(f"compress.method={method!r} has no torchao config")
+    return get(cfg.method).torchao_config(cfg, device)
 
 
-def rtn_config(method: str, group_size: int):
+def grid_for(method: str, group_size: int) -> Grid:
+    """The grid a method stores given integers and scales on (GPTQ's; QAT's learned scales)."""
+    grid = get(method).grid(CompressConfig(method=method, group_size=group_size))
+    if grid is None:
+        raise ValueError(f"compress.method={method!r} has no grid of its own to store given values on")
+    return grid
+
+
+def rtn_config(method: str, group_size: int) -> Any:
     """The round-to-nearest torchao config whose grid and tensor type a GPTQ method shares (on any
-    device: the integers and scales are GPTQ's own, computed in suite.compress.gptq)."""
-    quiet_torchao()
-    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
-
-    if method == "gptq":
-        return IntxWeightOnlyConfig(
-            weight_dtype=torch.int4, granularity=PerGroup(group_size), scale_dtype=torch.bfloat16
-        )
-    if method == "gptq-int8":
-        return Int8WeightOnlyConfig()
-    raise ValueError(f"compress.method={method!r} is not a GPTQ method")
+    device: the integers and scales are GPTQ's own, computed in suite.models.gptq)."""
+    return grid_for(method, group_size).torchao_config()
 
 
 TIED_HEAD = "output"  # the Linear whose weight is tok_embeddings.weight when model.tie_embeddings
@@ -143,42 +76,16 @@ def quantize_model(
 ) -> tuple[list[str], list[str]]:
     """Quantize `model`'s Linear layers in place; returns (quantized names, skipped Linear names).
 
-    `calibrate(model)` runs the calibration forwards (smoothquant) between observing and converting.
-    `learned_scales` (a compress=qat-* run's, usable_scales): int4 / int8 on those scales.
+    `calibrate(model)` runs the calibration forwards (a method that needs_calibration) when the method
+    asks. `learned_scales` (a compress=qat-* run's, usable_scales): stored on those scales.
     """
     quiet_torchao()
-    from torchao.quantization import quantize_
-
     targets, skip = linear_plan(model, cfg.skip)
-    wanted = set(targets)
-
-    def only_targets(module: nn.Module, name: str) -> bool:
-        return name in wanted
-
     if learned_scales:
         _quantize_on_scales(model, targets, cfg, learned_scales)
-        return targets, skip
-    if cfg.method.startswith("gptq"):
-        from suite.compress.gptq import gptq_quantize
-
-        gptq_quantize(
-            model, targets, cfg.method, cfg.group_size, cfg.gptq_damp, calibrate or (lambda m: None)
-        )
-        return targets, skip
-    base = torchao_config(cfg, device)
-    if cfg.method == "smoothquant":
-        from torchao.prototype.smoothquant import SmoothQuantConfig
-
-        quantize_(model, SmoothQuantConfig(base, step="prepare", alpha=cfg.smoothquant_alpha), only_targets)
-        if calibrate is not None:
-            calibrate(model)
-        quantize_(model, SmoothQuantConfig(base, step="convert", alpha=cfg.smoothquant_alpha), only_targets)
     else:
-        quantize_(model, base, only_targets)
+        get(cfg.method).quantize(model, targets, cfg, device, calibrate)
     return targets, skip
-
-
-LEARNED_GRIDS = {"int4": "gptq", "int8": "gptq-int8"}  # a QAT conversion's method -> the GPTQ grid it shares
 
 
 def usable_scales(
@@ -187,9 +94,8 @@ def usable_scales(
     """The learned scales (by Linear name) of a run trained with compress.method=`trained_for` that fit
     cfg's grid: the method that run converts to (qat-int4 -> int4 at compress.group_size, qat-int8 ->
     int8 per row) and the shape it trained; {} otherwise (round to nearest)."""
-    from suite.models.qat import QAT_METHODS
-
-    if cfg.method not in LEARNED_GRIDS or not scales or QAT_METHODS.get(trained_for) != cfg.method:
+    method = get(cfg.method)
+    if not scales or for_training(trained_for) is not method or method.grid(cfg) is None:
         return {}
     modules = dict(model.named_modules())
     fits = {}
@@ -198,8 +104,7 @@ def usable_scales(
         if not isinstance(module, nn.Linear):
             continue
         rows, cols = module.weight.shape
-        groups = cols // cfg.group_size if cfg.method == "int4" else 1
-        if tuple(scale.shape) != (rows, groups):
+        if tuple(scale.shape) != (rows, method.scale_groups(cfg, cols)):
             return {}
         fits[name] = scale
     return fits
@@ -212,9 +117,7 @@ def _quantize_on_scales(
     training saw), stored as GPTQ stores on any device: the CPU int4 layout (IntxUnpackedToInt8Tensor,
     bf16 scales; not CUDA's tinygemm layout, whose grid is another) or int8 per row; targets without
     one are rounded to nearest."""
-    from suite.compress.gptq import grid_for, store_values
-
-    grid = grid_for(LEARNED_GRIDS[cfg.method], cfg.group_size)
+    grid = get(cfg.method).grid(cfg)
     modules = dict(model.named_modules())
     trained = {}
     for name in targets:
@@ -223,4 +126,4 @@ def _quantize_on_scales(
             scale = scales[name].to(weight.device, torch.float32)
             grouped = weight.reshape(weight.shape[0], scale.shape[1], -1)
             trained[name] = (grid.quantize(grouped, scale.unsqueeze(-1)).reshape(weight.shape), scale)
-    store_values(model, targets, LEARNED_GRIDS[cfg.method], cfg.group_size, trained)
+    store_values(model, targets, grid, trained)

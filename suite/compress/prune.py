@@ -33,9 +33,18 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from suite.compress.checks import refuse_quantized
 from suite.compress.importance import Importance, importance
+from suite.compress.quantize import held_out_and_calibration, progress
+from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.folders import claim, source_identity, write_record
+from suite.folders import made_by as record
+from suite.model_source import ModelSource
+from suite.models import build_model, materialize
+from suite.models.transformer import ffn_size, fuse_state_dict, head_size, kv_heads, unfuse_state_dict
+from suite.train.checkpoint import save_checkpoint
 
 __all__ = ["check_prune", "importance", "plan", "pruned_state", "run_prune"]
 
@@ -53,7 +62,6 @@ def _heads_kept(cfg: SuiteConfig, model_cfg) -> tuple[int, int]:
     """(query heads, KV heads) kept per layer; one line naming the nearest prune.heads that work
     otherwise. With grouped KV heads either every group keeps the same number of its query heads (all
     KV heads stay), or whole groups go (a KV head with all its query heads)."""
-    from suite.models.transformer import kv_heads
 
     f, heads, groups = cfg.prune.heads, model_cfg.num_heads, kv_heads(model_cfg)
     keep = int(round(heads * (1 - f)))
@@ -90,7 +98,6 @@ def _heads_kept(cfg: SuiteConfig, model_cfg) -> tuple[int, int]:
 def check_prune(cfg: SuiteConfig, model_cfg) -> dict[str, int]:
     """One line for a plan that leaves nothing or removes nothing; returns the sizes kept:
     {width (MLP), heads (per layer), hidden}."""
-    from suite.models.transformer import ffn_size
 
     p = cfg.prune
     for key in ("ffn", "heads", "hidden"):
@@ -146,7 +153,6 @@ def kept_heads(scores: torch.Tensor, keep: int, groups: int, kv_keep: int | None
 def plan(cfg: SuiteConfig, model_cfg, scores: Importance) -> dict[str, Any]:
     """What to keep: layers (sorted), and per kept layer its MLP channels and query heads (None: all),
     and the hidden channels (None: all)."""
-    from suite.models.transformer import kv_heads
 
     p = cfg.prune
     sizes = check_prune(cfg, model_cfg)
@@ -166,7 +172,6 @@ def plan(cfg: SuiteConfig, model_cfg, scores: Importance) -> dict[str, Any]:
 def pruned_config(model_cfg, chosen: dict[str, Any]):
     """The pruned model's config: the kept sizes; the heads keep their size (head_dim written when
     hidden_size / num_heads no longer gives it)."""
-    from suite.models.transformer import head_size, kv_heads
 
     new = dataclasses.replace(
         model_cfg, num_layers=len(chosen["layers"]), ffn_hidden_size=chosen["width"], init_from=None
@@ -196,7 +201,6 @@ def pruned_state(
     """The unfused state dict of the pruned model (`model_cfg`: the source's): kept layers renumbered,
     MLP channels, query heads (with their keys and values when KV heads are not grouped) and hidden
     channels sliced out of every tensor that holds them."""
-    from suite.models.transformer import head_size, kv_heads
 
     hidden = chosen["hidden_kept"]
     size, grouped = head_size(model_cfg), kv_heads(model_cfg) < model_cfg.num_heads
@@ -246,8 +250,6 @@ def pruned_state(
 
 def made_by(cfg: SuiteConfig, source) -> dict[str, Any]:
     """What a prune folder records (suite.folders): the source on disk, the plan, its calibration."""
-    from suite.folders import made_by as record
-    from suite.folders import source_identity
 
     settings = {f"prune.{f.name}": getattr(cfg.prune, f.name) for f in dataclasses.fields(cfg.prune)}
     settings["compress.calib_samples"] = cfg.compress.calib_samples
@@ -261,14 +263,6 @@ def run_prune(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
 
 
 def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
-    from suite.compress.checks import refuse_quantized
-    from suite.compress.quantize import held_out_and_calibration, progress
-    from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
-    from suite.folders import claim, write_record
-    from suite.model_source import ModelSource
-    from suite.models import build_model, materialize
-    from suite.models.transformer import fuse_state_dict, head_size, kv_heads, unfuse_state_dict
-    from suite.train.checkpoint import save_checkpoint
 
     p = cfg.prune
     refuse_quantized(cfg.ckpt, "ckpt", "pruning")

@@ -28,11 +28,34 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
+from suite.compress.methods import linear_plan, quantize_model, usable_scales
+from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.data import ensure_prepared
+from suite.data.loader import TokenBatches
+from suite.data.sft import SFTBatches
+from suite.finetune.trainer import build_sft_data
+from suite.folders import claim, source_identity, write_record
+from suite.folders import made_by as record
+from suite.model_source import ModelSource
+from suite.models import build_model
+from suite.models.compression import get
+from suite.models.quantized import (
+    WEIGHTS_FILE,
+    is_quantized,
+    is_quantized_tensor,
+    load_quantized_model,
+    narrow_block_floats,
+    quantized_info,
+    save_quantized,
+)
+from suite.runtime import check_device
+from suite.train import checkpoint
+from suite.train.checkpoint import list_checkpoints, staging_folder
 
 PROMPT_TOKENS = 16
-UNCALIBRATED = {"smoothquant": "w8a8", "gptq": "int4", "gptq-int8": "int8"}  # same grid, no data
 
 
 def progress(step: int, text: str) -> None:
@@ -40,7 +63,6 @@ def progress(step: int, text: str) -> None:
 
 
 def quantize_device(cfg: SuiteConfig) -> torch.device:
-    from suite.runtime import check_device
 
     check_device(cfg.train.device)  # one line for cuda on a machine without one
     if cfg.train.device == "auto":
@@ -56,8 +78,6 @@ def output_folder(cfg: SuiteConfig, source, explicit: bool) -> Path:
     else:
         base = source.run_dir if source.run_dir is not None else source.folder
         out = base.parent / f"{base.name}-{cfg.compress.method}"
-    from suite.models.quantized import is_quantized
-    from suite.train.checkpoint import list_checkpoints
 
     if source.run_dir is not None and out.resolve() == source.run_dir.resolve():
         raise ConfigError(
@@ -94,17 +114,12 @@ def held_out_and_calibration(saved: SuiteConfig | None, tokenizer: Any, cfg: Sui
     mb = saved.parallel.micro_batch_size
     ft = saved.finetune.data
     if ft.task or ft.sources:  # a finetuning run: its held-out rows, its training rows
-        from suite.data.sft import SFTBatches
-        from suite.finetune.trainer import build_sft_data
-
         train, held, task_file = build_sft_data(saved, tokenizer, tmp, True)
         held_mb = min(mb, len(held))
         evals = SFTBatches(held, held_mb, held_mb, split="held-out").eval_batches(c.eval_batches)
         calib_mb = min(calib_mb, len(train))
         task = (ft.task, task_file, ft.template) if ft.task and task_file and c.task_samples else None
         return evals, SFTBatches(train, calib_mb, calib_mb).eval_batches(calib_steps), task
-    from suite.data import ensure_prepared
-    from suite.data.loader import TokenBatches
 
     folder = ensure_prepared(saved.data, progress=False)
     eos = int(json.loads((folder / "meta.json").read_text())["eos_id"]) if saved.data.doc_mask else None
@@ -117,13 +132,11 @@ def held_out_and_calibration(saved: SuiteConfig | None, tokenizer: Any, cfg: Sui
 def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str) -> Path:
     """checkpoints/step_<N>/, committed as every checkpoint is (suite.train.checkpoint.commit:
     manifest, fsync, rename, then `latest`)."""
-    from suite.models.quantized import save_quantized
-    from suite.train.checkpoint import commit, staging_folder
 
     tmp, final = staging_folder(out, step)
     save_quantized(model, tmp, info)
     (tmp / "config.yaml").write_text(config_yaml)
-    commit(tmp, final, step)
+    checkpoint.commit(tmp, final, step)  # through the module: a wrapper on it sees every commit
     return final
 
 
@@ -134,8 +147,6 @@ ARTEFACT_KEYS = ("method", "group_size", "skip", "calib_samples", "smoothquant_a
 
 def made_by(cfg: SuiteConfig, source) -> dict[str, Any]:
     """What a quantize folder records (suite.folders): the source on disk and the compress keys."""
-    from suite.folders import made_by as record
-    from suite.folders import source_identity
 
     settings = {f"compress.{k}": getattr(cfg.compress, k) for k in ARTEFACT_KEYS}
     return record("quantize", source_identity(source.folder, source.is_hf), settings)
@@ -143,8 +154,6 @@ def made_by(cfg: SuiteConfig, source) -> dict[str, Any]:
 
 def _legacy(folder: Path) -> dict[str, Any] | None:
     """A quantize folder written before made_by.json: its checkpoint's quantized.json names the method."""
-    from suite.models.quantized import is_quantized, quantized_info
-    from suite.train.checkpoint import list_checkpoints
 
     found = [c for c in list_checkpoints(folder) if is_quantized(c)]
     if not found:
@@ -159,18 +168,6 @@ def run_quantize(cfg: SuiteConfig, explicit_dir: bool) -> dict[str, Any]:
 
 
 def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
-    from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
-    from suite.compress.methods import METHODS, linear_plan, quantize_model, usable_scales
-    from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
-    from suite.folders import claim, write_record
-    from suite.model_source import ModelSource
-    from suite.models import build_model
-    from suite.models.quantized import (
-        WEIGHTS_FILE,
-        is_quantized_tensor,
-        load_quantized_model,
-        narrow_block_floats,
-    )
 
     device = quantize_device(cfg)
     check_compress(cfg, device)
@@ -185,10 +182,11 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     if not targets:
         raise ConfigError(f"compress.skip={list(c.skip)} leaves no Linear layer to quantize")
     check_compress_model(cfg, shape_only, targets, shape_only.cfg.name)
-    if METHODS[c.method].calibrated and source.saved is None:
+    method = get(c.method)
+    if method.needs_calibration and source.saved is None:
         raise ConfigError(
             f"compress.method={c.method} calibrates on the recipe's data; {source.named} is an HF folder "
-            f"with no recipe: quantize a suite run, or use compress={UNCALIBRATED[c.method]}"
+            f"with no recipe: quantize a suite run, or use compress={method.without_calibration}"
         )
     # the last check: another quantization in run.dir is refused, or moved aside with --overwrite
     claim(out, made_by(cfg, source), "run.dir", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,))
@@ -282,6 +280,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
 
 
 def _torchao_version() -> str:
+    # torchao: a heavy optional dependency, imported once a model is quantized
     import torchao
 
     return torchao.__version__

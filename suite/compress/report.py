@@ -19,14 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from suite.config.schema import GenerateConfig
+from suite.data.tasks import get_task
+from suite.infer.evaluate import evaluate_task, perplexity
+from suite.infer.generate import generate_tokens
 
 
 def stored_bytes(path: str | Path) -> tuple[int, int]:
     """(whole safetensors file, bytes of the tensors under layers.*) as stored."""
-    from safetensors import safe_open
 
     block = 0
     with safe_open(str(path), framework="pt") as handle:
@@ -46,7 +50,6 @@ def _itemsize(dtype: str) -> int:
 
 def save_plain(model: nn.Module, path: Path) -> Path:
     """The full-precision model's weights as one safetensors file (the `before` size)."""
-    from safetensors.torch import save_file
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
@@ -63,7 +66,6 @@ def count_params(model: nn.Module) -> int:
 def decode_speed(model: nn.Module, prompt: list[int], tokens: int, repeats: int = 3) -> float:
     """Greedy tokens per second of a KV-cache generate: the best of `repeats` timed calls after one
     warm-up call (other work on a shared machine only ever slows a call down)."""
-    from suite.infer.generate import generate_tokens
 
     cfg = GenerateConfig(max_new_tokens=tokens, temperature=0.0, top_k=None, top_p=None)
     generate_tokens(model, prompt, GenerateConfig(max_new_tokens=2, temperature=0.0, top_k=None, top_p=None))
@@ -85,12 +87,9 @@ def measure(
 ) -> dict[str, Any]:
     """Perplexity (None without held-out data), decode speed and, with `task` ({task, file,
     template, limit}: a run finetuned on a built-in task), held-out exact match of `model`."""
-    from suite.infer.evaluate import evaluate_task, perplexity
 
     row: dict[str, Any] = {"params": count_params(model)}
     if task is not None:
-        from suite.data.tasks import get_task
-
         result = evaluate_task(
             model,
             tokenizer,

@@ -130,11 +130,13 @@ class RecomputeConfig:
 class CompressConfig:
     """`suite quantize ckpt=<run> compress=<option>`: post-training quantization (torchao).
 
-    method: none | int8 (weight-only) | w8a8 (int8 dynamic activations + int8 weights) | int4
-    (group-wise weight-only) | int4-tinygemm (CUDA only) | smoothquant (w8a8 after SmoothQuant
-    calibration) | gptq / gptq-int8 (the int4 / int8 grids with GPTQ's error compensation); on
-    `suite pretrain` / `suite finetune`: qat-int4 | qat-int8 (quantization-aware
-    training, converted to int4 / int8 at the end). See docs/compression.md.
+    method: none | a registered method (suite.models.compression; `suite quantize --help` lists them);
+    on `suite pretrain` / `suite finetune`: a method's training option, qat-int4 | qat-int8
+    (quantization-aware training, converted to int4 / int8 at the end). See docs/compression.md.
+
+    The keys users type, flat: each method reads its own through its config dataclass (`options`:
+    group_size for int4 and gptq, smoothquant_alpha, gptq_damp, calib_samples for calibrated methods;
+    learn_scales and scale_lr for the training half); skip and the report's keys apply to all.
     """
 
     method: str = "none"

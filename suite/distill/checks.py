@@ -7,7 +7,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.distill.hidden import HIDDEN_LOSSES, HIDDEN_SCHEDULES
 from suite.distill.loss import DIVERGENCES
-from suite.models.qat import QAT_METHODS
+from suite.models.compression import for_training
 
 
 def check_distill(cfg: SuiteConfig) -> None:
@@ -92,7 +92,7 @@ def check_distill_layout(cfg: SuiteConfig, dims) -> None:
                     f"parallel.tp={dims.tp} does not divide the teacher's {key}={size} (distill.teacher="
                     f"'{cfg.distill.teacher}'); the teacher is split like the student: use a tp that divides {size}"
                 )
-    if cfg.compress.method in QAT_METHODS:
+    if for_training(cfg.compress.method) is not None:
         raise ConfigError(
             f"compress={cfg.compress.method} is a training option of suite pretrain and suite finetune, not distill"
         )

@@ -1,15 +1,15 @@
 """`suite export format=hf` of a `suite quantize` checkpoint: a folder transformers loads quantized.
 
 config.json carries transformers' TorchAoConfig (`quantization_config`) with the torchao config the
-suite's method used (suite.compress.methods), and model.safetensors holds the suite's own torchao
+suite's method used (its class in suite.models.compression), and model.safetensors holds the suite's own torchao
 tensors under the HF names, flattened the way transformers' torchao quantizer saves them
 (torchao.prototype.safetensors: each tensor subclass's inner tensors + a JSON description in the
 file's metadata). Nothing is quantized again: `from_pretrained` rebuilds the very tensors (same
 integers, same scales; the export checks that), and the logits match the suite's quantized model.
 
 What the HF side cannot express is refused in one line: GPT-2's transformers class computes with
-Conv1D layers, which TorchAoConfig does not quantize (nn.Linear only); int4-tinygemm's CUDA
-tensors; a quantized output head (transformers keeps lm_head in float unless embeddings are
+Conv1D layers, which TorchAoConfig does not quantize (nn.Linear only); a method whose `formats` lack
+"hf" (int4-tinygemm's CUDA tensors); a quantized output head (transformers keeps lm_head in float unless embeddings are
 quantized too); fused projections and MoE experts (no per-projection tensor to rename).
 """
 
@@ -20,12 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from suite.config.errors import ConfigError
+from suite.config.schema import CompressConfig
+from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
+from suite.export.special import in_vocabulary, tokenizer_ids
+from suite.infer.generate import load_for_inference
+from suite.models.compression import HF, exporting, post_training
 from suite.models.family import family_of
-
-# the torchao config transformers records per method (the suite's, suite.compress.methods.torchao_config)
-EXPORTABLE = ("int8", "w8a8", "int4", "gptq", "gptq-int8", "smoothquant")
+from suite.models.hf import hf_config, to_hf_state_dict
+from suite.models.quantized import is_quantized_tensor, quantized_info, quiet_torchao, read_quantized_state
 
 
 def check_quantized_hf(source: Any, info: dict[str, Any]) -> None:
@@ -33,10 +38,11 @@ def check_quantized_hf(source: Any, info: dict[str, Any]) -> None:
     method = info.get("method", "?")
     cfg = source.model_config()
     where = f"{source.named} ({method})"
-    if method not in EXPORTABLE:
+    stored = post_training(method)
+    if stored is None or HF not in stored.formats:
         raise ConfigError(
             f"{where}: no Hugging Face TorchAoConfig expresses compress={method} on this machine; the quantized "
-            f"methods that export to format=hf: {', '.join(EXPORTABLE)}"
+            f"methods that export to format=hf: {', '.join(exporting(HF))}"
         )
     problem = None
     if family_of(cfg).hf.quantized_problem:
@@ -53,25 +59,18 @@ def check_quantized_hf(source: Any, info: dict[str, Any]) -> None:
 
 
 def torchao_quant_type(info: dict[str, Any], group_size: int) -> Any:
-    """The torchao config of the checkpoint's tensors: what TorchAoConfig records and loads with."""
-    from suite.compress.methods import rtn_config, torchao_config
-    from suite.config.schema import CompressConfig
-
+    """The torchao config of the checkpoint's tensors (the CPU layout): what TorchAoConfig records and
+    loads with."""
     method = info["method"]
-    if method.startswith("gptq"):
-        return rtn_config(method, group_size)
-    return torchao_config(CompressConfig(method=method, group_size=group_size), torch.device("cpu"))
+    compress = CompressConfig(method=method, group_size=group_size)
+    return post_training(method).torchao_config(compress, torch.device("cpu"))
 
 
 def write_quantized_hf(source: Any, out: Path) -> list[str]:
     """Write the folder; returns the files written (relative to `out`)."""
-    from safetensors.torch import save_file
+    # torchao and transformers: heavy optional dependencies, imported when a quantized export runs
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
     from transformers import GenerationConfig, TorchAoConfig
-
-    from suite.export.special import in_vocabulary, tokenizer_ids
-    from suite.models.hf import hf_config, to_hf_state_dict
-    from suite.models.quantized import quantized_info, quiet_torchao, read_quantized_state
 
     quiet_torchao()
     info = quantized_info(source.folder)
@@ -112,8 +111,6 @@ def write_quantized_hf(source: Any, out: Path) -> list[str]:
 def same_tensors(hf_model: Any, source: Any) -> tuple[int, list[str]]:
     """(quantized tensors compared, names whose inner tensors differ): the loaded HF model's torchao
     tensors against the checkpoint's, inner tensor by inner tensor (integers, scales, zero points)."""
-    from suite.models.hf import to_hf_state_dict
-    from suite.models.quantized import is_quantized_tensor, read_quantized_state
 
     cfg = source.model_config()
     state = read_quantized_state(source.folder)
@@ -138,10 +135,8 @@ def same_tensors(hf_model: Any, source: Any) -> tuple[int, list[str]]:
 
 def verify_quantized_hf(out: Path, source: Any) -> dict[str, Any]:
     """Load the folder as a user does and compare with the suite's quantized model."""
+    # transformers: a heavy optional dependency, imported when a quantized export runs
     from transformers import AutoModelForCausalLM
-
-    from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens
-    from suite.infer.generate import load_for_inference
 
     with quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -162,8 +157,6 @@ def verify_quantized_hf(out: Path, source: Any) -> dict[str, Any]:
 
 def export_quantized_hf(source: Any, out: Path) -> tuple[Path, dict[str, Any]]:
     """`suite export format=hf` of a quantized checkpoint: folder, self-check, manifest."""
-    from suite.export.manifest import write_manifest
-    from suite.models.quantized import quantized_info
 
     info = quantized_info(source.folder)
     files = write_quantized_hf(source, out)

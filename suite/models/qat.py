@@ -14,7 +14,7 @@ compress.learn_scales (the default): the scales are parameters trained with the 
 size quantization, torchao's range learning), each starting at the max|w| / 7.5 (int8: 127.5) that the
 per-step computation gives; they live in the checkpoint beside the weights (`<linear>` + LEARNED_SCALE,
 left out wherever the run is read as a float model: suite.model_source.training_only) and the conversion
-stores them with the integers training rounded to (suite.compress.methods): exactly, where the
+stores them with the integers training rounded to (the method's grid, suite.compress.methods): exactly, where the
 parameters are fp32; under bf16 parameters (FSDP's mixed precision, train.param_dtype) the forward
 rounds bf16 weights on bf16 scales, as the weights themselves were only ever seen in bf16 there.
 A scale the optimizer drives below zero still rounds symmetrically (w / s and q * s both change sign;
@@ -27,63 +27,50 @@ it zeroes a floored group, so at a large learning rate the float model and its i
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from suite.config.schema import CompressConfig
+from suite.models.compression import for_training, qat_target, skipped, training_names
 from suite.models.quantized import quiet_torchao
 
-QAT_METHODS = {"qat-int4": "int4", "qat-int8": "int8"}  # the training option -> the post-training method
+# the training option -> the post-training method it converts to (derived from the registry)
+QAT_METHODS = {name: qat_target(name) for name in training_names()}
 LEARNED_SCALE = ".weight_fake_quantizer.scale"  # a learned scale's key: the Linear's name + this
 
 
-def skipped(name: str, patterns: Iterable[str]) -> bool:
-    """A module name matched by a compress.skip pattern (fnmatch; a plain name matches itself and
-    every module under it)."""
-    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
-
-
 def prepare_qat(model: nn.Module, compress: CompressConfig) -> list[str]:
-    """Fake-quantize `model`'s Linear layers in place for compress.method qat-*; returns their names
-    (none for any other method)."""
-    if compress.method not in QAT_METHODS:
+    """Fake-quantize `model`'s Linear layers in place for a training option (compress=qat-*: the
+    method's training-time half, suite.models.compression); returns their names (none otherwise)."""
+    method = for_training(compress.method)
+    if method is None:
         return []
     quiet_torchao()
+    # torchao: a heavy optional dependency, imported when QAT runs
     from torchao.quantization import quantize_
-    from torchao.quantization.granularity import PerAxis
-    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+    from torchao.quantization.qat import QATConfig
 
-    learn = compress.learn_scales
-    learned = {"is_dynamic": not learn, "range_learning": learn}
-    if QAT_METHODS[compress.method] == "int4":
-        # the grid suite quantize's int4 stores: symmetric, one bf16 scale per group (with torchao's
-        # default derived from IntxWeightOnlyConfig the fake-quantized weights differed from it); learned
-        # scales train in fp32 and are stored in bf16 (within 2^-9 of what training saw)
-        precision = torch.float32 if learn else torch.bfloat16
-        weights = IntxFakeQuantizeConfig(
-            torch.int4,
-            group_size=compress.group_size,
-            is_symmetric=True,
-            scale_precision=precision,
-            **learned,
-        )
-    else:
-        weights = IntxFakeQuantizeConfig(torch.int8, granularity=PerAxis(0), is_symmetric=True, **learned)
+    weights = method.fake_quantize_config(compress)
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, nn.Linear) and not skipped(n, compress.skip)]
     wanted = set(names)
     quantize_(model, QATConfig(weight_config=weights, step="prepare"), lambda module, name: name in wanted)
-    if learn:  # the parameters exist before placement (FSDP shards them with the weight); values: below
+    if method.training_settings(compress).learn_scales:
+        # the parameters exist before placement (FSDP shards them with the weight); values: below
         modules = dict(model.named_modules())
         for name in names:
             linear = modules[name]
             rows, cols = linear.weight.shape
-            group = compress.group_size if QAT_METHODS[compress.method] == "int4" else cols
             linear.weight_fake_quantizer.scale = nn.Parameter(
-                torch.empty(rows, cols // group, device=linear.weight.device, dtype=torch.float32)
+                torch.empty(
+                    rows,
+                    method.scale_groups(compress, cols),
+                    device=linear.weight.device,
+                    dtype=torch.float32,
+                )
             )
     return names
 
@@ -96,8 +83,6 @@ def init_learned_scales(model: nn.Module, device: torch.device) -> int:
     zero points zero on the compute device. Call after the weights are in place, before the optimizer;
     a resumed checkpoint then overwrites the scales. Works on FSDP's row shards (the scale is sharded
     on the same rows as its weight). Returns how many scales were set."""
-    from torch.distributed.tensor import DTensor
-
     count = 0
     for module, quantizer, scale in _learned(model):
         weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight

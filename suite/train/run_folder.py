@@ -25,6 +25,7 @@ from typing import Any
 from suite import folders
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, SuiteConfig
+from suite.models.compression import for_training
 from suite.train import checkpoint as ckpt
 from suite.verb import VERBS, RunIdentity
 
@@ -58,7 +59,7 @@ def fingerprint(cfg: SuiteConfig, verb: str, tokenizer: Path | None = None) -> d
     c = cfg.compress
     out["compress.qat"] = (
         f"compress={c.method} compress.group_size={c.group_size} compress.learn_scales={str(c.learn_scales).lower()}"
-        if c.method.startswith("qat-")
+        if for_training(c.method) is not None
         else "compress=none"
     )  # as overrides: the refusal tells them back
     out |= _identity(verb).keys(cfg)

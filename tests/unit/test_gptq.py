@@ -1,4 +1,4 @@
-"""GPTQ on plain torch (suite.compress.gptq): torchao's grid, and less output error than rounding."""
+"""GPTQ on plain torch (suite.models.gptq): torchao's grid, and less output error than rounding."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _rtn(weight: torch.Tensor, method: str):
 @pytest.mark.parametrize("method", ["gptq", "gptq-int8"])
 def test_uncorrelated_inputs_give_torchaos_round_to_nearest(method):
     """With H = I nothing is compensated: GPTQ's integers and scales are torchao's RTN, bit for bit."""
-    from suite.compress.gptq import gptq_weight, grid_for
+    from suite.compress.methods import grid_for
+    from suite.models.gptq import gptq_weight
 
     weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     q, scales = gptq_weight(weight, torch.eye(64), grid_for(method, 32), damp=0.01)
@@ -32,7 +33,8 @@ def test_uncorrelated_inputs_give_torchaos_round_to_nearest(method):
 
 @pytest.mark.parametrize("method", ["gptq", "gptq-int8"])
 def test_correlated_inputs_give_less_output_error_than_rounding(method):
-    from suite.compress.gptq import gptq_weight, grid_for
+    from suite.compress.methods import grid_for
+    from suite.models.gptq import gptq_weight
 
     gen = torch.Generator().manual_seed(1)
     mix = torch.randn(64, 64, generator=gen)
@@ -54,10 +56,10 @@ def test_correlated_inputs_give_less_output_error_than_rounding(method):
 def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better(family):
     from torchao.quantization import quantize_
 
-    from suite.compress.gptq import gptq_quantize
-    from suite.compress.methods import linear_plan, rtn_config
+    from suite.compress.methods import grid_for, linear_plan, rtn_config
     from suite.config.schema import ModelConfig
     from suite.models import build_model, materialize
+    from suite.models.gptq import gptq_quantize
 
     grouped = {"num_kv_heads": 2} if family == "llama" else {}
     cfg = ModelConfig(
@@ -85,7 +87,7 @@ def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better(fa
         model = materialize(build_model(cfg), "cpu", seed=0).eval()
         with torch.no_grad():
             if name == "gptq":
-                gptq_quantize(model, targets, "gptq", 32, 0.01, calibrate)
+                gptq_quantize(model, targets, grid_for("gptq", 32), 0.01, calibrate)
             else:
                 quantize_(model, rtn_config("gptq", 32), lambda m, n: n in set(targets))
         models[name] = model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from suite.cli.common import _compose_with_ckpt, _explicit_dir, _report_compression
 from suite.folders import OVERWRITE
+from suite.models.compression import help_lines, names
 from suite.verb import Verb, register
 
 
@@ -20,18 +21,12 @@ def run(overrides: list[str], flags: set[str]) -> int:
     return _report_compression(report, report["method"], flags)
 
 
-HELP = """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress=int8|w8a8|int4|smoothquant|gptq [run.dir=OUT]
+HELP = """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress={compress_names} [run.dir=OUT]
        [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
 
 Post-training quantization of the Linear layers with torchao, measured before and after on the
 recipe's held-out data. compress= picks a recipes/compress option (compress.method):
-  int8           int8 weights, float activations                                  CPU, CUDA
-  w8a8           int8 weights + int8 activations quantized per token at run time  CPU, CUDA
-  int4           int4 weights, one bf16 scale per compress.group_size weights      CPU, CUDA
-  int4-tinygemm  int4 with torchao's tinygemm kernels                              CUDA only
-  smoothquant    w8a8 after SmoothQuant calibration on compress.calib_samples sequences  CPU, CUDA
-  gptq           int4's grid, GPTQ error compensation on compress.calib_samples sequences  CPU, CUDA
-  gptq-int8      int8's grid, GPTQ error compensation                               CPU, CUDA
+{compress_methods}
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
       compress.calib_samples  compress.smoothquant_alpha  compress.gptq_damp
       compress.eval_batches  compress.decode_tokens
@@ -55,7 +50,7 @@ VERB = register(
     Verb(
         name="quantize",
         summary="post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8",
-        help=HELP,
+        help=HELP.replace("{compress_methods}", help_lines()).replace("{compress_names}", "|".join(names())),
         run=run,
         section="compress",
         flags=(OVERWRITE,),

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from suite.models.quantized import quiet_torchao
 
 COLUMN_BLOCK = 128  # columns updated together (the paper's lazy batch updates)
 
@@ -48,13 +51,32 @@ class Grid:
         """torchao's rounding: times the reciprocal, taken in the scale's own dtype."""
         return torch.clamp(torch.round(w * (1.0 / scale)), self.qmin, self.qmax)
 
+    def torchao_config(self) -> Any:
+        """The round-to-nearest torchao config with this grid and its tensor type (on any device): int4
+        groups as IntxWeightOnlyConfig (bf16 scales), int8 rows as Int8WeightOnlyConfig."""
+        quiet_torchao()
+        # torchao: a heavy optional dependency, imported when a method runs
+        from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
 
-def grid_for(method: str, group_size: int) -> Grid:
-    if method == "gptq":
-        return Grid(-8, 7, group_size, torch.bfloat16)
-    if method == "gptq-int8":
-        return Grid(-128, 127, 0, torch.float32)
-    raise ValueError(f"compress.method={method!r} is not a GPTQ method")
+        if self.group:
+            return IntxWeightOnlyConfig(
+                weight_dtype=torch.int4, granularity=PerGroup(self.group), scale_dtype=self.scale_dtype
+            )
+        return Int8WeightOnlyConfig()
+
+
+INT4_LEVELS = (-8, 7)
+INT8_LEVELS = (-128, 127)
+
+
+def int4_grid(group_size: int) -> Grid:
+    """Symmetric int4, one bf16 scale per `group_size` inputs (compress=int4 on CPU, gptq, qat-int4)."""
+    return Grid(*INT4_LEVELS, group_size, torch.bfloat16)
+
+
+def int8_grid() -> Grid:
+    """Symmetric int8, one fp32 scale per output row (compress=int8, gptq-int8, qat-int8)."""
+    return Grid(*INT8_LEVELS, 0, torch.float32)
 
 
 @torch.no_grad()
@@ -150,18 +172,12 @@ def _stages(model: nn.Module, targets: list[str]) -> list[tuple[nn.Module | None
 def gptq_quantize(
     model: nn.Module,
     targets: list[str],
-    method: str,
-    group_size: int,
+    grid: Grid,
     damp: float,
     calibrate: Callable[[nn.Module], None],
 ) -> None:
-    """Quantize the Linear layers `targets` of `model` in place with GPTQ, to the tensor types torchao's
-    round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU)."""
-    from suite.models.quantized import quiet_torchao
-
-    quiet_torchao()
-
-    grid = grid_for(method, group_size)
+    """Quantize the Linear layers `targets` of `model` in place with GPTQ on `grid`, to the tensor types
+    torchao's round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU)."""
     modules = dict(model.named_modules())
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     stages = _stages(model, targets)
@@ -185,25 +201,21 @@ def gptq_quantize(
             dequant = q.float() * scales.float().repeat_interleave(group, dim=1)
             linear.weight.copy_(dequant.to(linear.weight.dtype))  # the next blocks see quantized outputs
 
-    store_values(model, targets, method, group_size, results)
+    store_values(model, targets, grid, results)
 
 
 def store_values(
-    model: nn.Module,
-    targets: list[str],
-    method: str,
-    group_size: int,
-    values: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    model: nn.Module, targets: list[str], grid: Grid, values: dict[str, tuple[torch.Tensor, torch.Tensor]]
 ) -> None:
-    """`targets` converted to `method`'s torchao tensor type and layout (round to nearest), then the
+    """`targets` converted to `grid`'s torchao tensor type and layout (round to nearest), then the
     layers in `values` given those integers and scales instead (GPTQ's, or QAT's learned grid)."""
+    quiet_torchao()
+    # torchao: a heavy optional dependency, imported when a method runs
     from torchao.quantization import quantize_
-
-    from suite.compress.methods import rtn_config
 
     modules = dict(model.named_modules())
     wanted = set(targets)
-    quantize_(model, rtn_config(method, group_size), lambda m, n: n in wanted)
+    quantize_(model, grid.torchao_config(), lambda m, n: n in wanted)
     for name, (q, scales) in values.items():
         linear = modules[name]
         linear.weight = nn.Parameter(with_values(linear.weight, q, scales), requires_grad=False)
