@@ -47,25 +47,10 @@ def run_trainer(verb: str, cfg, dims, resolved_yaml: str) -> int:
     """Run a training verb's trainer in this process (the parent for one process, or a worker)."""
     from suite.config.errors import ConfigError
 
-    if verb == "pretrain":
-        from suite.model_source import initial_weights
-        from suite.train.trainer import Trainer
+    if verb in ("pretrain", "finetune", "distill"):  # the training methods (suite.train.methods)
+        from suite.train.methods import run_method
 
-        Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-        return 0
-    if verb == "finetune":
-        from suite.finetune.trainer import FinetuneTrainer
-
-        FinetuneTrainer(cfg, dims, resolved_yaml).train()
-        return 0
-    if verb == "distill":
-        from suite.distill.trainer import DistillTrainer, SFTDistillTrainer
-        from suite.model_source import initial_weights
-
-        if cfg.distill.data == "sft":
-            SFTDistillTrainer(cfg, dims, resolved_yaml).train()
-        else:
-            DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
+        run_method(verb, cfg, dims, resolved_yaml)
         return 0
     if verb == "eval":  # metric=perplexity under tensor parallelism (suite.infer.parallel_eval)
         from suite.infer.parallel_eval import run_worker

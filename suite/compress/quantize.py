@@ -95,7 +95,7 @@ def held_out_and_calibration(saved: SuiteConfig | None, tokenizer: Any, cfg: Sui
     ft = saved.finetune.data
     if ft.task or ft.sources:  # a finetuning run: its held-out rows, its training rows
         from suite.data.sft import SFTBatches
-        from suite.finetune.trainer import build_sft_data
+        from suite.finetune.data import build_sft_data
 
         train, held, task_file = build_sft_data(saved, tokenizer, tmp, True)
         held_mb = min(mb, len(held))

@@ -182,8 +182,8 @@ WORKER_PRELOAD = (
     "suite.cli.worker",
 )
 VERB_PRELOAD = {
-    "finetune": ("suite.finetune.trainer",),
-    "distill": ("suite.distill.trainer",),
+    "finetune": ("suite.finetune.method",),
+    "distill": ("suite.distill.method",),
     "eval": ("suite.infer.parallel_eval",),
 }
 
