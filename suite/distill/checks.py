@@ -86,8 +86,8 @@ def check_distill_layout(cfg: SuiteConfig, dims) -> None:
     if dims.pp > 1 and cfg.distill.hidden_weight:
         raise ConfigError(
             f"distill.hidden_weight={cfg.distill.hidden_weight} with parallel.pp={dims.pp}: hidden-state matching "
-            "needs every student block beside the loss, which runs on the last stage; "
-            "set distill.hidden_weight=0 or parallel.pp=1"
+            "runs under dp, sharding and tp (+sp) only: the matched student blocks live on other stages than "
+            "the loss; set distill.hidden_weight=0 or parallel.pp=1"
         )
     if dims.tp > 1 and cfg.distill.teacher:
         teacher = ModelSource.parse(cfg.distill.teacher, "distill.teacher").model_config()

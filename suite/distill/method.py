@@ -10,8 +10,6 @@ allow, pipeline parallelism included) with `suite.distill.step.DistillLoss` as i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from suite.config.errors import ConfigError
@@ -22,10 +20,7 @@ from suite.distill.teacher import Teacher, load_teacher
 from suite.finetune.method import BaseWeights, SFTData, TaskAccuracy
 from suite.model_source import ModelSource, initial_weights
 from suite.pretrain.method import InitialWeights, TokenData
-from suite.train.components import Component, Method
-
-if TYPE_CHECKING:  # annotations only
-    from suite.train.trainer import Trainer
+from suite.train.components import Component, Method, Trainer
 
 
 class Distillation(Component):

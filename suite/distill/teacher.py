@@ -86,9 +86,10 @@ def load_teacher(
         input_device = device
     else:
         placement = parallelize(build_model(model_cfg, "meta"), teacher_cfg, dims, device, precision)
-        model, input_device = placement.model, placement.input_device()
+        model = placement.model
         if placement.materialized is False:
             materialize(model, device, cfg.train.seed)
+        input_device = placement.input_device()  # read off the materialised parameters
     source.load_weights(model, model_cfg.fused_projections)
     for param in model.parameters():
         param.requires_grad_(False)

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -45,10 +45,7 @@ from suite.models.lora import (
     init_lora,
     lora_state_dict,
 )
-from suite.train.components import Component, Data, Method
-
-if TYPE_CHECKING:  # annotations only
-    from suite.train.trainer import Trainer
+from suite.train.components import Component, Data, Method, Trainer
 
 LORA_DIR = "lora"
 

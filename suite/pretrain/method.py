@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,10 +16,7 @@ from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared, load_tokenizer
 from suite.data.prepare import verify_prepared
 from suite.model_source import initial_weights
-from suite.train.components import Component, Data, Method
-
-if TYPE_CHECKING:  # annotations only
-    from suite.train.trainer import Trainer
+from suite.train.components import Component, Data, Method, Trainer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -6,16 +6,13 @@ verifies (suite.train.checkpoint)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from suite.train import checkpoint as ckpt
+from suite.train.components import Trainer
 from suite.train.loss_scale import restore_scaler, scaler_state
 from suite.train.saver import Saver
-
-if TYPE_CHECKING:  # annotations only
-    from suite.train.trainer import Trainer
 
 
 class Checkpointer:

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,10 +28,10 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.train.step import MethodLoss
 
-if TYPE_CHECKING:  # annotations only: the trainer builds and calls the components
-    from suite.train.trainer import Trainer
-
 TEST_COMPONENTS_ENV = "SUITE_TEST_COMPONENTS"
+# The running suite.train.trainer.Trainer, as the hooks receive it; not imported (the trainer imports
+# this module, and no file here imports another in a circle).
+Trainer = Any
 
 
 class Component:

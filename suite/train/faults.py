@@ -13,17 +13,14 @@ from __future__ import annotations
 import signal
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
 from suite.config.schema import TrainConfig
 from suite.parallel.env import barrier
 from suite.train import checkpoint as ckpt
+from suite.train.components import Trainer
 from suite.train.saver import RunStopped
-
-if TYPE_CHECKING:  # annotations only
-    from suite.train.trainer import Trainer
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 

@@ -4,18 +4,13 @@ Mixture-of-Experts model, auxiliary-loss-free balancing and the load-balance met
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from suite.config.schema import SuiteConfig
 from suite.models.float8 import prepare_float8
 from suite.models.qat import init_learned_scales, prepare_qat
 from suite.parallel.expert_parallel import moe_step_metrics, update_expert_bias
-from suite.train.components import Component
-
-if TYPE_CHECKING:  # annotations only
-    from suite.train.trainer import Trainer
+from suite.train.components import Component, Trainer
 
 
 class ModelConversions(Component):
