@@ -42,6 +42,7 @@ def free_port() -> int:
 def suite_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
+    env["SUITE_TEST_COMPONENTS"] = str(REPO / "tests" / "fault_injection.py")  # the tests' fault injection
     env.update(extra)
     return env
 

@@ -6,7 +6,9 @@ every verb module is imported to list the verbs, and `suite --help` should not l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from suite.cli.common import _compose, _expand, _report_compression, _say
 from suite.config.compose import to_object
@@ -142,4 +144,14 @@ def print_launch(verb: str, overrides: list[str]) -> int:
             "cannot reach; pass launch.rdzv_endpoint=<node 0's address>:<port>"
         )
     print("\n".join(node_commands(verb, overrides, launch)))
+    return 0
+
+
+def run_method(compose: Callable[[Any], Any], cfg, dims, resolved_yaml: str) -> int:
+    """One rank of a training verb: the method `compose(cfg)` builds (its data and components,
+    suite.train.components.Method) run by the common trainer."""
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.train.trainer import Trainer
+
+    Trainer(cfg, dims, resolved_yaml, compose(cfg)).train()
     return 0

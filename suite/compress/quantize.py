@@ -36,7 +36,7 @@ from suite.config.schema import SuiteConfig
 from suite.data import ensure_prepared
 from suite.data.loader import TokenBatches
 from suite.data.sft import SFTBatches
-from suite.finetune.trainer import build_sft_data
+from suite.finetune.data import build_sft_data
 from suite.folders import claim, source_identity, write_record
 from suite.folders import made_by as record
 from suite.model_source import ModelSource

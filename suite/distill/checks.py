@@ -3,11 +3,14 @@ any process starts."""
 
 from __future__ import annotations
 
+from suite.compress.checks import refuse_quantized
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.distill.hidden import HIDDEN_LOSSES, HIDDEN_SCHEDULES
 from suite.distill.loss import DIVERGENCES
+from suite.model_source import ModelSource
 from suite.models.compression import for_training
+from suite.models.transformer import ffn_size
 
 
 def check_distill(cfg: SuiteConfig) -> None:
@@ -54,9 +57,6 @@ def check_distill(cfg: SuiteConfig) -> None:
         )
     if d.chunk_tokens < 1:
         raise ConfigError(f"distill.chunk_tokens={d.chunk_tokens} must be >= 1; e.g. 1024")
-    from suite.compress.checks import refuse_quantized
-    from suite.model_source import ModelSource
-
     refuse_quantized(d.teacher, "distill.teacher", "distilling from it")  # `suite quantize` output
     teacher = ModelSource.parse(d.teacher, "distill.teacher")  # one line when missing or corrupt
     vocab = teacher.model_config().vocab_size
@@ -69,17 +69,28 @@ def check_distill(cfg: SuiteConfig) -> None:
 
 def check_distill_layout(cfg: SuiteConfig, dims) -> None:
     """What distillation cannot run yet, once the degrees are known (`dims`: ParallelDims); under tp
-    the teacher is split like the student, so its widths must divide too."""
-    for axis in ("pp", "cp", "ep"):
+    the teacher is split like the student, so its widths must divide too. Under pp the loss runs on
+    the last stage with a whole teacher there (suite.distill.step): no tp beside it (the teacher would
+    need the tp plans of a stage it is not), and no hidden-state matching (the student's matched blocks
+    live on other stages than the loss)."""
+    for axis in ("cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(
-                f"parallel.{axis}={getattr(dims, axis)}: distillation runs under dp, sharding and tp (+sp) "
+                f"parallel.{axis}={getattr(dims, axis)}: distillation runs under dp, sharding, tp (+sp) and pp "
                 f"only so far; set parallel.{axis}=1"
             )
+    if dims.pp > 1 and dims.tp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp} with parallel.tp={dims.tp}: distillation under pipeline parallelism holds "
+            "a whole teacher on the last stage; set parallel.tp=1 (or parallel.pp=1)"
+        )
+    if dims.pp > 1 and cfg.distill.hidden_weight:
+        raise ConfigError(
+            f"distill.hidden_weight={cfg.distill.hidden_weight} with parallel.pp={dims.pp}: hidden-state matching "
+            "runs under dp, sharding and tp (+sp) only: the matched student blocks live on other stages than "
+            "the loss; set distill.hidden_weight=0 or parallel.pp=1"
+        )
     if dims.tp > 1 and cfg.distill.teacher:
-        from suite.model_source import ModelSource
-        from suite.models.transformer import ffn_size
-
         teacher = ModelSource.parse(cfg.distill.teacher, "distill.teacher").model_config()
         kv = teacher.num_kv_heads or teacher.num_heads
         for key, size in (

@@ -8,6 +8,11 @@ states (the forward's `head` hook returns them instead of logits) and its output
 once into a plain tensor (under tp only this rank's vocabulary rows of it, the rows its student head
 holds): the distillation loss projects both models chunk by chunk itself. With hidden-state matching
 it also hands over the outputs of the blocks the student's are matched to.
+
+Under pipeline parallelism the student's loss runs on its last stage only, so the teacher is not
+split into stages: every rank builds it whole and loads it (the load is collective), and the ranks
+without the last stage let it go (`release`). Distillation refuses pp with tp, cp or ep
+(suite.distill.checks), so the whole teacher is a plain module there.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from torch import nn
 
 from suite.config.errors import ConfigError
 from suite.config.schema import RecomputeConfig, SuiteConfig
+from suite.distill.hidden import BlockOutputs
+from suite.distill.vocab_parallel import vocab_rows
 from suite.model_source import ModelSource
 from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
@@ -43,11 +50,14 @@ class Teacher:
     def hidden(self, tokens: torch.Tensor, kwargs: dict, blocks=()) -> tuple[torch.Tensor, dict]:
         """The teacher's final (normed) hidden states [b, s, h_t] for the student's micro-batch, and
         the outputs of its blocks `blocks` by index (hidden-state matching; none by default)."""
-        from suite.distill.hidden import BlockOutputs
-
         with BlockOutputs(self.model, blocks) as kept:
             final = self.model(tokens, head=lambda hidden, weight: hidden, **kwargs)
         return final, kept.outputs
+
+    def release(self) -> None:
+        """Free the weights on a rank that never runs the teacher (a pipeline stage before the last)."""
+        self.model.to("meta")
+        self.head_weight = self.head_weight.to("meta")
 
 
 def load_teacher(
@@ -71,10 +81,15 @@ def load_teacher(
     model_cfg = dataclasses.replace(model_cfg, dropout=0.0, init_from=None)
     # no backward through the teacher: nothing to recompute
     teacher_cfg = dataclasses.replace(cfg, model=model_cfg, recompute=RecomputeConfig())
-    placement = parallelize(build_model(model_cfg, "meta"), teacher_cfg, dims, device, precision)
-    model = placement.model
-    if placement.materialized is False:
-        materialize(model, device, cfg.train.seed)
+    if dims.pp > 1:  # whole on every rank, plain (module docstring); the loss's last stage runs it
+        model = materialize(build_model(model_cfg, "meta"), device, cfg.train.seed).to(precision.param_dtype)
+        input_device = device
+    else:
+        placement = parallelize(build_model(model_cfg, "meta"), teacher_cfg, dims, device, precision)
+        model = placement.model
+        if placement.materialized is False:
+            materialize(model, device, cfg.train.seed)
+        input_device = placement.input_device()  # read off the materialised parameters
     source.load_weights(model, model_cfg.fused_projections)
     for param in model.parameters():
         param.requires_grad_(False)
@@ -83,10 +98,8 @@ def load_teacher(
     weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # one gather, at setup
     rows = None
     if dims.tp > 1:  # keep the rows of the vocabulary this tp rank's student head holds
-        from suite.distill.vocab_parallel import vocab_rows
-
         tp_mesh = placement.mesh["tp"]
         rows = vocab_rows(weight.shape[0], tp_mesh.get_local_rank(), tp_mesh.size())
         weight = weight[rows[0] : rows[1]].clone()
     # offload: params on CPU
-    return Teacher(model, weight.detach().to(placement.input_device()), source, rows)
+    return Teacher(model, weight.detach().to(input_device), source, rows)

@@ -1,2 +1,3 @@
-"""Finetuning: SFT on the pretraining trainer (suite.finetune.trainer). LoRA adapters live in
-suite.models.lora (inference merges them too); SFT data in suite.data.sft."""
+"""Finetuning: SFT as a training method composed on the common trainer (suite.finetune.method; chat
+data in suite.finetune.data). LoRA adapters live in suite.models.lora (inference merges them too);
+SFT rows in suite.data.sft."""

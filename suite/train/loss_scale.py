@@ -18,7 +18,6 @@ skips on the flag, `update` backs off), so one process and every layout take the
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -27,9 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from suite.runtime import PrecisionPolicy
-from suite.train.optim import WrappedOptimizer
-
-INF_GRAD_ENV = "SUITE_FAULT_INF_GRAD"  # test aid: "RANK:STEP" writes inf into that rank's gradient
+from suite.train.wrapped_optim import WrappedOptimizer
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -103,19 +100,3 @@ def restore_scaler(scaler: LossScaler, trainer_state: dict) -> None:
         return
     full = scaler.state_dict()
     scaler.load_state_dict({**full, "scale": saved["scale"], "_growth_tracker": saved["growth_tracker"]})
-
-
-def inject_inf_gradient(model: torch.nn.Module, step: int) -> None:
-    """Test aid, inert unless SUITE_FAULT_INF_GRAD="RANK:STEP" names this rank and step: an inf in the
-    gradient of this rank's first block weight (not a tied embedding that two stages hold), as an fp16
-    overflow in one stage or shard would leave it."""
-    value = os.environ.get(INF_GRAD_ENV)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if not value or value != f"{rank}:{step}":
-        return
-    grad = next(
-        _local(p.grad)
-        for name, p in model.named_parameters()
-        if "layers." in name and p.grad is not None and _local(p.grad).numel()
-    )
-    grad[(0,) * grad.dim()] = float("inf")

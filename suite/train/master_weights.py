@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from suite.train.optim import WrappedOptimizer
+from suite.train.wrapped_optim import WrappedOptimizer
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,17 @@ quantization scales."""
 
 from __future__ import annotations
 
-import abc
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from suite.config.schema import OptimConfig
 from suite.models.qat import learned_scale_ratios
+from suite.train.master_weights import MasterWeightOptimizer
+from suite.train.wrapped_optim import WrappedOptimizer
+from suite.train.zero1 import ZeroOneOptimizer
+
+__all__ = ["WrappedOptimizer", "build_optimizer", "optimizer_for", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float, scale_lr: float = 1.0) -> list[dict]:
@@ -39,8 +42,6 @@ def optimizer_for(placement, cfg: OptimConfig, scale_lr: float = 1.0) -> torch.o
     param_dtype = placement.param_dtype if placement.dp_kind == "none" else torch.float32
     optimizer = build_optimizer(placement.model, cfg, device, param_dtype, scale_lr)
     if placement.dp_kind == "zero1":
-        from suite.train.zero1 import ZeroOneOptimizer
-
         return ZeroOneOptimizer(placement.model, optimizer, placement.mesh)  # type: ignore[return-value]
     return optimizer
 
@@ -67,38 +68,5 @@ def build_optimizer(
 
     groups = param_groups(model, cfg.weight_decay, scale_lr)  # scale_lr: compress.scale_lr
     if param_dtype != torch.float32:
-        from suite.train.master_weights import MasterWeightOptimizer
-
         return MasterWeightOptimizer(model, groups, adamw, param_dtype)  # type: ignore[return-value]
     return adamw(groups)
-
-
-class WrappedOptimizer(abc.ABC):
-    """The part of torch's Optimizer the trainer uses, for optimizers that update other tensors than
-    the model's parameters (fp32 masters, ZeRO-1 row slices) through an inner torch optimizer: the
-    lr schedule writes `param_groups`, checkpoints read `state`, `zero_grad` clears the model's grads.
-    Subclasses set `model` and `inner` and write `_update`."""
-
-    model: nn.Module
-    inner: torch.optim.Optimizer
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:
-        if closure is not None:
-            raise RuntimeError(f"{type(self).__name__}.step does not take a closure")
-        self._update()
-
-    @abc.abstractmethod
-    def _update(self) -> None:
-        """The update itself (runs under no_grad)."""

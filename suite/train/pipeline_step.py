@@ -61,7 +61,10 @@ class PipelineStep(TrainStep):
     def __init__(self, placement, *args, **kwargs):
         super().__init__(placement, *args, **kwargs)
         self.stages: PipelineStages = placement.pipeline
-        self._scaled_loss = None
+        self._weight: torch.Tensor | None = None  # the running step's loss weight
+        self._inputs: tuple | None = (
+            None  # the running step's (tokens, targets, kwargs, rows per micro-batch)
+        )
         self.schedule = self.stages.schedule(self._schedule_loss)
         self._aux_weight = 0.0  # 1 / micro-batches of the running step
         self._aux_logged: list[torch.Tensor] = []  # this step's weighted aux losses, not-last parts
@@ -103,8 +106,28 @@ class PipelineStep(TrainStep):
 
         return hook
 
+    def _micro_batch_inputs(self, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(tokens, kwargs) of the micro-batch whose targets the schedule hands the loss. The schedule
+        splits the step's targets into views (torch.tensor_split), so the view's offset in the step's
+        targets names its rows; anything else (a copy, another split) is refused, not guessed."""
+        tokens, labels, kwargs, rows = self._inputs
+        row_bytes = labels.stride(0) * labels.element_size()
+        offset, rest = divmod(target.data_ptr() - labels.data_ptr(), row_bytes)
+        if rest or offset % rows or target.shape[0] != rows or not 0 <= offset < labels.shape[0]:
+            raise RuntimeError(
+                "the pipeline schedule handed the loss targets that are not a micro-batch view of the "
+                "step's targets; a training method's loss cannot find that micro-batch's tokens"
+            )
+        mine = slice(offset, offset + rows)
+        return tokens[mine], {k: v[mine] for k, v in kwargs.items()}
+
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self._scaled_loss(output, target)
+        if self.method_loss is not None:  # a training method's loss (distillation: with the teacher)
+            tokens, kwargs = self._micro_batch_inputs(target)
+            with self.method_loss.micro_batch(tokens, kwargs) as loss_fn:
+                loss = self.scaler.scale(loss_fn(output, target, self._weight))
+        else:
+            loss = self.scaler.scale(self.loss_fn(output, target, self._weight))
         if self._last_aux is not None:
             aux, self._last_aux = self._last_aux, None
             loss = loss + self.scaler.scale(like_loss(aux.to(output.device), loss) * self._aux_weight)
@@ -145,8 +168,9 @@ class PipelineStep(TrainStep):
             batch = batch.pin_memory()
         batch = batch.to(placement.input_device(), non_blocking=True)
         tokens, labels, kwargs = self.stage_inputs(batch)
-        scaler, loss_fn = self.scaler, self.loss_fn
-        self._scaled_loss = lambda out, tgt: scaler.scale(loss_fn(out, tgt, weight))
+        scaler = self.scaler
+        self._weight = weight
+        self._inputs = (tokens, labels, kwargs, labels.shape[0] // len(micro_batches))
         self._aux_weight, self._aux_logged = 1.0 / len(micro_batches), []
         losses: list[torch.Tensor] = []
         args = (tokens,) if stages.has_first else ()
@@ -170,6 +194,7 @@ class PipelineStep(TrainStep):
         for aux in self._aux_logged:  # the earlier stages' aux losses (the last's are in `losses`)
             loss = loss + aux.to(loss.device, loss.dtype)
         self._aux_weight, self._aux_logged = 0.0, []
+        self._weight = self._inputs = None
         return placement.data_mean(self._pp_sum(loss))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

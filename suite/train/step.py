@@ -5,25 +5,45 @@ holds. The step lives here and reads the placement: how a micro-batch (suite.dat
 one type pretraining and SFT share) becomes model inputs (positions, document masks, context-parallel
 chunks), how the loss is weighted (one loss: summed cross-entropy over the target tokens of the whole
 global batch, every micro-batch and rank), when data-parallel wrappers synchronise gradients, which
-reductions clipping needs, and how the optimizer skips a non-finite step. `build_step` is the one constructor: the trainer, finetuning and the benchmarks call it.
-A pipeline placement gets `suite.train.pipeline_step.PipelineStep`, which runs the schedule.
+reductions clipping needs, and how the optimizer skips a non-finite step. `build_step` (suite.train.step_builder) is the one constructor: the trainer, every training method
+and the benchmarks call it. A pipeline placement gets `suite.train.pipeline_step.PipelineStep`, which
+runs the schedule.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from suite.data.batch import Batch
+from suite.models.moe import moe_aux_loss
 from suite.parallel import memory
+from suite.parallel.context_parallel import split_batch
+from suite.parallel.data_parallel import clip_grad_norm_, set_gradient_sync
 from suite.parallel.parallelize import Placement
+from suite.train.loss import HeadInput, cross_entropy
 
 LossFn = Callable[..., torch.Tensor]  # (logits, targets, weight, aux_weight=0.0) -> weighted scalar loss
+
+
+class MethodLoss(Protocol):
+    """A training method's loss in training, where it needs more than the student's logits
+    (distillation: the frozen teacher's outputs; a reference model or a reward alike); evaluation
+    keeps the step's plain `loss_fn`. The step enters `micro_batch(tokens, kwargs)` for each training
+    micro-batch, where its tokens are known, and calls the loss function it yields as
+    `(output, targets, weight, aux_weight=0.0)`: `output` is a `HeadInput` (final hidden states and
+    head weight) in the accumulation step, the last stage's logits in the pipeline schedule (which
+    adds the MoE aux losses itself and passes no aux_weight)."""
+
+    def micro_batch(self, tokens: torch.Tensor, kwargs: dict) -> AbstractContextManager[LossFn]: ...
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
@@ -37,9 +57,6 @@ def training_loss(model: nn.Module, moe: bool) -> LossFn:
     for an MoE model in training, plus `aux_weight` times its balance and z-losses, and with
     multi-token prediction its weighted MTP loss (per-micro-batch means: the step weighs them
     1 / micro-batches)."""
-    from suite.models.moe import moe_aux_loss
-    from suite.train.loss import cross_entropy
-
     mtp = getattr(model, "mtp", None) is not None
 
     def loss_fn(logits, targets: torch.Tensor, weight, aux_weight: float = 0.0) -> torch.Tensor:
@@ -61,8 +78,6 @@ def like_loss(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     the aux loss a plain scalar that every tp rank computed whole (replicated routing)."""
     if not hasattr(loss, "device_mesh"):
         return aux
-    from torch.distributed.tensor import DTensor, Replicate
-
     mesh = loss.device_mesh
     return DTensor.from_local(aux, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
@@ -94,6 +109,7 @@ class TrainStep:
         loss_chunk_tokens: int = 0,
         spike_detection: bool = False,
         host_group: dist.ProcessGroup | None = None,
+        method_loss: MethodLoss | None = None,
     ):
         self.placement = placement
         self.model = placement.model
@@ -106,6 +122,7 @@ class TrainStep:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.spike_detection = spike_detection
         self.host_group = host_group
+        self.method_loss = method_loss  # the training method's loss (distillation's teacher), or None
         self.state_peaks: dict[str, int] = {}
 
     # ---- inputs and losses ------------------------------------------------------------------------
@@ -114,8 +131,6 @@ class TrainStep:
         two sequence chunks, with their own positions and document mask)."""
         cp = self.placement.dims.cp
         if cp > 1:
-            from suite.parallel.context_parallel import split_batch
-
             return split_batch(batch, cp, self.placement.cp_rank)
         return batch.tokens, batch.labels, batch.model_kwargs()
 
@@ -144,11 +159,18 @@ class TrainStep:
         tensor parallelism the logits are vocab-sharded DTensors and DTensor's loss_parallel already
         avoids gathering them: that path is kept as it is; so is a head that is not a plain nn.Linear
         (LoRA on `output`), whose forward adds more than `hidden @ weight.T`.
+        A training method's loss (`method_loss`) always gets the head's input, in training.
         """
         chunk = self.loss_chunk_tokens
+        if self.method_loss is not None and self.model.training:
+            with self.method_loss.micro_batch(tokens, kwargs) as method_fn:
+
+                def method_head(hidden: torch.Tensor, weight_: torch.Tensor) -> torch.Tensor:
+                    return method_fn(HeadInput(hidden, weight_, chunk), targets, weight, aux_weight)
+
+                return self.model(tokens, head=method_head, **kwargs)
         plain_head = type(getattr(self.model, "output", None)) is nn.Linear  # not a LoRA-wrapped head
         if 0 < chunk < targets.numel() and plain_head and not self.placement.loss_parallel:
-            from suite.train.loss import HeadInput
 
             def head(hidden: torch.Tensor, weight_: torch.Tensor) -> torch.Tensor:
                 return self.loss_fn(HeadInput(hidden, weight_, chunk), targets, weight, aux_weight)  # type: ignore[arg-type]
@@ -168,8 +190,6 @@ class TrainStep:
         for i, batch in enumerate(micro_batches):
             last = i == count - 1
             if placement.dp_kind != "none":
-                from suite.parallel.data_parallel import set_gradient_sync
-
                 set_gradient_sync(self.model, placement.dp_kind, last)
             tokens, targets, kwargs = self.model_inputs(batch.to(device, non_blocking=True))
             with placement.loss_context():
@@ -190,8 +210,6 @@ class TrainStep:
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
             return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        from suite.parallel.data_parallel import clip_grad_norm_
-
         return clip_grad_norm_(params, max_norm)
 
     def __call__(
@@ -312,20 +330,3 @@ class TrainStep:
         out = {k: int(v) for k, v in zip(keys, values.tolist())}
         out["total"] = sum(out.values())
         return out
-
-
-def build_step(
-    placement: Placement,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    autocast: Callable,
-    scaler: torch.amp.GradScaler,
-    **options,
-) -> TrainStep:
-    """The step for this placement: the accumulation loop, or the pipeline schedule (pp > 1).
-    `options`: TrainStep's keyword arguments."""
-    if placement.pipeline is not None:
-        from suite.train.pipeline_step import PipelineStep
-
-        return PipelineStep(placement, optimizer, loss_fn, autocast, scaler, **options)
-    return TrainStep(placement, optimizer, loss_fn, autocast, scaler, **options)

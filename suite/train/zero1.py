@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from suite.parallel.data_parallel import canonical_name
 from suite.parallel.expert_parallel import expert_params_of
-from suite.train.optim import WrappedOptimizer
+from suite.train.wrapped_optim import WrappedOptimizer
 
 
 def _row_slice(rows: int, parts: int, index: int) -> tuple[int, int, int]:

@@ -145,7 +145,10 @@ def test_hidden_matching_under_fsdp_and_resumed_equals_one_process(
         (["distill.hidden_weight=-1"], ["distill.hidden_weight=-1"]),
         (["distill.hidden_schedule=cosine"], ["distill.hidden_schedule='cosine'", "linear"]),
         (["model.vocab_size=1024"], ["vocab_size=512", "vocab_size=1024"]),
-        (["parallel.pp=2", "model.num_layers=2", "launch.nproc_per_node=2"], ["parallel.pp=2", "tp (+sp)"]),
+        (
+            ["parallel.pp=2", "model.num_layers=2", "launch.nproc_per_node=2", "distill.hidden_weight=1.0"],
+            ["parallel.pp=2", "tp (+sp)"],
+        ),
         # the teacher (4 heads) is split like the student (8 heads): tp must divide both
         (["model.num_heads=8", "parallel.tp=8", "launch.nproc_per_node=8"], ["teacher's model.num_heads=4"]),
     ],
@@ -232,6 +235,26 @@ def test_distill_at_tp2_with_sp_and_hidden_matching_matches_single_process(
     for view in got["ranks"]:  # the projections are tp-replicated DTensors, trained like the rest
         assert view["params"]["distill_proj.0.weight"] == "tp:Replicate()", view["params"]
     assert_equivalent(hidden_single, run)
+
+
+PP_LAYOUT = ["model.num_layers=2", "parallel.pp=2", "parallel.pp_schedule=1f1b"]
+
+
+def test_distill_at_pp2_1f1b_matches_single_process(tmp_path, teacher, tiny_data):
+    """A 2-layer student split into 2 pipeline stages (1f1b, 4 micro-batches a step) equals one process:
+    the distillation loss runs on the last stage, where the step hands it the tokens of the micro-batch
+    the schedule is at, and the whole teacher there turns them into its logits.
+
+    Wrong code this catches: the loss finding the wrong micro-batch's tokens (e.g. a counter that the
+    schedule's shape-inference pass advances, or always the first micro-batch: the teacher's logits then
+    belong to other rows and step 1's loss, norm and gradients move); the pipeline schedule's loss
+    weighting the distillation term per micro-batch rather than over the global batch (gradients off by
+    the micro-batch count); the student's MoE/aux handling adding the aux loss twice on the last stage."""
+    single, pp = tmp_path / "single", tmp_path / "pp2"
+    distill(single, teacher, tiny_data, "model.num_layers=2")
+    distill(pp, teacher, tiny_data, *PP_LAYOUT, "launch.nproc_per_node=2")
+    assert_layout(pp, 2, [*TINY_MODEL, *PP_LAYOUT])
+    assert_equivalent(single, pp)
 
 
 MOE_STUDENT = [

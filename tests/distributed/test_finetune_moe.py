@@ -96,7 +96,7 @@ def first_step_loss(run_dir: Path) -> tuple[float, float]:
     from suite.data import load_tokenizer
     from suite.data.batch import IGNORE_INDEX
     from suite.data.sft import SFTBatches, SFTDataset
-    from suite.finetune.trainer import sft_options
+    from suite.finetune.data import sft_options
     from suite.model_source import ModelSource
     from suite.models.moe import moe_aux_loss
     from suite.train.loss import cross_entropy

@@ -115,7 +115,7 @@ def held_out_loss(run_dir: Path, model) -> float:
     from suite.data import load_tokenizer
     from suite.data.batch import IGNORE_INDEX
     from suite.data.sft import SFTBatches, SFTDataset
-    from suite.finetune.trainer import sft_options
+    from suite.finetune.data import sft_options
     from suite.train.loss import cross_entropy
 
     cfg = load_saved_config(run_dir / "config.yaml")

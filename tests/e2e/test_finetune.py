@@ -76,7 +76,7 @@ def first_step_loss_in_process(run_dir: Path, base: Path) -> float:
     from suite.data import load_tokenizer
     from suite.data.batch import IGNORE_INDEX
     from suite.data.sft import SFTBatches, SFTDataset
-    from suite.finetune.trainer import sft_options
+    from suite.finetune.data import sft_options
     from suite.model_source import load_hf_model
     from suite.train.loss import cross_entropy
 

@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from suite.cli.common import _compose
-from suite.cli.training import refuse_auto, train, with_base_model, with_default_recipe
+from suite.cli.training import refuse_auto, run_method, train, with_base_model, with_default_recipe
 from suite.distill.checks import check_distill, check_distill_layout
 from suite.folders import OVERWRITE
 from suite.preflight import validate
@@ -38,14 +38,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
 def in_rank(cfg, dims, resolved_yaml: str) -> int:
     """One rank of a distillation run (suite.cli.worker), or the whole run in one process."""
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.distill.trainer import DistillTrainer, SFTDistillTrainer
-    from suite.model_source import initial_weights
+    from suite.distill.method import compose
 
-    if cfg.distill.data == "sft":
-        SFTDistillTrainer(cfg, dims, resolved_yaml).train()
-    else:
-        DistillTrainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-    return 0
+    return run_method(compose, cfg, dims, resolved_yaml)
 
 
 def sources(cfg) -> dict[str, Any]:
@@ -89,7 +84,7 @@ VERB = register(
         composes=True,
         in_rank=in_rank,
         layout_checks=(check_distill_layout,),
-        rank_imports=("suite.distill.trainer",),
+        rank_imports=("suite.distill.method",),
         run_identity=RunIdentity(sources=sources),
         stage_output="run",
         output_key="run.dir",

@@ -9,7 +9,14 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from suite.cli.common import _compose
-from suite.cli.training import convert_qat, refuse_auto, train, with_base_model, with_default_recipe
+from suite.cli.training import (
+    convert_qat,
+    refuse_auto,
+    run_method,
+    train,
+    with_base_model,
+    with_default_recipe,
+)
 from suite.finetune.checks import check_finetune, check_finetune_layout
 from suite.folders import OVERWRITE
 from suite.preflight import validate
@@ -37,10 +44,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
 def in_rank(cfg, dims, resolved_yaml: str) -> int:
     """One rank of a finetuning run (suite.cli.worker), or the whole run in one process."""
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.finetune.trainer import FinetuneTrainer
+    from suite.finetune.method import compose
 
-    FinetuneTrainer(cfg, dims, resolved_yaml).train()
-    return 0
+    return run_method(compose, cfg, dims, resolved_yaml)
 
 
 def identity_keys(cfg) -> dict[str, Any]:
@@ -105,7 +111,7 @@ VERB = register(
         composes=True,
         in_rank=in_rank,
         layout_checks=(check_finetune_layout,),
-        rank_imports=("suite.finetune.trainer",),
+        rank_imports=("suite.finetune.method",),
         run_identity=RunIdentity(keys=identity_keys, tokenizer=base_tokenizer),
         stage_output="run",
         output_key="run.dir",

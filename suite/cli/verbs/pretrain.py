@@ -6,7 +6,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from suite.cli.common import _compose, _expand, _report, _say
-from suite.cli.training import convert_qat, train, with_base_model
+from suite.cli.training import convert_qat, run_method, train, with_base_model
 from suite.config.errors import ConfigError
 from suite.folders import OVERWRITE
 from suite.preflight import validate
@@ -126,11 +126,9 @@ Examples:
 def in_rank(cfg, dims, resolved_yaml: str) -> int:
     """One rank of a pretraining run (suite.cli.worker), or the whole run in one process."""
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.model_source import initial_weights
-    from suite.train.trainer import Trainer
+    from suite.pretrain.method import compose
 
-    Trainer(cfg, dims, resolved_yaml, initial_weights(cfg)).train()
-    return 0
+    return run_method(compose, cfg, dims, resolved_yaml)
 
 
 VERB = register(
@@ -144,6 +142,7 @@ VERB = register(
         valued_flags={"--rank": "--rank 0 (or --rank worst)"},
         composes=True,
         in_rank=in_rank,
+        rank_imports=("suite.pretrain.method",),
         run_identity=RunIdentity(),
         stage_output="run",
         output_key="run.dir",
