@@ -54,6 +54,10 @@ class Verb:
     valued_flags: Mapping[str, str] = field(default_factory=dict)  # `--flag VALUE` -> an example
     default_recipe: str | None = None  # composed first unless recipe= is given
     composes: bool = False  # reads a composed config: --overwrite arrives as train.overwrite=true
+    # config sections the verb never reads: typing one of their keys is refused in one line (a key that
+    # silently does nothing is a mistake the user cannot see); `hints`: what to type instead, by key
+    unused: tuple[str, ...] = ()
+    hints: Mapping[str, str] = field(default_factory=dict)
     # launched ranks: the function each rank runs (suite.cli.worker), the layout checks an elastic
     # attempt on fewer processes repeats, what the fork server imports before forking a rank
     in_rank: Callable[[Any, Any, str], int] | None = None
@@ -89,6 +93,21 @@ def get(name: str) -> Verb:
         return VERBS[name]
     except KeyError:
         raise ConfigError(f"verb '{name}' is unknown; use one of: {', '.join(VERBS)}") from None
+
+
+def check_keys(verb: Verb, overrides: list[str]) -> None:
+    """Refuse a typed key of a section `verb` does not read, naming the verbs that do read it."""
+    for text in overrides:
+        key, _, value = text.partition("=")
+        key = key.lstrip("+~")
+        section = key.split(".", 1)[0]
+        if section not in verb.unused:
+            continue
+        hint = verb.hints.get(key)
+        readers = [v.name for v in VERBS.values() if v.unused and section not in v.unused]
+        read_by = f" (read by suite {', suite '.join(readers)})" if readers else ""
+        fix = hint.format(value=value) if hint else "drop it"
+        raise ConfigError(f"{key}={value}: suite {verb.name} does not read {section}{read_by}; {fix}")
 
 
 def stage_verbs() -> list[str]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import sys
 
+from suite.cli.common import _expand
 from suite.cli.help import usage, verb_help
 from suite.cli.training import print_launch
 from suite.cli.verbs import VERBS
 from suite.config.errors import ConfigError
 from suite.folders import OVERWRITE
-from suite.verb import Verb
+from suite.verb import Verb, check_keys
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], set[str]]:
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    try:
+        check_keys(verb, _expand(overrides))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ConfigError.exit_code
     if OVERWRITE in flags and verb.composes:
         overrides = [*overrides, "train.overwrite=true"]
     try:

@@ -9,6 +9,7 @@ against the reference with the task's exact match.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,14 @@ def evaluate_checkpoint(ckpt: str, eval_cfg, device: str = "auto") -> dict[str, 
             f"{source.named} was not finetuned on a built-in task; pass task=<name>, e.g. task=reverse-6"
         )
     num = eval_cfg.num_samples or run_data.num_eval
+    if task == run_data.task and num > run_data.num_eval:  # more would score questions it trained on
+        print(
+            f"note: eval.num_samples={num} is more than the {run_data.num_eval} questions the run held out "
+            f"(finetune.data.num_eval); scoring those {run_data.num_eval}",
+            file=sys.stderr,
+            flush=True,
+        )
+        num = run_data.num_eval
     with tempfile.TemporaryDirectory(prefix="suite-eval-") as tmp:
         files = write_task(task, tmp, 0, num, seed=run_data.task_seed)
         result = evaluate_task(

@@ -176,6 +176,16 @@ def test_eval_prints_held_out_accuracy(full_run):
     assert result["accuracy"] == 0.0 and result["correct"] == 0
 
 
+def test_eval_scores_no_more_than_the_held_out_questions(full_run):
+    """eval.num_samples past the run's finetune.data.num_eval (8) would score questions the run
+    trained on (the task's rows after the held-out ones): capped at 8 with a note. Without the cap
+    `total` is 50."""
+    proc = run_suite("eval", f"ckpt={full_run}", "eval.num_samples=50", "--json", check=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["total"] == 8
+    assert "eval.num_samples=50 is more than the 8 questions the run held out" in proc.stderr
+
+
 @pytest.mark.slow
 def test_finetuning_learns_what_it_is_taught(tmp_path, base):
     """A model that learns is told from one that does not: 100 steps on 16 reverse-3 questions take

@@ -98,3 +98,17 @@ def test_the_command_line_reads_the_registry(capsys):
     assert main(["--help"]) == 0
     listed = capsys.readouterr().out
     assert all(f"\n  {name:10s} " in listed for name in VERBS)
+
+
+def test_a_key_the_verb_does_not_read_is_refused_naming_what_it_reads(capsys):
+    """A key that silently does nothing is refused: removing `check_keys` from main, or a verb
+    record losing its `unused` sections, lets these run (and `ckpt=` on finetune train from the
+    recipe's base instead of the model the user named)."""
+    assert main(["finetune", "ckpt=runs/base"]) == 2
+    err = capsys.readouterr().err
+    assert "suite finetune does not read ckpt" in err and "model.init_from=runs/base" in err
+    assert main(["pretrain", "generate.temperature=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "suite generate" in err and "drop it" in err
+    assert main(["quantize", "ckpt=runs/x", "optim.lr=0.1"]) == 2
+    assert "suite quantize does not read optim" in capsys.readouterr().err

@@ -78,6 +78,10 @@ VERB = register(
         summary="train a smaller student against a frozen teacher: suite distill recipe=distill-gpt-tiny",
         help=HELP,
         run=run,
+        unused=("ckpt", "generate", "export", "prune", "eval"),
+        hints={
+            "ckpt": "the teacher is distill.teacher={value}; a student that starts from a checkpoint is model.init_from={value}"
+        },
         section="train",
         flags=("--print-launch", OVERWRITE),
         default_recipe="distill-gpt-tiny",

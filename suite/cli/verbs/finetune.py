@@ -105,6 +105,8 @@ VERB = register(
         "suite finetune model.init_from=runs/gpt-tiny",
         help=HELP,
         run=run,
+        unused=("ckpt", "generate", "export", "prune", "distill", "eval"),
+        hints={"ckpt": "finetuning starts from model.init_from={value}"},
         section="train",
         flags=("--print-launch", OVERWRITE),
         default_recipe="sft-tiny",

@@ -137,6 +137,8 @@ VERB = register(
         summary="train a language model from scratch (default: gpt-tiny on the embedded corpus)",
         help=HELP,
         run=run,
+        unused=("ckpt", "generate", "export", "prune", "finetune", "distill", "eval"),
+        hints={"ckpt": "continued pretraining starts from model.init_from={value}"},
         section="train",
         flags=("--dry-run", "--print-launch", OVERWRITE),
         valued_flags={"--rank": "--rank 0 (or --rank worst)"},
