@@ -7,27 +7,11 @@ import sys
 
 import torch
 
-from suite.config.compose import compose_config, to_object
+from suite.config.compose import compose_config, expand_shortcuts, to_object
 from suite.config.errors import ConfigError
 from suite.runtime import resolve_auto
 
-SHORTCUTS = {
-    "prompt": "generate.prompt",
-    "format": "export.format",
-    "out": "export.out",
-    "merge_lora": "export.merge_lora",
-    "task": "eval.task",
-    "metric": "eval.metric",
-    "harness": "eval.harness",
-}
-
-
-def _expand(overrides: list[str]) -> list[str]:
-    out = []
-    for text in overrides:
-        key, sep, value = text.partition("=")
-        out.append(f"{SHORTCUTS.get(key, key)}{sep}{value}")
-    return out
+_expand = expand_shortcuts  # the verbs' name for it
 
 
 def _compose(overrides: list[str]):

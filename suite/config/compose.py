@@ -202,6 +202,26 @@ def _explain(exc: BaseException) -> str:
     return str(exc).splitlines()[0]
 
 
+SHORTCUTS = {
+    "prompt": "generate.prompt",
+    "format": "export.format",
+    "out": "export.out",
+    "merge_lora": "export.merge_lora",
+    "task": "eval.task",
+    "metric": "eval.metric",
+    "harness": "eval.harness",
+}
+
+
+def expand_shortcuts(overrides: list[str]) -> list[str]:
+    """The short keys every verb takes (prompt=, out=, task= ...) as the config keys they stand for."""
+    out = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        out.append(f"{SHORTCUTS.get(key, key)}{sep}{value}")
+    return out
+
+
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """Compose suite.yaml with the overrides; returns the interpolation-resolved DictConfig (its
     machine-dependent `auto` values are settled by suite.runtime.resolve_auto)."""

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from suite import user_files
+from suite.config.compose import compose_config, expand_shortcuts, to_object
 from suite.config.errors import ConfigError
 from suite.output_paths import check_output_folder
-from suite.verb import VERBS, stage_verbs
+from suite.verb import VERBS, check_keys, stage_verbs
 
 REF = re.compile(r"\$\{stage:([^}]*)\}")
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
@@ -170,7 +171,26 @@ def load_pipeline(overrides: list[str]) -> Pipeline:
         stage.args.append(_resolve(arg, stage, stages[: stages.index(stage)]))
         _check_output_keys(stage, path)
     pipeline.gates = [_gate(g, pipeline, path) for g in data.get("gates") or []]
+    for stage in stages:
+        _check_stage_args(stage)
     return pipeline
+
+
+def _check_stage_args(stage: Stage) -> None:
+    """Each stage's command composed here, before any stage runs or any folder is moved: a key its
+    verb does not read or the config does not have, or a value of the wrong type, stops the whole
+    run in one line naming the stage. (A prompt is taken verbatim by `suite generate`, not parsed.)"""
+    verb = VERBS[stage.verb]
+    args = expand_shortcuts(
+        [a for a in stage.args if a.split("=", 1)[0] not in ("prompt", "generate.prompt")]
+    )
+    if verb.default_recipe and not any(a.split("=", 1)[0] == "recipe" for a in args):
+        args = [f"recipe={verb.default_recipe}", *args]
+    try:
+        check_keys(verb, args)
+        to_object(compose_config(args))
+    except ConfigError as exc:
+        raise ConfigError(f"stage '{stage.name}' (suite {stage.verb}): {exc}") from None
 
 
 def _stage(name: str, body: Any, folder: Path, earlier: list[Stage], path: Path) -> Stage:
