@@ -28,7 +28,7 @@ def worst_rank(cfg: SuiteConfig, dims: ParallelDims) -> int:
 
 
 def _vpp(cfg: SuiteConfig, dims: ParallelDims) -> int:
-    from suite.parallel.pipeline import MULTI_STAGE
+    from suite.parallel.dims import MULTI_STAGE
 
     return cfg.parallel.vpp if dims.pp > 1 and cfg.parallel.pp_schedule in MULTI_STAGE else 1
 

@@ -85,7 +85,7 @@ def time_shared(cluster: ClusterConfig, threads: int, cores: int) -> ClusterConf
 
 def recipe_layout(cfg: SuiteConfig, dims: ParallelDims) -> Layout:
     """The recipe's own layout (its resolved degrees) as the planner names it."""
-    from suite.parallel.pipeline import MULTI_STAGE
+    from suite.parallel.dims import MULTI_STAGE
 
     p = cfg.parallel
     multi = dims.pp > 1 and p.pp_schedule in MULTI_STAGE

@@ -195,8 +195,7 @@ def check_layout(job: Job, layout: Layout) -> None:
     """ConfigError (one line) when the trainer would refuse `layout` for `job`: the degrees against
     the model and batch (ParallelDims.validate), the pipeline schedule (check_pipeline), the sequence
     splits of sp and cp, and the MoE / expert-parallel rules."""
-    from suite.parallel.dims import ParallelDims
-    from suite.parallel.pipeline import check_pipeline
+    from suite.parallel.dims import ParallelDims, check_pipeline
 
     if layout.world != job.world:
         raise ConfigError(

@@ -21,7 +21,7 @@ from torch import nn
 
 from suite.data.batch import Batch
 from suite.parallel import memory
-from suite.parallel.parallelize import Placement
+from suite.parallel.placement import Placement
 
 LossFn = Callable[..., torch.Tensor]  # (logits, targets, weight, aux_weight=0.0) -> weighted scalar loss
 

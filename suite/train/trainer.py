@@ -30,7 +30,8 @@ from suite.models.qat import init_learned_scales, prepare_qat
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
 from suite.parallel.expert_parallel import moe_step_metrics, update_expert_bias
-from suite.parallel.parallelize import Placement, parallelize
+from suite.parallel.parallelize import parallelize
+from suite.parallel.placement import Placement
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train import run_folder
