@@ -78,6 +78,8 @@ def write_report(
 
 
 def _plot(figures: dict[str, dict[str, Any]], order: list[str], path: Path, title: str) -> None:
+    # deferred: matplotlib (~0.5 s) loads only when the figure is drawn (suite --help imports suite.pipeline),
+    # and pyplot must come after matplotlib.use('Agg')
     import matplotlib
 
     matplotlib.use("Agg")

@@ -143,13 +143,15 @@ def test_no_import_cycle_between_files():
     assert [" <-> ".join(component) for component in _cycles(_file_graph())] == []
 
 
-def _deferral_said(lines: list[str], lineno: int) -> bool:
-    """A `# deferred:` comment on the import's line, or opening the comment block right above it."""
+def _deferral_said(lines: list[str], lineno: int, import_lines: set[int]) -> bool:
+    """A `# deferred:` comment on the import's line, or opening the comment block right above it or
+    above the run of imports it belongs to (one comment for `import pyarrow as pa` and
+    `import pyarrow.parquet as pq`)."""
     if "# deferred:" in lines[lineno - 1]:
         return True
-    above = lineno - 2
-    while above >= 0 and lines[above].lstrip().startswith("#"):
-        if lines[above].lstrip().startswith("# deferred:"):
+    above = lineno - 1  # 1-based line number of the line above
+    while above >= 1 and (above in import_lines or lines[above - 1].lstrip().startswith("#")):
+        if lines[above - 1].lstrip().startswith("# deferred:"):
             return True
         above -= 1
     return False
@@ -168,15 +170,16 @@ def test_deferred_imports_say_why():
             for node in ast.walk(ast.parse(text))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         ]
-        linenos = {
-            node.lineno
+        imports = {
+            node
             for function in functions
             for node in ast.walk(function)
             if isinstance(node, ast.Import | ast.ImportFrom)
         }
+        import_lines = {n for node in imports for n in range(node.lineno, node.end_lineno + 1)}
         unsaid += [
             f"{path.relative_to(SUITE.parent)}:{n}: {lines[n - 1].strip()}"
-            for n in sorted(linenos)
-            if not _deferral_said(lines, n)
+            for n in sorted(node.lineno for node in imports)
+            if not _deferral_said(lines, n, import_lines)
         ]
     assert unsaid == []
