@@ -144,13 +144,15 @@ def test_no_import_cycle_between_files():
 
 
 def _deferral_said(lines: list[str], lineno: int, import_lines: set[int]) -> bool:
-    """A `# deferred:` comment on the import's line, or opening the comment block right above it or
-    above the run of imports it belongs to (one comment for `import pyarrow as pa` and
-    `import pyarrow.parquet as pq`)."""
+    """A `# deferred:` comment on the import's line, or in the comments right above it or above the
+    block of imports it belongs to (one comment for `import pyarrow as pa` and
+    `import pyarrow.parquet as pq`; blank lines between the block's sections are part of it)."""
     if "# deferred:" in lines[lineno - 1]:
         return True
     above = lineno - 1  # 1-based line number of the line above
-    while above >= 1 and (above in import_lines or lines[above - 1].lstrip().startswith("#")):
+    while above >= 1 and (
+        above in import_lines or not lines[above - 1].strip() or lines[above - 1].lstrip().startswith("#")
+    ):
         if lines[above - 1].lstrip().startswith("# deferred:"):
             return True
         above -= 1
