@@ -9,15 +9,17 @@ report.md and report.png. Nothing here imports a trainer: every stage is its own
 
 from __future__ import annotations
 
+from suite.folders import OVERWRITE
+
 
 def cmd_run(overrides: list[str], flags: set[str]) -> int:
+    # deferred: suite --help imports this package (for cmd_run); the runner, and through it the launcher
+    # and the model sources, load only when a pipeline runs
     from suite.pipeline.recipe import load_pipeline
     from suite.pipeline.runner import Run
 
     def flag(name: str) -> str | None:
         return next((f.split("=", 1)[1] for f in flags if f.startswith(f"{name}=")), None)
-
-    from suite.folders import OVERWRITE
 
     pipeline = load_pipeline(overrides)
     return Run(pipeline, start=flag("--from"), only=flag("--only"), overwrite=OVERWRITE in flags).run()

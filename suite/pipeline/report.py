@@ -83,7 +83,7 @@ def _plot(figures: dict[str, dict[str, Any]], order: list[str], path: Path, titl
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as above, and only after use("Agg")
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 4.2))
     colors = plt.get_cmap("tab10").colors
