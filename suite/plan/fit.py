@@ -22,8 +22,8 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import ClusterConfig, SuiteConfig
 from suite.config.validate import nproc_range
+from suite.parallel import hosting
 from suite.parallel.dims import MULTI_STAGE, ParallelDims
-from suite.parallel.hosting import available_ram
 from suite.plan.command import job_of
 from suite.plan.cost import GIB, evaluate
 from suite.plan.layout import Job, Layout
@@ -54,7 +54,7 @@ def device_memory(cfg: SuiteConfig) -> tuple[float, str]:
     if run_device(cfg) == "cuda":
         props = torch.cuda.get_device_properties(0)
         return float(props.total_memory), f"each {props.name} has {props.total_memory / GIB:.1f} GiB"
-    ram = available_ram()
+    ram = hosting.available_ram()  # looked up at call time: tests stand in for the machine
     procs = f"{nproc} CPU processes" if nproc > 1 else "one CPU process"
     return ram / nproc, f"this machine has {ram / GIB:.1f} GiB of memory available for {procs}"
 
