@@ -1,7 +1,7 @@
 """`parallelize`: the one place where a plain model becomes a parallel one.
 
-It returns a Placement: what this rank holds (the model or its pipeline stage parts, the mesh and
-groups, the data-parallel kind) and the communication that layout implies. It runs nothing: the
+It returns a Placement (suite.parallel.placement): what this rank holds (the model or its pipeline
+stage parts, the mesh and groups, the data-parallel kind) and the communication that layout implies. It runs nothing: the
 step (forward/backward, accumulation or the pipeline schedule, clipping, the optimizer) lives in
 suite.train.step and reads the placement (torchtitan's split: parallelism applied from outside).
 
