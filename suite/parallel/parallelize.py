@@ -1,9 +1,10 @@
 """`parallelize`: the one place where a plain model becomes a parallel one.
 
 It returns a Placement (suite.parallel.placement): what this rank holds (the model or its pipeline
-stage parts, the mesh and groups, the data-parallel kind) and the communication that layout implies. It runs nothing: the
-step (forward/backward, accumulation or the pipeline schedule, clipping, the optimizer) lives in
-suite.train.step and reads the placement (torchtitan's split: parallelism applied from outside).
+stage parts, the mesh and groups, the data-parallel kind) and the communication that layout implies.
+It runs nothing: the step (forward/backward, accumulation or the pipeline schedule, clipping, the
+optimizer) lives in suite.train.step and reads the placement (torchtitan's split: parallelism
+applied from outside).
 
 Order of application (each step sees the previous one's result; the model starts on `meta`):
 
