@@ -26,12 +26,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from suite.config.compose import load_saved_config
 from suite.config.errors import ConfigError
 from suite.config.schema import LoRAConfig, ModelConfig, SuiteConfig
+from suite.data import load_tokenizer
+from suite.models import build_model, materialize
 from suite.models.hf import from_hf_state_dict, model_config_from_hf
 from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
+from suite.models.lora import apply_lora, merge_lora
+from suite.models.qat import LEARNED_SCALE
+from suite.models.quantized import is_quantized, load_quantized_base
+from suite.parallel.data_parallel import canonical_name
+from suite.train.checkpoint import checkpoint_step, find_checkpoint, load_model_weights
 
 HF_PREFIX = "hf:"
 # parameters a training verb adds beside the model's own (suite distill's hidden-state projections;
@@ -85,8 +104,6 @@ class ModelSource:
                     f"{key}='{text}' has no config.json; give hf:<a folder written by save_pretrained>"
                 )
             return cls(text, key, folder, True)
-        from suite.train.checkpoint import find_checkpoint
-
         try:
             folder, skipped = find_checkpoint(text)
         except ConfigError as exc:
@@ -98,8 +115,6 @@ class ModelSource:
         after the checkpoints that were skipped because they did not verify."""
         if self.is_hf:
             return f"{self.named}: Hugging Face folder {self.folder}"
-        from suite.train.checkpoint import checkpoint_step
-
         skipped = "".join(f"; {note}" for note in self.skipped)
         return f"{self.named}: step {checkpoint_step(self.folder)} ({self.folder}, verified{skipped})"
 
@@ -118,8 +133,6 @@ class ModelSource:
         """The resolved config of the run that wrote a suite checkpoint (None for an HF folder)."""
         if self.is_hf:
             return None
-        from suite.config.compose import load_saved_config
-
         return load_saved_config(self.folder / "config.yaml")
 
     @property
@@ -131,8 +144,6 @@ class ModelSource:
     @property
     def quantized(self) -> bool:
         """A `suite quantize` checkpoint (torchao tensors in safetensors, not a DCP checkpoint)."""
-        from suite.models.quantized import is_quantized
-
         return not self.is_hf and is_quantized(self.folder)
 
     def learned_scales(self) -> dict[str, torch.Tensor]:
@@ -140,8 +151,6 @@ class ModelSource:
         suite.models.qat), which its conversion stores; empty for any other source."""
         if self.is_hf or self.quantized:
             return {}
-        from suite.models.qat import LEARNED_SCALE
-
         found = checkpoint_tensors(self.folder, lambda key: key.endswith(LEARNED_SCALE))
         return {key.removesuffix(LEARNED_SCALE): tensor.read() for key, tensor in found.items()}
 
@@ -178,11 +187,10 @@ class ModelSource:
                     f"{self.named} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
                     "give a save_pretrained folder that includes its tokenizer"
                 )
+            # deferred: transformers costs seconds to import; only a Hugging Face source's tokenizer needs it
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(self.folder, trust_remote_code=False)
-        from suite.data import load_tokenizer
-
         if not (self.run_dir / "tokenizer.json").is_file():
             raise ConfigError(
                 f"{self.named}: the run folder {self.run_dir} has no tokenizer.json (training copies it there "
@@ -218,17 +226,8 @@ class ModelSource:
                 load_suite_weights(model, from_hf_state_dict(cfg, tensors), self.named)
             return
         if self.quantized:  # QLoRA: the frozen quantized base under the adapters
-            from suite.models.quantized import load_quantized_base
-
             load_quantized_base(model, self.folder)
             return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,
-        )
-
         state = {  # adapters and training-only modules (distill_proj) are no part of any source
             k: v for k, v in get_model_state_dict(model).items() if ".lora_" not in k and not training_only(k)
         }
@@ -237,8 +236,6 @@ class ModelSource:
 
     def load_model(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """A single-device model in eval mode holding the source's weights (LoRA adapters merged)."""
-        from suite.models import build_model, materialize
-
         model = materialize(build_model(self.model_config()), device, seed=0)
         if dtype != torch.float32:
             model.to(dtype)
@@ -246,9 +243,6 @@ class ModelSource:
         if self.is_hf:
             self.load_weights(model)
         elif lora is not None:  # the checkpoint holds base + adapters: fold them in
-            from suite.models.lora import apply_lora, merge_lora
-            from suite.train.checkpoint import load_model_weights
-
             apply_lora(model, lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
             base = self.quantized_base
             if base is not None:  # QLoRA: the quantized base stays quantized, the adapters beside it
@@ -257,8 +251,6 @@ class ModelSource:
             if base is None:
                 merge_lora(model)
         else:
-            from suite.train.checkpoint import load_model_weights
-
             load_model_weights(self.folder, model)
         return model.eval()
 
@@ -282,8 +274,6 @@ def _slices(box: Box) -> tuple[slice, ...]:
 def hf_weights(folder: Path, where: str | None = None) -> Iterator[dict[str, LazyTensor]]:
     """The tensors of a save_pretrained folder, unread: safetensors are sliced on read; a .bin
     checkpoint is memory-mapped (weights-only)."""
-    from safetensors import safe_open
-
     files = sorted(Path(folder).glob("*.safetensors"))
     with contextlib.ExitStack() as stack:
         tensors: dict[str, LazyTensor] = {}
@@ -340,15 +330,10 @@ def checkpoint_weights(folder: Path, lora_scaling: float | None = None) -> dict[
 
 def checkpoint_tensors(folder: Path, keep: Callable[[str], bool]) -> dict[str, LazyTensor]:
     """The model tensors of a suite checkpoint whose plain names `keep` accepts, read on demand."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
 
     def stored(key: str, info: TensorStorageMetadata) -> Source:
         def read(box: Box) -> torch.Tensor:
-            import torch.distributed.checkpoint as dcp
-
             value = torch.empty(info.size, dtype=info.properties.dtype)
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
@@ -393,9 +378,6 @@ class _MergedExperts(_Merged):
 # ---- loading: each rank reads its own shard -----------------------------------------------------------
 def local_box(param: torch.Tensor) -> Box:
     """The part of the full tensor that this rank holds: a box of global indices."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if not isinstance(param, DTensor):
         return tuple((0, n) for n in param.shape)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -416,10 +398,6 @@ def load_suite_weights(
     Parameters missing from `weights` are an error, except LoRA adapters (not in any base) and
     training-only parameters (`training_only`).
     """
-    from torch.distributed.tensor import DTensor
-
-    from suite.parallel.data_parallel import canonical_name
-
     missing = []
     for name, param in model.named_parameters():
         key = canonical_name(name)

@@ -18,6 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from suite.config.errors import ConfigError
 
 SNIFF_BYTES = 8192  # how much of a file's start is looked at to tell text from binary
@@ -204,6 +208,7 @@ def _not_parquet(what: str, path: Path, err: Exception) -> ConfigError:
 
 def parquet_columns(path: str | Path, what: str = "") -> list[str]:
     """The column names of a Parquet file; a file that is not Parquet is one line."""
+    # deferred: pyarrow.parquet (~0.2 s) stays out of suite --help, which imports this module
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -216,6 +221,7 @@ def parquet_columns(path: str | Path, what: str = "") -> list[str]:
 
 def read_parquet(path: str | Path, what: str = "", columns: list[str] | None = None) -> Any:
     """A Parquet file as a pyarrow Table (only `columns` when given); a file that is not Parquet is one line."""
+    # deferred: pyarrow.parquet (~0.2 s) stays out of suite --help, which imports this module
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -229,10 +235,6 @@ def read_parquet(path: str | Path, what: str = "", columns: list[str] | None = N
 def read_yaml(path: str | Path, what: str = "") -> Any:
     """A YAML file as plain data (interpolations left as written); a syntax error is one line,
     `file:line:column: problem`."""
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     path = Path(path)
     text = read_text(path, what)
     try:
@@ -262,6 +264,7 @@ def is_saved_dataset(path: str | Path) -> bool:
 def load_saved_dataset(path: str | Path, split: str, what: str = "") -> Any:
     """One split of a save_to_disk folder as a `datasets.Dataset` (a single Dataset is its own split);
     a broken folder or an absent split is one line."""
+    # deferred: datasets costs ~1-2 s to import; only a Hugging Face dataset source needs it
     import datasets
 
     folder = Path(path).expanduser()

@@ -15,6 +15,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -138,8 +139,6 @@ def _materialise_recipe_file(value: str, workdir: Path) -> str:
 
 def _check_recipe_text(value: str, path: Path) -> None:
     """A user's recipe file: valid YAML (the error names the file and line) with the package header."""
-    import yaml
-
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:

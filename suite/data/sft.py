@@ -147,6 +147,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_datasets(path: str, split: str, name: str | None) -> Iterator[tuple[str, Any]]:
+    # deferred: datasets costs ~1-2 s to import; only a Hugging Face dataset source needs it
     import datasets
 
     try:

@@ -144,6 +144,7 @@ def _read_parquet(path: Path, field: str, key: str) -> list[str]:
 
 
 def _read_datasets(fields: dict[str, Any], key: str) -> list[str]:
+    # deferred: datasets costs ~1-2 s to import; only a Hugging Face dataset source needs it
     import datasets
 
     try:

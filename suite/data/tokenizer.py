@@ -62,6 +62,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> Pat
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path) -> Path:
     """Write tokenizer.json plus the Hugging Face config files, with eos/bos/pad set."""
+    # deferred: transformers costs seconds to import; suite --help imports this module (suite.data) and never saves a tokenizer
     from transformers import PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
@@ -87,6 +88,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
     Raises ConfigError naming the path when it is missing or unreadable.
     """
+    # deferred: transformers costs seconds to import; suite --help imports this module (suite.data) and never loads a tokenizer
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path).expanduser()

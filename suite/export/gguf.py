@@ -25,7 +25,15 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.export.checks import check_hf_exportable
+from suite.export.gguf_vocab import add_vocab, gguf_vocab
+from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
+from suite.export.special import hf_folder_ids, in_vocabulary, tokenizer_ids
 from suite.models.family import family_of
+from suite.models.hf import to_hf_state_dict
+from suite.models.lazy import as_lazy
+from suite.models.quantized import quantized_info
+from suite.models.transformer import ffn_size, kv_heads
 
 PRECISIONS = ("f16", "q8_0", "q4_0")
 BLOCK = 32  # values per Q8_0 / Q4_0 block
@@ -45,8 +53,6 @@ def gguf_precision(quantize: str | None) -> str:
 
 def check_gguf_exportable(cfg: ModelConfig, where: str) -> None:
     """What the family's llama.cpp architecture and transformers' GGUF reader can express."""
-    from suite.export.checks import check_hf_exportable
-
     check_hf_exportable(cfg)
     mapping = family_of(cfg).gguf
     problem = f"llama.cpp has no architecture for the {cfg.family} family here" if mapping is None else None
@@ -59,8 +65,6 @@ def refuse_quantized_source(source: Any) -> None:
     """A `suite quantize` checkpoint: its torchao integers are not GGUF's blocks; name its source."""
     if not source.quantized:
         return
-    from suite.models.quantized import quantized_info
-
     info = quantized_info(source.folder)
     method, base = info.get("method", "?"), info.get("source", "<the full-precision run>")
     raise ConfigError(
@@ -72,6 +76,7 @@ def refuse_quantized_source(source: Any) -> None:
 def gguf_tensor_type(name: str, array: np.ndarray, precision: str, head: str) -> tuple[Any, str | None]:
     """(GGML type, note) for one tensor: float where llama.cpp keeps it float, F16 where the row
     length is not a multiple of the block (the note says so)."""
+    # deferred: gguf is optional (the deploy extra); only format=gguf needs it
     import gguf
 
     T = gguf.GGMLQuantizationType
@@ -92,10 +97,8 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def gguf_tensors(cfg: ModelConfig, hf_sd: dict[str, Any]):
     """(gguf name, float32 array) per tensor, read one at a time from (lazy) HF-named tensors."""
+    # deferred: gguf is optional (the deploy extra); only format=gguf needs it
     import gguf
-
-    from suite.models.lazy import as_lazy
-    from suite.models.transformer import kv_heads
 
     mapping = family_of(cfg).gguf
     arch = gguf.MODEL_ARCH[mapping.arch.upper()]
@@ -119,8 +122,6 @@ def gguf_tensors(cfg: ModelConfig, hf_sd: dict[str, Any]):
 def add_hparams(writer: Any, cfg: ModelConfig) -> None:
     """The architecture keys llama.cpp reads (and transformers maps onto its config): the shared
     ones here, the family's own (norms, RoPE, head size) from its GGUFMapping."""
-    from suite.models.transformer import ffn_size, kv_heads
-
     writer.add_name(cfg.name)
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.hidden_size)
@@ -133,11 +134,8 @@ def add_hparams(writer: Any, cfg: ModelConfig) -> None:
 
 def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, Any]]:
     """Write <out>/<name>-<precision>.gguf from a model source; returns (file, manifest extras)."""
+    # deferred: gguf is optional (the deploy extra); only format=gguf needs it
     import gguf
-
-    from suite.export.gguf_vocab import add_vocab, gguf_vocab
-    from suite.export.special import hf_folder_ids, in_vocabulary, tokenizer_ids
-    from suite.models.hf import to_hf_state_dict
 
     cfg = source.model_config()
     check_gguf_exportable(cfg, source.named)
@@ -192,9 +190,8 @@ def load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 def verify_gguf(path: Path, suite_model: Any, cfg: ModelConfig) -> dict[str, Any]:
     """Load the file the way a user does (transformers dequantizes it to fp32) and compare logits."""
+    # deferred: transformers costs seconds to import; only the export's load check needs it
     from transformers import AutoModelForCausalLM
-
-    from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens
 
     with quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(
@@ -214,8 +211,6 @@ def verify_gguf(path: Path, suite_model: Any, cfg: ModelConfig) -> dict[str, Any
 def export_gguf(source: Any, out: Path, quantize: str | None) -> tuple[Path, dict[str, Any]]:
     """`suite export format=gguf`: the file, its self-check and export_manifest.json; returns
     (file, verification)."""
-    from suite.export.manifest import write_manifest
-
     precision = gguf_precision(quantize)
     refuse_quantized_source(source)
     path, extra = write_gguf(source, out, precision)

@@ -4,12 +4,20 @@ branch stays separate (torch_export and onnx sit beside these)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from suite.compress.checks import refuse_quantized
 from suite.config.errors import ConfigError
 from suite.export.checks import export_out
+from suite.export.gguf import check_gguf_exportable, export_gguf, gguf_precision, refuse_quantized_source
+from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
+from suite.export.quantized_hf import check_quantized_hf, export_quantized_hf
 from suite.folders import RECORD
+from suite.models.quantized import quantized_info
 
 OWN_FILES = ("export_manifest.json", RECORD)  # what the folder says of itself, not the artefact
 
@@ -48,9 +56,6 @@ def export_gguf_or_quantized_hf(cfg: Any, source: Any) -> tuple[dict, str] | Non
 
 
 def _gguf(cfg: Any, source: Any) -> tuple[dict, str]:
-    from suite.compress.checks import refuse_quantized
-    from suite.export.gguf import check_gguf_exportable, export_gguf, gguf_precision, refuse_quantized_source
-
     precision = gguf_precision(cfg.export.quantize)
     refuse_quantized_source(source)  # names the full-precision checkpoint it came from
     refuse_quantized(cfg.ckpt, "ckpt", "exporting to GGUF")  # LoRA over a quantized base (QLoRA)
@@ -74,9 +79,6 @@ def _gguf(cfg: Any, source: Any) -> tuple[dict, str]:
 
 
 def _quantized_hf(cfg: Any, source: Any) -> tuple[dict, str]:
-    from suite.export.quantized_hf import check_quantized_hf, export_quantized_hf
-    from suite.models.quantized import quantized_info
-
     check_quantized_hf(source, quantized_info(source.folder))
     out = export_out(cfg, source)
     _, check = export_quantized_hf(source, out)
@@ -93,10 +95,8 @@ def _quantized_hf(cfg: Any, source: Any) -> tuple[dict, str]:
 def hf_manifest(source: Any, out: Path, dtype: Any, load_bytes: int) -> dict:
     """The plain format=hf folder's manifest, with its logits self-check when the weights fit in
     `load_bytes` (what the export's load check holds at once); returns the verification."""
-    import torch
+    # deferred: transformers costs seconds to import; only the export's load check needs it
     from transformers import AutoModelForCausalLM
-
-    from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
 
     weights = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     cfg = source.model_config()
@@ -122,8 +122,6 @@ def hf_manifest(source: Any, out: Path, dtype: Any, load_bytes: int) -> dict:
 
 def _marker(out: Path, source: Any, fmt: str) -> None:
     """suite_export.json: the folder is an export (suite.export.checks lets a later export reuse it)."""
-    import json
-
     cfg = source.model_config()
     (out / "suite_export.json").write_text(
         json.dumps({"family": cfg.family, "name": cfg.name, "format": fmt}, indent=1)

@@ -16,8 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from suite.config.schema import ModelConfig
+from suite.export.checks import check_hf_exportable
 from suite.export.special import SpecialIds, hf_folder_ids, in_vocabulary, tokenizer_ids
 from suite.export.verify import verify_hf_folder
 from suite.model_source import ModelSource
@@ -48,10 +50,9 @@ def write_hf_folder(
 
     `special`: the special-token ids to write (the source's); by default the tokenizer's, each only
     when it is inside the vocabulary. Unchecked: the callers that report an export verify it."""
+    # deferred: transformers costs seconds to import; only writing the HF folder's generation config needs it
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from suite.export.checks import check_hf_exportable
 
     check_hf_exportable(cfg)
     if special is None:
@@ -106,8 +107,6 @@ def write_hf_weights(
 ) -> list[Path]:
     """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json when
     the weights exceed `max_shard_bytes`; reads each tensor when its shard is written."""
-    from safetensors.torch import save_file
-
     groups: list[list[str]] = [[]]
     size = 0
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from suite.models.transformer import ffn_size, head_size, kv_heads
+from suite.train.checkpoint import checkpoint_step
 
 MANIFEST_FILE = "export_manifest.json"
 TOKENIZER_FILES = (
@@ -36,8 +42,6 @@ def config_hash(model_config: Any) -> str:
 
 def model_summary(model_config: Any) -> dict[str, Any]:
     """The shapes a reader checks first: family, layers, widths, heads, vocabulary."""
-    from suite.models.transformer import ffn_size, head_size, kv_heads
-
     c = model_config
     return {
         "family": c.family,
@@ -92,8 +96,6 @@ def write_manifest(
 
 
 def _step(source: Any) -> int | None:
-    from suite.train.checkpoint import checkpoint_step
-
     if source.is_hf:
         return None
     try:
@@ -104,8 +106,6 @@ def _step(source: Any) -> int | None:
 
 def sample_tokens(model_config: Any, batch: int = 2, length: int = 32):
     """The self-check's inputs: fixed pseudo-random token ids (seed 0), every export the same."""
-    import torch
-
     generator = torch.Generator().manual_seed(0)
     length = min(length, model_config.max_seq_len)
     return torch.randint(0, model_config.vocab_size, (batch, length), generator=generator)
@@ -113,8 +113,6 @@ def sample_tokens(model_config: Any, batch: int = 2, length: int = 32):
 
 def max_logits_error(suite_model: Any, hf_model: Any, tokens: Any) -> float:
     """max |logits of `hf_model` - logits of the suite model| on `tokens` (both in fp32 eval)."""
-    import torch
-
     with torch.no_grad():
         ref = suite_model(tokens).float()
         got = hf_model(tokens).logits.float()
@@ -125,8 +123,7 @@ def max_logits_error(suite_model: Any, hf_model: Any, tokens: Any) -> float:
 def quiet_loading() -> Iterator[None]:
     """transformers' and its GGUF reader's progress bars off while the self-check loads the
     artifact: the verb's output stays its own."""
-    import functools
-
+    # deferred: transformers costs seconds to import; only the export's load check needs it
     import transformers.modeling_gguf_pytorch_utils as gguf_reader
     from transformers.utils import logging
 

@@ -19,6 +19,7 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.export.checks import MARKER
+from suite.export.manifest import write_manifest
 from suite.infer.graphs import (
     INPUT_NAMES,
     OUTPUT_NAMES,
@@ -31,6 +32,7 @@ from suite.infer.graphs import (
 from suite.infer.runners import SuiteRunner, decode_steps, load_runner
 from suite.model_source import ModelSource
 from suite.models.transformer import Transformer
+from suite.runtime import DTYPES
 
 ONNX_QUANTIZE = ("int8", "int4")
 INT4_BLOCK = 32
@@ -72,15 +74,18 @@ def save_onnx(model: Transformer, out: Path, quantize: str | None = None) -> lis
 
 def quantize_onnx(path: Path, method: str) -> None:
     """Rewrite `path` in place with onnxruntime's int8 (dynamic) or int4 (MatMulNBits) quantization."""
+    # deferred: onnx and onnxruntime are optional (the deploy extra); only export.quantize of an ONNX export needs them
     import onnx
 
     with tempfile.TemporaryDirectory(prefix="suite-onnx-q-") as tmp:
         target = Path(tmp) / path.name
         if method == "int8":
+            # deferred: onnxruntime is optional (the deploy extra), as above
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
             quantize_dynamic(str(path), str(target), weight_type=QuantType.QInt8)
         else:
+            # deferred: onnxruntime is optional (the deploy extra), as above
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
             quantizer = MatMulNBitsQuantizer(onnx.load(str(path)), block_size=INT4_BLOCK, is_symmetric=True)
@@ -160,9 +165,6 @@ def export_graphs(
 ) -> dict:
     """Write the `fmt` artifact of `source` into `out` with its tokenizer and manifest, then run it
     against the suite model. Returns the manifest."""
-    from suite.export.manifest import write_manifest
-    from suite.runtime import DTYPES
-
     tokenizer = source.tokenizer(required=True)
     model = source.load_model("cpu", DTYPES[dtype])
     out.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ def verify_hf_folder(out: Path, vocab_size: int, load_bytes: int = LOAD_BYTES) -
 
 
 def _load(out: Path) -> None:
+    # deferred: transformers costs seconds to import; only the export's load check needs it
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -60,6 +61,7 @@ def _load(out: Path) -> None:
 
 
 def _build_on_meta(out: Path) -> None:
+    # deferred: transformers costs seconds to import; only the export's load check needs it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):

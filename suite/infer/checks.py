@@ -13,6 +13,9 @@ from pathlib import Path
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.config.validate import CHOICES
+from suite.data.tasks import get_task
+from suite.infer.perplexity import check_window
 from suite.runtime import check_device
 
 PROMPT_KEYS = ("prompt", "generate.prompt", "+generate.prompt", "++generate.prompt")
@@ -81,8 +84,6 @@ def check_eval(cfg: SuiteConfig) -> None:
     for key, value in (("eval.num_samples", e.num_samples), ("eval.max_new_tokens", e.max_new_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer, or null for the run's own value")
-    from suite.config.validate import CHOICES
-
     if e.metric not in CHOICES["eval.metric"]:
         raise ConfigError(
             f"eval.metric={e.metric!r} is not supported; use one of: {', '.join(CHOICES['eval.metric'])} "
@@ -98,12 +99,8 @@ def check_eval(cfg: SuiteConfig) -> None:
     for key, value in (("eval.max_tokens", e.max_tokens), ("eval.limit", e.limit)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer, or null for all")
-    from suite.infer.perplexity import check_window
-
     check_window(e.seq_len, e.stride)
     if e.harness is not None and not str(e.harness).strip(" ,"):
         raise ConfigError("harness= names no task; pass harness=<task,...>, e.g. harness=suite_tiny_mc")
     if e.task and e.metric == "accuracy" and e.harness is None:
-        from suite.data.tasks import get_task
-
         get_task(e.task)  # a one-line error for an unknown name

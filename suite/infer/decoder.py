@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+import torch._inductor.config as inductor_config
 
 from suite.infer.layout import decode_layout
 from suite.models.transformer import Transformer, cache_dims
@@ -95,7 +96,6 @@ class LastTokenHead:
 
 def _frozen(compiled: Callable) -> Callable:
     """Compile (at the first call) with inductor's freezing on, without changing it for the process."""
-    import torch._inductor.config as inductor_config
 
     def step(*args):
         with inductor_config.patch(freezing=True):

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 from suite.infer.decoder import BatchDecoder
+from suite.infer.generate import load_for_inference
+from suite.infer.runners import graph_steps, is_graph_export, load_runner
+from suite.model_source import ModelSource
 
 Pick = Callable[[torch.Tensor], torch.Tensor]
 
@@ -39,14 +42,10 @@ class GraphEngine:
     pads = False
 
     def __init__(self, folder: Path, threads: int | None = None):
-        from suite.infer.runners import load_runner
-
         self.runner, self.manifest = load_runner(folder, threads)
         self.max_seq_len = self.runner.max_seq_len
 
     def steps(self, prompts: list[list[int]], max_new_tokens: int, pick: Pick) -> Iterator[torch.Tensor]:
-        from suite.infer.runners import graph_steps
-
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("GraphEngine.steps: group prompts by length first")
         return graph_steps(self.runner, torch.tensor(prompts), max_new_tokens, pick)
@@ -54,10 +53,9 @@ class GraphEngine:
 
 def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[Any, Any, str]:
     """(engine, tokenizer, one line naming what was read) for ckpt= as typed."""
-    from suite.infer.runners import is_graph_export
-
     folder = Path(str(ckpt)).expanduser()
     if is_graph_export(folder):
+        # deferred: transformers costs seconds to import; only an ONNX/graph export's tokenizer needs it
         from transformers import AutoTokenizer
 
         engine = GraphEngine(folder)
@@ -68,9 +66,6 @@ def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[
             tokenizer,
             f"ckpt='{ckpt}': {fmt} export ({precision}) of {engine.manifest['source']['ckpt']}",
         )
-    from suite.infer.generate import load_for_inference
-    from suite.model_source import ModelSource
-
     source = ModelSource.parse(ckpt, "ckpt")
     model, tokenizer, _ = load_for_inference(source, device)
     return ModelEngine(model, compile=compile, owns_model=True), tokenizer, source.describe()

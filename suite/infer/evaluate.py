@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,14 @@ from typing import Any
 import torch
 
 from suite.config.errors import ConfigError
-from suite.config.schema import GenerateConfig
+from suite.config.schema import GenerateConfig, SFTDataConfig
 from suite.data.batch import Batch
 from suite.data.chat import MalformedRow, normalize_record, prompt_ids, resolve_chat_template
 from suite.data.sft import iter_sft_rows
-from suite.data.tasks import score
+from suite.data.tasks import get_task, score, write_task
+from suite.infer.generate import generate_tokens, load_for_inference
+from suite.model_source import ModelSource
+from suite.train.loss import cross_entropy
 
 
 def _eval_rows(eval_file: str | Path, limit: int | None) -> list[tuple[list[dict[str, str]], str]]:
@@ -97,13 +101,6 @@ def evaluate_checkpoint(ckpt: str, eval_cfg, device: str = "auto") -> dict[str, 
     eval.num_samples, default the run's num_eval), regenerated here, so they never overlap the
     training questions as long as num_samples <= the run's num_eval.
     """
-    import tempfile
-
-    from suite.config.schema import SFTDataConfig
-    from suite.data.tasks import get_task, write_task
-    from suite.infer.generate import load_for_inference
-    from suite.model_source import ModelSource
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     source = ModelSource.parse(ckpt, "ckpt")
@@ -144,8 +141,6 @@ def generate_answer_ids(
     eos_id: int | None,
 ) -> list[int]:
     """Greedy (per cfg) reply ids to `history` (ending with a user message), eos removed."""
-    from suite.infer.generate import generate_tokens
-
     ids = generate_tokens(model, prompt_ids(tokenizer, history, chat_template), cfg, eos_id)
     if ids and eos_id is not None and ids[-1] == eos_id:
         ids = ids[:-1]
@@ -157,8 +152,6 @@ def perplexity(model: torch.nn.Module, batches: Iterable[Batch]) -> dict[str, fl
     """Token-weighted mean loss and perplexity over the target tokens of `batches`
     (suite.data.batch.Batch: labels masked, positions and document masks honoured).
     Returns {"loss", "perplexity", "tokens"}."""
-    from suite.train.loss import cross_entropy
-
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

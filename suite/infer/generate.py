@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig
+from suite.data.chat import prompt_ids, resolve_chat_template
 from suite.model_source import ModelSource
 from suite.models import KVCache, Transformer
 from suite.models.quantized import is_quantized, load_quantized_model
@@ -90,8 +92,6 @@ def fit_context(prompt_len: int, max_new_tokens: int, limit: int) -> int:
 def read_prompts(value: str) -> list[str]:
     """generate.prompts_file: a text file with one prompt per line (blank lines skipped), or JSONL
     ({"prompt": ...} per line)."""
-    import json
-
     path = Path(value).expanduser()
     fix = 'give a text file with one prompt per line, or JSONL lines {"prompt": "..."}'
     if not path.is_file():
@@ -130,8 +130,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     """The prompt's ids: as typed, or (generate.chat) as a user turn under the model's chat template
     (the tokenizer's own, else the one finetuning uses by default), ready for the assistant's reply."""
     if chat:
-        from suite.data.chat import prompt_ids, resolve_chat_template
-
         return prompt_ids(tokenizer, [{"role": "user", "content": text}], resolve_chat_template(tokenizer))
     return tokenizer.encode(text, add_special_tokens=False)
 

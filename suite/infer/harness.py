@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from suite.config.errors import ConfigError
+from suite.config.schema import GenerateConfig
+from suite.eval_tasks import TASKS_DIR, shipped_tasks
+from suite.infer.generate import generate_tokens, load_for_inference
 
 MISSING = "eval.harness needs lm-evaluation-harness: pip install 'suite[harness]' (or lm-eval==0.4.13)"
 
@@ -27,13 +30,14 @@ MISSING = "eval.harness needs lm-evaluation-harness: pip install 'suite[harness]
 def require_lm_eval() -> None:
     """One line (ConfigError, exit 2) when lm_eval cannot be imported."""
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval  # noqa: F401  # deferred: probes the optional lm-eval (one line when it is missing)
     except ImportError:
         raise ConfigError(MISSING) from None
 
 
 require_lm_eval()
 
+import lm_eval  # noqa: E402
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
@@ -45,8 +49,6 @@ class SuiteLM(TemplateLM):
 
     def __init__(self, ckpt: Any, device: str = "auto", batch_size: int | str = 8, **_: Any) -> None:
         super().__init__()
-        from suite.infer.generate import load_for_inference
-
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer, self.folder = load_for_inference(ckpt, device)
@@ -131,9 +133,6 @@ class SuiteLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, with gen_kwargs temperature > 0) continuations with the KV cache,
         cut at the first stop string (`until`, default the eos token's text)."""
-        from suite.config.schema import GenerateConfig
-        from suite.infer.generate import generate_tokens
-
         out = []
         for request in requests:
             context, gen_kwargs = request.args
@@ -158,17 +157,14 @@ class SuiteLM(TemplateLM):
 
 def task_manager():
     """lm_eval's TaskManager over its own tasks plus the ones suite ships (suite/eval_tasks)."""
+    # deferred: lm_eval.tasks costs ~2 s (it indexes its task folders); only naming or running tasks needs it
     from lm_eval.tasks import TaskManager
-
-    from suite.eval_tasks import TASKS_DIR
 
     return TaskManager(include_path=str(TASKS_DIR))
 
 
 def task_names(harness: str, manager: Any) -> list[str]:
     """harness=<a,b> as a list of task names; an unknown one is one line naming the shipped tasks."""
-    from suite.eval_tasks import shipped_tasks
-
     names = [n.strip() for n in str(harness).split(",") if n.strip()]
     known = set(manager.all_tasks)
     for name in names:
@@ -183,8 +179,6 @@ def task_names(harness: str, manager: Any) -> list[str]:
 
 def evaluate_lm(lm: Any, names: list[str], limit: int | None, manager: Any, **kwargs: Any) -> dict:
     """lm_eval.simple_evaluate on an lm_eval model instance, lm_eval's logging kept to errors."""
-    import lm_eval
-
     quiet = logging.getLogger("lm_eval")
     level = quiet.level
     quiet.setLevel(logging.ERROR)

@@ -33,8 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from suite.config.errors import ConfigError
+from suite.data import IndexedTokens, ensure_prepared, load_tokenizer
+from suite.infer.generate import load_for_inference
 
 HF_PREFIX = "hf:"
 
@@ -109,9 +113,6 @@ def _progress(total: int, enabled: bool):
     """A rich progress bar on stderr (like training's and `suite prepare`'s), or None."""
     if not enabled:
         return None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     bar = Progress(
         TextColumn("perplexity"),
         BarColumn(),
@@ -193,6 +194,7 @@ def _dataset_texts(data: str) -> list[str]:
     split = parts[2] if len(parts) > 2 else None
     if not name or len(parts) > 3:
         raise ConfigError(f"eval.data='{data}' must read hf:<dataset>[:<config>][:<split>]")
+    # deferred: datasets costs ~1-2 s to import; only a Hugging Face dataset's text needs it
     import datasets
 
     try:
@@ -238,8 +240,6 @@ def _checked(ids: torch.Tensor, data: str) -> torch.Tensor:
 
 def _validation_tokens(tokenizer: Any, source: Any, cfg: Any) -> tuple[torch.Tensor, str]:
     """The val shard of the run's data folder (or, for an hf: model, the recipe's data.path)."""
-    from suite.data import IndexedTokens, ensure_prepared, load_tokenizer
-
     data_cfg = source.saved.data if source.saved is not None else cfg.data
     if source.saved is None and not data_cfg.path:
         raise ConfigError(
@@ -262,8 +262,6 @@ def _validation_tokens(tokenizer: Any, source: Any, cfg: Any) -> tuple[torch.Ten
 
 def evaluate_perplexity(source: Any, cfg: Any, device: str = "auto") -> dict[str, Any]:
     """`suite eval metric=perplexity` in this process: load the model once, score the stream."""
-    from suite.infer.generate import load_for_inference
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, folder = load_for_inference(source, device)

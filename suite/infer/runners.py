@@ -60,6 +60,7 @@ class OnnxRunner:
     """prefill.onnx and decode.onnx in onnxruntime (CPU), tensors in and out as torch tensors."""
 
     def __init__(self, folder: Path, max_seq_len: int, threads: int | None = None):
+        # deferred: onnxruntime is optional (the deploy extra); only running an ONNX export needs it
         import onnxruntime as ort
 
         options = ort.SessionOptions()

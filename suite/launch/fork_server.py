@@ -26,16 +26,22 @@ and `auto` uses it only where the workers run on CPU (gloo), the case measured h
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import importlib
 import io
 import json
 import os
+import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
+import traceback
 
 WORKER_MODULE = "suite.cli.worker"  # a launched rank: ends without exit functions, as suite.cli.worker does
 SERVER_ENV = "SUITE_WORKER_SERVER"
@@ -85,8 +91,6 @@ def _receive(conn: socket.socket, with_fds: bool = False) -> tuple[dict | None, 
 
 def preload(modules: list[str]) -> None:
     """Import `modules` once, in the server (the launcher names what a worker of its verb imports)."""
-    import importlib
-
     for module in modules:
         importlib.import_module(module)
 
@@ -96,10 +100,6 @@ def run_main(module: str, argv: list[str], exit_functions: bool) -> int:
     SystemExit's code or one-line message (on stderr, code 1), an uncaught exception's traceback
     (code 1); then, with `exit_functions`, the interpreter's exit functions (wandb, logging,
     temporary files), which suite.cli.worker leaves out on purpose (see its `_exit`)."""
-    import atexit
-    import importlib
-    import traceback
-
     try:
         entry = importlib.import_module(module)
         sys.argv = [entry.__file__ or module, *argv]
@@ -165,8 +165,6 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], others: l
         threading.Thread(target=watch_client, name="suite-client-watch", daemon=True).start()
         code = run_main(request["module"], request["argv"], request["module"] != WORKER_MODULE)
     except BaseException:  # the worker's main reports its own failures; this is the server's part failing
-        import traceback
-
         traceback.print_exc()
         code = 1
     finally:
@@ -180,8 +178,6 @@ def _die_with_parent() -> None:
     """Linux: a forked worker gets SIGKILL when the server dies (orphans would hold the clients'
     sockets open and leave them waiting)."""
     with contextlib.suppress(Exception):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -203,8 +199,6 @@ def serve(path: str, modules: list[str], parent: int) -> None:
     Event-driven (the listener and SIGCHLD through a wakeup pipe): a worker's death reaches its
     client within a millisecond, so the agent sees it at the same poll as its peers' failures,
     which follow it (see suite.launch.launcher._first_failure)."""
-    import selectors
-
     preload(modules)  # `parent`: the launcher's pid, passed in (it may have died while this started)
     unsafe = _fork_safe()
     if unsafe:  # the clients find no socket and run their processes themselves (as spawn does)
@@ -300,8 +294,6 @@ class ForkServer:
     """The launcher's side: start the server for one job, give the clients its address, stop it."""
 
     def __init__(self, folder: str, modules: list[str], env: dict[str, str]):
-        import subprocess
-
         self.path = os.path.join(folder, "workers.sock")
         env = {**os.environ, **env}
         torch = sys.modules.get("torch")

@@ -44,8 +44,17 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+from torch.distributed.launcher.api import elastic_launch
+
+from suite.config.compose import load_saved_config
 from suite.config.errors import ConfigError
 from suite.config.schema import LaunchConfig
+from suite.launch.fork_server import SERVER_ENV, ForkServer
+from suite.parallel.dims import elastic_world_sizes
 
 WORKER_FLAG = "SUITE_WORKER"
 RESTART_ENV = "SUITE_RESTART_COUNT"  # the attempt number of an elastic (min:max) job, for the workers
@@ -192,8 +201,6 @@ def forks_workers(launch_cfg: LaunchConfig, device: str) -> bool:
         return False
     if launch_cfg.backend == "gloo" or device == "cpu":
         return True
-    import torch
-
     return not torch.cuda.is_available()
 
 
@@ -217,8 +224,6 @@ def launch(
     preload: tuple[str, ...] = (),
 ) -> None:
     """Start the workers on this node (one node of nnodes) and wait for them."""
-    from suite.launch.fork_server import SERVER_ENV, ForkServer
-
     run_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="suite-launch-"))
     frozen = workdir / "config.yaml"
@@ -258,9 +263,6 @@ def _run_elastic(
 ) -> None:
     """Attempts of an elastic (min:max) job, each a fresh worker group that the suite restarts
     itself, on fewer processes once a device slot is lost (see the module docstring)."""
-    from suite.config.compose import load_saved_config
-    from suite.parallel.dims import elastic_world_sizes
-
     sizes = elastic_world_sizes(load_saved_config(frozen))  # largest first; validation checked min
     slots = list(range(high))  # device slots: local GPU indices on a GPU node
     suspect: int | None = None  # the slot that failed in the previous attempt
@@ -308,11 +310,6 @@ def _run_group(
 ) -> None:
     """One elastic_launch of `nproc` workers (torch's agent restarts them up to `max_restarts`
     times); a failure raises GroupFailed."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
-    from torch.distributed.launcher.api import elastic_launch
-
     nodes = launch_cfg.nnodes
     endpoint = rendezvous_endpoint(launch_cfg)
     loopback = endpoint.startswith(("127.", "localhost"))

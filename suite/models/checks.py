@@ -6,6 +6,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.document_attention import DOCUMENT_ATTENTIONS
 from suite.models.family import family_of, head_size
+from suite.models.moe import check_moe_config
 
 
 def check_model(m: ModelConfig) -> None:
@@ -37,6 +38,4 @@ def check_model(m: ModelConfig) -> None:
             "use varlen (per-document attention) or dense (the [seq, seq] mask)"
         )
     if m.num_experts > 0:
-        from suite.models.moe import check_moe_config
-
         check_moe_config(m)

@@ -35,6 +35,7 @@ def prepare_float8(model: nn.Module, precision) -> list[str]:
     if not precision.float8:
         return []
     quiet_torchao()
+    # deferred: torchao costs ~1-2 s to import; only train.precision=fp8 needs it
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and float8_eligible(m, n)]

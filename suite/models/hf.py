@@ -48,6 +48,7 @@ def on_disk_names(cfg: ModelConfig, hf_sd: dict) -> dict:
 def model_config_from_hf(folder: Path, where: str | None = None) -> ModelConfig:
     """Read config.json through transformers (no remote code) into a suite ModelConfig; `where`
     names the source in errors as the user wrote it (suite.model_source: "ckpt='hf:DIR'")."""
+    # deferred: transformers costs seconds to import; only converting to/from HF needs it
     from transformers import AutoConfig
 
     where = where or f"the HF folder {folder}"

@@ -44,10 +44,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from suite.config.errors import ConfigError
 from suite.config.schema import LORA_TARGETS, LoRAConfig
+from suite.models.moe import GroupedExperts
 
 DEFAULT_TARGETS = LORA_TARGETS
 # fused projections (model.fused_projections): one layer stands for several unfused names
@@ -172,8 +175,6 @@ def apply_lora(
     if not targets:
         raise ConfigError("finetune.lora.target_modules is empty; e.g. [wq, wk, wv, wo, w1, w2, w3]")
     _check_targets(model, targets)
-    from suite.models.moe import GroupedExperts
-
     if any(_adapted(m) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA adapters (merge_lora first)")
     chosen = _resolve_fused_targets(model, targets)
@@ -258,8 +259,6 @@ def lora_init_value(name: str, shape: torch.Size | tuple[int, ...], seed: int) -
 @torch.no_grad()
 def init_lora(model: nn.Module, seed: int) -> None:
     """(Re)initialise every adapter: A from (seed, name), B = 0. Call after materialising/loading."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for name, param in lora_parameters(model).items():
         if param.is_meta:
             raise RuntimeError(f"init_lora: {name} is still on the meta device; materialise the model first")
@@ -275,8 +274,6 @@ def init_lora(model: nn.Module, seed: int) -> None:
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters only (detached, full tensors on CPU), by canonical name."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for name, param in lora_parameters(model).items():
         value = param.full_tensor() if isinstance(param, DTensor) else param
@@ -287,8 +284,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Copy adapter tensors into an adapted model. strict: every adapter present, nothing extra."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     params = lora_parameters(model)
     missing = sorted(set(params) - set(state))
     unexpected = sorted(set(state) - set(params))
@@ -356,8 +351,6 @@ def count_trainable(model: nn.Module) -> ParamCount:
 
 def save_lora(model: nn.Module, out_dir: str | Path) -> Path:
     """Write lora.safetensors (adapters) and lora.json (rank, alpha, dropout, targets) into out_dir."""
-    from safetensors.torch import save_file
-
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise ValueError("save_lora: the model has no LoRA adapters (apply_lora first)")
@@ -384,8 +377,6 @@ def read_lora_spec(folder: str | Path) -> LoRASpec:
 
 def load_lora(model: nn.Module, folder: str | Path) -> nn.Module:
     """Apply the adapters saved in `folder` to a (materialised) base model and load their values."""
-    from safetensors.torch import load_file
-
     spec = read_lora_spec(folder)
     if getattr(model, "lora_spec", None) is None:
         apply_lora(model, spec.rank, spec.alpha, spec.dropout, spec.target_modules)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.family import family_of, ffn_size
 from suite.models.layers import FeedForward
@@ -504,8 +505,6 @@ def load_metrics(stats: dict[str, torch.Tensor], top_k: int) -> dict[str, float]
 
 def check_moe_config(cfg: ModelConfig) -> None:
     """One-line ConfigErrors for impossible MoE settings (called by suite.models.checks)."""
-    from suite.config.errors import ConfigError
-
     e = cfg.num_experts
     if not 1 <= cfg.top_k <= e:
         raise ConfigError(

@@ -37,6 +37,7 @@ from torch import nn
 
 from suite.data.batch import Batch
 from suite.models.document_attention import Documents, document_chunk_attention
+from suite.parallel.context_parallel_moe import apply_context_parallel_moe
 
 
 def chunk_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -189,6 +190,4 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     for block in model.layers.values():
         attention = block.attention
         attention.core = ContextParallelAttention(attention.core.gqa, group, cp, rank)
-    from suite.parallel.context_parallel_moe import apply_context_parallel_moe
-
     apply_context_parallel_moe(model, group)  # MoE layers: the balance loss over the whole sequence

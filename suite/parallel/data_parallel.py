@@ -43,6 +43,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from suite.models.transformer import Transformer, reset_buffers, rope_inv_freq
 from suite.parallel.mesh import data_cp_mesh, data_mesh, fsdp_cp_mesh
 from suite.runtime import PrecisionPolicy
 
@@ -179,8 +180,6 @@ class _OneParameter:
 
 def full_init(model_cfg, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The full (unsharded) initial value of parameter `name`, computed on the CPU."""
-    from suite.models.transformer import Transformer
-
     tensor = torch.empty(shape)
     Transformer.init_weights(_OneParameter(model_cfg, name, tensor), seed)
     return tensor
@@ -203,8 +202,6 @@ def materialize_parallel(
     only this rank's piece is kept, so peak extra memory is one full parameter. Buffers (the RoPE
     table) go to `buffer_device`, the compute device, when the parameters live elsewhere (offload).
     """
-    from suite.models.transformer import reset_buffers, rope_inv_freq
-
     cfg = model.cfg
     model.to_empty(device=device)
     emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)

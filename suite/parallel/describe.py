@@ -12,6 +12,7 @@ import re
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -27,8 +28,6 @@ def placement_of(param) -> str:
 
 def _offloaded(module: nn.Module) -> bool:
     """Whether FSDP2 keeps this module's parameter group on the host (CPUOffloadPolicy)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     state = fully_shard.state(module)
     groups = getattr(state, "_fsdp_param_groups", None) or []  # torch 2.13: a list
     if not groups and getattr(state, "_fsdp_param_group", None) is not None:  # older torch: one group

@@ -11,10 +11,17 @@ from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, ParallelConfig, SuiteConfig
 from suite.config.validate import nproc_range
 from suite.models.transformer import ffn_size
+from suite.parallel.expert_parallel import check_expert_parallel
+from suite.parallel.hierarchical_dispatch import check_ep_dispatch
+from suite.parallel.mesh import build_mesh
 
 # Mesh dimension order, outermost first: pp spans nodes, tp stays inside a node (suite.parallel.mesh).
 MESH_ORDER = ("pp", "dp", "sharding", "cp", "tp")
 DEGREE_KEYS = ("dp", "sharding", "tp", "pp", "cp")
+# parallel.pp_schedule's names (suite.parallel.pipeline.SCHEDULES maps each to its schedule class);
+# the multi-stage ones place parallel.vpp stages on each rank
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 def _as_degree(key: str, value: object) -> int | None:
@@ -144,11 +151,7 @@ class ParallelDims:
         if self.cp > 1:
             check_context_parallel(self, cfg)
         if model.num_experts > 0 or self.ep > 1:
-            from suite.parallel.expert_parallel import check_expert_parallel
-
             check_expert_parallel(self, cfg)
-        from suite.parallel.hierarchical_dispatch import check_ep_dispatch
-
         check_ep_dispatch(self, cfg)
         if self.tp > 1:
             for key, size in (
@@ -183,8 +186,6 @@ class ParallelDims:
                 f"need parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
                 f"stage {pcfg.sharding_stage})"
             )
-        from suite.parallel.pipeline import check_pipeline  # parallel.pp_schedule and vpp, any pp
-
         check_pipeline(pcfg, self, cfg.train.compile is True)
         launch = cfg.launch
         if not 0 <= launch.node_rank < launch.nnodes:
@@ -213,8 +214,6 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The job's named DeviceMesh (collective; needs the process group)."""
-        from suite.parallel.mesh import build_mesh
-
         return build_mesh(self, device_type)
 
     def accumulation(self, cfg: ParallelConfig) -> int:
@@ -283,4 +282,41 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
             f"parallel.sp=true splits each cp rank's data.seq_len/parallel.cp={seq_len // cp} tokens across "
             f"parallel.tp={dims.tp} ranks, which does not divide them; use a data.seq_len that is a multiple "
             f"of {2 * cp * dims.tp}"
+        )
+
+
+# ---- pipeline checks ---------------------------------------------------------------------------
+def check_pipeline(cfg: ParallelConfig, dims: ParallelDims, compile_blocks: bool) -> None:
+    """One-line errors for pipeline settings the schedules cannot run (called once, by
+    ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
+    schedule = cfg.pp_schedule
+    if schedule not in PP_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule!r} is not a schedule; use one of {', '.join(PP_SCHEDULES)}"
+        )
+    if dims.pp == 1:
+        return
+    if schedule in MULTI_STAGE and cfg.vpp < 2:
+        raise ConfigError(f"parallel.pp_schedule={schedule} needs parallel.vpp >= 2 virtual stages per rank")
+    if schedule not in MULTI_STAGE and cfg.vpp != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} runs one stage per rank but parallel.vpp={cfg.vpp}; "
+            "set parallel.vpp=1 or use parallel.pp_schedule=interleaved_1f1b"
+        )
+    n = dims.accumulation(cfg)
+    per_step = f"global_batch_size/(micro_batch_size*data-parallel size) = {n} micro-batches per step"
+    if schedule == "1f1b" and n < dims.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=1f1b needs at least parallel.pp={dims.pp} micro-batches per step, got {per_step}; "
+            "raise parallel.global_batch_size or lower parallel.micro_batch_size"
+        )
+    if schedule in MULTI_STAGE and n % max(1, n // dims.pp):
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} needs the micro-batches per step to split into equal rounds of "
+            f"parallel.pp={dims.pp}, got {per_step}; use a multiple of {dims.pp}"
+        )
+    if schedule == "zero_bubble" and compile_blocks:
+        raise ConfigError(
+            "parallel.pp_schedule=zero_bubble splits backward into input and weight passes, which "
+            "torch.compile'd blocks do not support; set train.compile=false or use interleaved_1f1b"
         )

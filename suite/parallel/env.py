@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,8 +76,6 @@ def init_single_process_group(device: torch.device) -> None:
     in-memory store: nothing listens on a port. Destroyed at exit."""
     if dist.is_initialized():
         return
-    import atexit
-
     dist.init_process_group(
         backend=auto_backend(device),
         store=dist.HashStore(),

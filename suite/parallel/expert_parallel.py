@@ -236,7 +236,7 @@ def shard_experts(
     are DTensors on it, Replicate over edp): parameters, gradients and optimizer state sharded over
     edp (and offloaded with `offload_policy`). Gradients are reduce-scattered over edp and divided
     by `average_size` (data ranks x cp), the mean the dense engine takes: no reduce hook is needed."""
-    # torch 2.13's FSDP2 names the mesh axis to shard over; imported here so the rest of the suite
+    # deferred: only torch 2.13's FSDP2 has it (the mesh axis to shard over); the rest of the suite
     # also imports on the older torch of some GPU images (offloaded experts need 2.13, the pin)
     from torch.distributed.fsdp import DataParallelMeshDims
 

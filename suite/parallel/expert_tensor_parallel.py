@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from suite.models.family import family_of
 from suite.models.moe import GroupedExperts, MoEFeedForward, run_experts
+from suite.parallel.tp_styles import Replicated
 
 # tp placement of each stacked expert weight: the ffn dimension
 EXPERT_TP_DIM = {"w1": 1, "w3": 1, "w2": 2}
@@ -108,8 +109,6 @@ def shared_expert_plan(cfg) -> dict:
 
 def apply_expert_tensor_parallel(moe: MoEFeedForward, tp_mesh: DeviceMesh, sp: bool, cfg) -> None:
     """Rewrite one MoE layer (on meta) for tp = tp_mesh.size(), as the module docstring lays out."""
-    from suite.parallel.tensor_parallel import Replicated
-
     parallelize_module(moe, tp_mesh, {"router": Replicated()})
     if moe.shared_experts is not None:
         parallelize_module(moe, tp_mesh, shared_expert_plan(cfg))

@@ -19,6 +19,7 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.config.validate import nproc_range
+from suite.models import num_params
 from suite.parallel.dims import ParallelDims
 
 GB = 1e9
@@ -33,8 +34,6 @@ class StateEstimate:
 
 def estimate_state(cfg: SuiteConfig, dims: ParallelDims) -> StateEstimate:
     """Bytes of parameters + gradients + optimizer state per process (see the module docstring)."""
-    from suite.models import num_params
-
     params = num_params(cfg.model)
     weight = 2 if cfg.train.param_dtype == "bf16" else 4
     master = 4 if cfg.train.param_dtype == "bf16" else 0

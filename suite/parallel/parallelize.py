@@ -1,9 +1,10 @@
 """`parallelize`: the one place where a plain model becomes a parallel one.
 
-It returns a Placement: what this rank holds (the model or its pipeline stage parts, the mesh and
-groups, the data-parallel kind) and the communication that layout implies. It runs nothing: the
-step (forward/backward, accumulation or the pipeline schedule, clipping, the optimizer) lives in
-suite.train.step and reads the placement (torchtitan's split: parallelism applied from outside).
+It returns a Placement (suite.parallel.placement): what this rank holds (the model or its pipeline
+stage parts, the mesh and groups, the data-parallel kind) and the communication that layout implies.
+It runs nothing: the step (forward/backward, accumulation or the pipeline schedule, clipping, the
+optimizer) lives in suite.train.step and reads the placement (torchtitan's split: parallelism
+applied from outside).
 
 Order of application (each step sees the previous one's result; the model starts on `meta`):
 
@@ -25,8 +26,6 @@ and compiled regions and gather the parameters once per block.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,114 +35,21 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.models.family import family_of
 from suite.models.float8 import prepare_float8
+from suite.parallel import data_parallel as dpar
+from suite.parallel import expert_parallel as ep
+from suite.parallel.context_parallel import apply_context_parallel
 from suite.parallel.dims import ParallelDims
+from suite.parallel.env import init_single_process_group
+from suite.parallel.hierarchical_dispatch import apply_hierarchical_dispatch
+from suite.parallel.mesh import data_rank
+from suite.parallel.pipeline import build_pipeline
+from suite.parallel.placement import Placement
+from suite.parallel.recompute import apply_recompute
+from suite.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
 from suite.runtime import PrecisionPolicy
 
 
-@dataclass
-class Placement:
-    """What this rank holds after `parallelize`, and the communication its layout implies.
-
-    Single process: `mesh` is None. Distributed: the mesh names the axes; `dp_kind` says which
-    data-parallel wrapper is on the model (none, replicate, zero1, fsdp, hsdp); `loss_parallel`
-    means the logits are vocab-sharded DTensors (run the loss under DTensor's loss_parallel);
-    `gradient_hooks` run after every backward (expert-parallel replicas, the tied embedding across
-    pipeline stages); `pipeline` describes this rank's stages when pp > 1. The step that runs on a
-    placement lives in suite.train.step.
-    """
-
-    model: nn.Module
-    dims: ParallelDims
-    dp_rank: int = 0
-    materialized: bool = False
-    num_params: int = 0
-    mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when distributed
-    loss_parallel: bool = False
-    dp_kind: str = "none"
-    optim_device: torch.device | None = None
-    compute_device: torch.device | None = None  # offloaded FSDP: where batches go (params live on CPU)
-    cp_rank: int = 0  # this rank's coordinate on the cp axis (which sequence chunks it holds)
-    param_dtype: torch.dtype = (
-        torch.float32
-    )  # train.param_dtype without data parallelism (bf16: fp32 masters)
-    ep_traffic: dict | None = None  # expert parallel: bytes sent by the all-to-alls (a running count)
-    gradient_hooks: list[Callable[[], None]] = field(default_factory=list)
-    pipeline: object = None  # suite.parallel.pipeline.PipelineStages when pp > 1
-
-    # ---- communication -------------------------------------------------------------------------
-    @property
-    def data_group(self) -> dist.ProcessGroup | None:
-        if self.mesh is None or self.dims.data_parallel_size == 1:
-            return None
-        from suite.parallel.mesh import data_mesh
-
-        return data_mesh(self.mesh).get_group()
-
-    def data_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a per-rank scalar over the data-parallel (and cp) ranks (gloo has no AVG: sum, divide).
-
-        cp ranks hold equal shares of the same rows' tokens, so the mean of their means is the
-        mean over every token of the global batch.
-        """
-        if self.dims.cp > 1 and self.mesh is not None:
-            from suite.parallel.mesh import data_cp_mesh
-
-            group, size = data_cp_mesh(self.mesh).get_group(), self.dims.data_parallel_size * self.dims.cp
-        else:
-            group, size = self.data_group, self.dims.data_parallel_size
-        if group is None:
-            return value
-        value = value.detach().clone()
-        dist.all_reduce(value, group=group)
-        return value / size
-
-    @property
-    def gradient_average_size(self) -> int:
-        """How many ranks the data-parallel wrapper averages gradients over (dp x sharding, x cp: cp
-        ranks hold the same parameters and different tokens)."""
-        return self.dims.data_parallel_size * self.dims.cp
-
-    def data_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a per-rank tensor over the data-parallel ranks."""
-        group = self.data_group
-        if group is None:
-            return value
-        value = value.detach().clone()
-        dist.all_reduce(value, group=group)
-        return value
-
-    def loss_context(self):
-        if self.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return nullcontext()
-
-    def after_backward(self) -> None:
-        """The gradient synchronisation the layout needs beyond its data-parallel wrapper."""
-        for hook in self.gradient_hooks:
-            hook()
-
-    def param_device(self) -> torch.device:
-        """Where this rank's (first) parameter lives."""
-        param = next(self.model.parameters())
-        return getattr(param, "_local_tensor", param).device
-
-    def input_device(self) -> torch.device:
-        """Where batches go (offloaded FSDP keeps sharded params on the CPU, compute on the device)."""
-        return self.compute_device or self.param_device()
-
-
 def _apply_recompute(model: nn.Module, cfg: SuiteConfig) -> None:
-    try:
-        from suite.parallel.recompute import apply_recompute
-    except ImportError:  # pragma: no cover - the recompute module lands separately
-        if cfg.recompute.granularity != "none":
-            raise ConfigError(
-                f"recompute.granularity={cfg.recompute.granularity} is not available in this build; "
-                "use recompute=none"
-            ) from None
-        return
     apply_recompute(model, cfg.recompute)
 
 
@@ -195,8 +101,6 @@ def make_part_parallelizer(
     Returns (callback, info); info gets `dp_kind`, `optim_device` and `compute_device` once the
     callback has run (the same for every part).
     """
-    from suite.parallel import data_parallel as dpar
-
     info: dict = {}
     pcfg = cfg.parallel
 
@@ -204,23 +108,15 @@ def make_part_parallelizer(
 
     def parallelize_part(part: nn.Module) -> nn.Module:
         if dims.tp > 1:
-            from suite.parallel.tensor_parallel import apply_tensor_parallel
-
             apply_tensor_parallel(part, mesh["tp"], pcfg.sp, compiled_blocks=compiled)
         if dims.cp > 1:
-            from suite.parallel.context_parallel import apply_context_parallel
-
             apply_context_parallel(part, mesh["cp"])
         expert_params: list = []
         if dims.ep > 1:
-            from suite.parallel import expert_parallel as ep
-
             ep_mesh = ep.build_expert_mesh(dims, device.type)
             expert_params = ep.apply_expert_parallel(
                 part, ep_mesh, info.setdefault("ep_traffic", {"bytes": 0, "internode": 0})
             )
-            from suite.parallel.hierarchical_dispatch import apply_hierarchical_dispatch
-
             # offload: the flat dispatch (runs the experts' forward, where FSDP gathers them)
             dispatch = "flat" if pcfg.offload else pcfg.ep_dispatch
             apply_hierarchical_dispatch(part, dims, device.type, dispatch)
@@ -262,8 +158,6 @@ def make_part_parallelizer(
         if (
             materialize and kind == "none" and dims.tp > 1
         ):  # after materialising: hooks live on the final parameters
-            from suite.parallel.tensor_parallel import keep_gradient_layouts
-
             keep_gradient_layouts(part)
         info.update(dp_kind=kind, optim_device=home, compute_device=device)
         return part
@@ -284,8 +178,6 @@ def parallelize(
     num_params = model.num_params()
     prepare_float8(model, precision)  # train.precision=fp8: Float8Linear before any wrapping
     if dims.world_size == 1 and cfg.parallel.offload:
-        from suite.parallel.env import init_single_process_group
-
         init_single_process_group(device)  # FSDP2 (the offload engine) needs a process group
     elif dims.world_size == 1:
         _apply_recompute(model, cfg)
@@ -303,15 +195,11 @@ def parallelize(
     mesh = dims.build_mesh(device.type)
     parallelize_part, info = make_part_parallelizer(cfg, dims, mesh, device, precision, materialize)
     if dims.pp > 1:
-        from suite.parallel.pipeline import build_pipeline
-
         placement = build_pipeline(model, cfg, dims, mesh, device, parallelize_part, precision.param_dtype)
         placement.ep_traffic = info.get("ep_traffic")  # expert parallel inside the stages
         placement.gradient_hooks += info.get("after_backward", [])
         return placement
     model = parallelize_part(model)
-    from suite.parallel.mesh import data_rank
-
     return Placement(
         model=model,
         dims=dims,

@@ -41,11 +41,11 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from suite.config.errors import ConfigError
-from suite.config.schema import ParallelConfig, SuiteConfig
+from suite.config.schema import SuiteConfig
 from suite.parallel import data_parallel as dpar
-from suite.parallel.dims import ParallelDims
+from suite.parallel.dims import MULTI_STAGE, PP_SCHEDULES, ParallelDims
 from suite.parallel.mesh import data_rank
-from suite.parallel.parallelize import Placement
+from suite.parallel.placement import Placement
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -53,44 +53,7 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-
-
-# ---- validation ------------------------------------------------------------------------------
-def check_pipeline(cfg: ParallelConfig, dims: ParallelDims, compile_blocks: bool) -> None:
-    """One-line errors for pipeline settings the schedules cannot run (called once, by
-    ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
-    schedule = cfg.pp_schedule
-    if schedule not in SCHEDULES:
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule!r} is not a schedule; use one of {', '.join(SCHEDULES)}"
-        )
-    if dims.pp == 1:
-        return
-    if schedule in MULTI_STAGE and cfg.vpp < 2:
-        raise ConfigError(f"parallel.pp_schedule={schedule} needs parallel.vpp >= 2 virtual stages per rank")
-    if schedule not in MULTI_STAGE and cfg.vpp != 1:
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule} runs one stage per rank but parallel.vpp={cfg.vpp}; "
-            "set parallel.vpp=1 or use parallel.pp_schedule=interleaved_1f1b"
-        )
-    n = dims.accumulation(cfg)
-    per_step = f"global_batch_size/(micro_batch_size*data-parallel size) = {n} micro-batches per step"
-    if schedule == "1f1b" and n < dims.pp:
-        raise ConfigError(
-            f"parallel.pp_schedule=1f1b needs at least parallel.pp={dims.pp} micro-batches per step, got {per_step}; "
-            "raise parallel.global_batch_size or lower parallel.micro_batch_size"
-        )
-    if schedule in MULTI_STAGE and n % max(1, n // dims.pp):
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule} needs the micro-batches per step to split into equal rounds of "
-            f"parallel.pp={dims.pp}, got {per_step}; use a multiple of {dims.pp}"
-        )
-    if schedule == "zero_bubble" and compile_blocks:
-        raise ConfigError(
-            "parallel.pp_schedule=zero_bubble splits backward into input and weight passes, which "
-            "torch.compile'd blocks do not support; set train.compile=false or use interleaved_1f1b"
-        )
+assert tuple(SCHEDULES) == PP_SCHEDULES  # the names suite.parallel.dims.check_pipeline accepts
 
 
 # ---- splitting ---------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from suite.config.errors import ConfigError
+from suite.model_source import ModelSource
+from suite.models import build_model
 from suite.pipeline.recipe import Stage
+from suite.train.checkpoint import MANIFEST, checkpoint_step
 
 RESULT = "result.json"  # an eval / generate stage's JSON result, in its folder
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".onnx", ".data", ".pt2", ".bin")
@@ -33,9 +36,6 @@ def fingerprint(stage: Stage) -> dict[str, Any]:
     """The stage's outputs as they are now; ConfigError (one line) when they are missing or broken."""
     folder = stage.folder
     if stage.output in ("run", "checkpoint"):
-        from suite.model_source import ModelSource
-        from suite.train.checkpoint import MANIFEST, checkpoint_step
-
         source = ModelSource.parse(str(folder), f"stage {stage.name}")
         return {
             "checkpoint": str(source.folder),
@@ -67,9 +67,6 @@ def read_result(stage: Stage, printed: dict[str, Any] | None) -> dict[str, Any]:
 def _params(folder: Path) -> int | None:
     """Parameters of the model a run folder's newest checkpoint holds (built on the meta device)."""
     try:
-        from suite.model_source import ModelSource
-        from suite.models import build_model
-
         model = build_model(ModelSource.parse(str(folder)).model_config(), "meta")
         return sum(p.numel() for p in model.parameters())
     except Exception:  # a figure for the report, never a reason to stop the pipeline

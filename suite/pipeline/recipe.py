@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from suite import user_files
-from suite.config.compose import compose_config, expand_shortcuts, to_object
+from suite.config.compose import (
+    compose_config,
+    expand_shortcuts,
+    known_options,
+    recipe_search_dirs,
+    to_object,
+)
 from suite.config.errors import ConfigError
 from suite.output_paths import check_output_folder
 from suite.verb import VERBS, check_keys, stage_verbs
@@ -98,15 +104,11 @@ class Pipeline:
 
 
 def pipeline_options() -> list[str]:
-    from suite.config.compose import known_options
-
     return known_options("pipeline")
 
 
 def find_recipe(value: str | None) -> Path:
     """pipeline=NAME (recipes/pipeline/NAME.yaml on the recipe search path) or pipeline=PATH.yaml."""
-    from suite.config.compose import recipe_search_dirs
-
     known = ", ".join(pipeline_options()) or "none"
     if not value:
         raise ConfigError(f"pipeline is missing; pass pipeline=<name> (known: {known}) or pipeline=./my.yaml")

@@ -79,10 +79,12 @@ def write_report(
 
 
 def _plot(figures: dict[str, dict[str, Any]], order: list[str], path: Path, title: str) -> None:
+    # deferred: matplotlib (~0.5 s) loads only when the figure is drawn (suite --help imports suite.pipeline),
+    # and pyplot must come after matplotlib.use('Agg')
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as above, and only after use("Agg")
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 4.2))
     colors = plt.get_cmap("tab10").colors

@@ -16,6 +16,7 @@ and `--only` rerun stages from scratch (the old folder of a training stage is mo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shlex
@@ -23,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,8 +32,12 @@ from typing import Any
 
 from suite import folders
 from suite.config.errors import ConfigError
+from suite.config.schema import LaunchConfig
+from suite.launch.fork_server import SERVER_ENV, ForkServer, client_command
+from suite.launch.launcher import WORKER_PRELOAD, forks_workers
 from suite.pipeline import outputs
 from suite.pipeline.recipe import Gate, Pipeline, Stage
+from suite.pipeline.report import write_report
 from suite.verb import VERBS
 
 GATE_EXIT = 3  # a quality gate stopped the pipeline
@@ -105,8 +111,6 @@ class Run:
         return self.logs / f"{stage.name}.done.json"
 
     def digest(self, stage: Stage) -> str:
-        import hashlib
-
         inputs = {n: self.done[n]["output"] for n in stage.needs if n in self.done}
         text = json.dumps({"argv": stage.argv(), "inputs": inputs}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
@@ -225,8 +229,6 @@ class Run:
     def spawn(self, stage: Stage) -> tuple[int, dict[str, Any] | None]:
         """`python -m suite <verb> ...`, its stdout and stderr streamed here and into logs/<stage>.log;
         returns the exit code and the last JSON object it printed on stdout."""
-        from suite.launch.fork_server import SERVER_ENV, client_command
-
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         command = [sys.executable, "-m", "suite", *stage.argv()]
         server = self.fork_server(env)
@@ -274,12 +276,6 @@ class Run:
     def fork_server(self, env: dict[str, str]):
         """The run's fork server, started on first use where workers would fork too (no GPU)."""
         if self.server is None and self.server_dir is None:
-            import tempfile
-
-            from suite.config.schema import LaunchConfig
-            from suite.launch.fork_server import ForkServer
-            from suite.launch.launcher import WORKER_PRELOAD, forks_workers
-
             self.server_dir = tempfile.mkdtemp(prefix="suite-run-")
             if forks_workers(LaunchConfig(), "auto") and len(self.server_dir) < 90:
                 preload = [
@@ -359,8 +355,6 @@ class Run:
             return self._run()
         finally:
             self.close()
-            from suite.pipeline.report import write_report
-
             self.save()
             written = write_report(self.p, self.records, self.figures, self.gates, self.status)
             print(f"wrote {self.p.dir / RECORD}, {', '.join(str(p) for p in written)}", flush=True)

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from suite.models.family import family_of
+from suite.models.moe import expert_ffn_size
+from suite.models.transformer import ffn_size, head_size, kv_heads
 from suite.plan.layout import Job, Layout
 
 
@@ -48,9 +50,6 @@ class LayerActivations:
 
 def layer_activations(job: Job, layout: Layout, moe: bool = False) -> LayerActivations:
     """One layer's saved activations without recompute (the formula in the module docstring)."""
-    from suite.models.moe import expert_ffn_size
-    from suite.models.transformer import ffn_size, head_size, kv_heads
-
     m = job.model
     e, t = job.compute_bytes, layout.tp
     s, b, h = job.seq_len / layout.cp, layout.micro_batch, m.hidden_size

@@ -18,13 +18,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from suite.config.compose import to_object
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.config.validate import nproc_range
+from suite.plan.command import job_of, no_fit
 from suite.plan.cost import GIB, Cost
+from suite.plan.fit import launched_cluster, run_device
 from suite.plan.layout import Job
 from suite.plan.report import TIME_PARTS, as_json
 from suite.plan.search import SearchResult, search
+from suite.preflight import validate
 
 PARALLEL_KEYS = (
     "dp", "sharding", "sharding_stage", "offload", "tp", "sp", "pp", "pp_schedule", "vpp", "cp", "ep",
@@ -114,8 +118,6 @@ def with_layout(raw: DictConfig, cost: Cost, global_batch: int) -> DictConfig:
 def check_auto(cfg: SuiteConfig, here: bool = True) -> None:
     """What `parallel=auto` cannot plan: an elastic world, or (for a run `here`, not a dry run) a
     cluster group of other devices than the ones this run trains on."""
-    from suite.plan.fit import run_device
-
     low, high = nproc_range(cfg)
     if low != high:
         raise ConfigError(
@@ -138,20 +140,13 @@ def choose_layout(raw: DictConfig, validate_fn=None, here: bool = True) -> Choic
     docstring). `validate_fn(cfg)` raises ConfigError for a config the trainer refuses (default:
     suite.preflight.validate without the run-folder and data checks, which do not depend on the layout).
     `here=False` (a dry run, nothing allocated): the cluster group as it is, whatever this machine has."""
-    from suite.config.compose import to_object
-    from suite.plan.command import job_of
-    from suite.plan.fit import launched_cluster
-
     cfg = to_object(raw)
     check_auto(cfg, here)
     job = replace(job_of(cfg), cluster=launched_cluster(cfg, here))
     result = search(job)
     if not result.ranked:
-        from suite.plan.command import no_fit
-
         raise ConfigError(f"parallel=auto: {no_fit(job, result)}")
     if validate_fn is None:
-        from suite.preflight import validate
 
         def validate_fn(c: SuiteConfig) -> object:
             return validate(c, needs_data=False, writes_run=False)

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.config.validate import check_values
 from suite.plan.cost import evaluate
 from suite.plan.layout import Job, check_layout, parse_layout
 from suite.plan.report import as_json, explain, leanest, table
@@ -14,8 +15,6 @@ from suite.plan.search import search, smallest_cluster
 
 def job_of(cfg: SuiteConfig) -> Job:
     """The job of a recipe, its keys checked one by one (one-line ConfigErrors)."""
-    from suite.config.validate import check_values
-
     check_values(cfg)
     job = Job.from_config(cfg)
     if job.precision not in cfg.cluster.peak_flops:

@@ -33,10 +33,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from suite.config.schema import ClusterConfig
+from suite.models.moe import moe_layer_ids
+from suite.models.transformer import head_size, kv_heads
 from suite.plan import comm
 from suite.plan.activations import rank_activations
 from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
-from suite.plan.layout import Job, Layout
+from suite.plan.layout import Job, Layout, with_
 from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, foreach_adamw, state_bytes
 from suite.plan.params import pp_rank_params, rank_layers
 
@@ -194,9 +196,6 @@ def _micro_batch_comm(
     job: Job, layout: Layout, layers: list[int], core_time: float
 ) -> tuple[float, float, float]:
     """Exposed (tp, cp, ep) seconds of one micro-batch on a rank holding `layers`."""
-    from suite.models.moe import moe_layer_ids
-    from suite.models.transformer import head_size, kv_heads
-
     m, c, e = job.model, job.cluster, job.compute_bytes
     tokens = job.seq_len / layout.cp * layout.micro_batch
     act = e * tokens * m.hidden_size
@@ -281,8 +280,6 @@ def _data_comm(
 
 def _merged_data(layout: Layout) -> Layout:
     """A layout whose dp axis is the whole data group (dp x sharding, adjacent in the mesh)."""
-    from suite.plan.layout import with_
-
     return with_(layout, dp=layout.data_ranks, sharding=1)
 
 
@@ -366,8 +363,6 @@ def at_time_share(cluster: ClusterConfig) -> ClusterConfig:
 
 def evaluate(job: Job, layout: Layout) -> Cost:
     """The cost of one step of `job` under `layout` (assumed valid: suite.plan.layout.check_layout)."""
-    from suite.models.moe import moe_layer_ids
-
     share = job.cluster.time_share
     job = replace(job, cluster=at_time_share(job.cluster))
     c, model = job.cluster, job.model

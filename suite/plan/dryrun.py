@@ -11,12 +11,20 @@ bf16 parameters) for the parameters this rank updates (ZeRO-1: its row slices).
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
-from suite.parallel.dims import MESH_ORDER, ParallelDims
+from suite.models.transformer import build_model
+from suite.parallel.dims import MESH_ORDER, MULTI_STAGE, ParallelDims
+from suite.parallel.memory import parameter_bytes
+from suite.parallel.parallelize import parallelize
 from suite.plan.layout import BYTES
 from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES
 from suite.plan.params import count_params, pp_rank_params, rank_numel, stage_specs
+from suite.runtime import resolve_precision
 
 
 def worst_rank(cfg: SuiteConfig, dims: ParallelDims) -> int:
@@ -28,8 +36,6 @@ def worst_rank(cfg: SuiteConfig, dims: ParallelDims) -> int:
 
 
 def _vpp(cfg: SuiteConfig, dims: ParallelDims) -> int:
-    from suite.parallel.pipeline import MULTI_STAGE
-
     return cfg.parallel.vpp if dims.pp > 1 and cfg.parallel.pp_schedule in MULTI_STAGE else 1
 
 
@@ -68,15 +74,6 @@ def _updated_numel(cfg: SuiteConfig, dims: ParallelDims, rank: int, held: int) -
 
 def dry_run(cfg: SuiteConfig, dims: ParallelDims, rank: int) -> dict:
     """Build and place `rank`'s model under a fake process group; its bytes beside the cost model's."""
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from suite.models.transformer import build_model
-    from suite.parallel.memory import parameter_bytes
-    from suite.parallel.parallelize import parallelize
-    from suite.runtime import resolve_precision
-
     world = dims.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} is not a rank of this job; use 0..{world - 1} or --rank worst")

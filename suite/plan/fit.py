@@ -17,12 +17,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+import torch
+
 from suite.config.errors import ConfigError
 from suite.config.schema import ClusterConfig, SuiteConfig
 from suite.config.validate import nproc_range
-from suite.parallel.dims import ParallelDims
+from suite.parallel import hosting
+from suite.parallel.dims import MULTI_STAGE, ParallelDims
+from suite.plan.command import job_of
 from suite.plan.cost import GIB, evaluate
 from suite.plan.layout import Job, Layout
+from suite.plan.params import count_params
 from suite.plan.search import smallest_cluster
 
 FIT_MARGIN = 1.25  # stop only when the estimate exceeds the memory by more than this factor
@@ -36,8 +41,6 @@ PLAN_KEYS = (
 def run_device(cfg: SuiteConfig) -> str:
     """`cuda` or `cpu`: where this run's processes compute (train.device, `auto` as the trainer
     settles it)."""
-    import torch
-
     device = cfg.train.device
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,13 +52,9 @@ def device_memory(cfg: SuiteConfig) -> tuple[float, str]:
     available RAM shared by this node's launch.nproc_per_node processes."""
     nproc = nproc_range(cfg)[1]
     if run_device(cfg) == "cuda":
-        import torch
-
         props = torch.cuda.get_device_properties(0)
         return float(props.total_memory), f"each {props.name} has {props.total_memory / GIB:.1f} GiB"
-    from suite.parallel.hosting import available_ram
-
-    ram = available_ram()
+    ram = hosting.available_ram()  # looked up at call time: tests stand in for the machine
     procs = f"{nproc} CPU processes" if nproc > 1 else "one CPU process"
     return ram / nproc, f"this machine has {ram / GIB:.1f} GiB of memory available for {procs}"
 
@@ -85,8 +84,6 @@ def time_shared(cluster: ClusterConfig, threads: int, cores: int) -> ClusterConf
 
 def recipe_layout(cfg: SuiteConfig, dims: ParallelDims) -> Layout:
     """The recipe's own layout (its resolved degrees) as the planner names it."""
-    from suite.parallel.pipeline import MULTI_STAGE
-
     p = cfg.parallel
     multi = dims.pp > 1 and p.pp_schedule in MULTI_STAGE
     return Layout(
@@ -151,9 +148,6 @@ def check_fits(cfg: SuiteConfig, dims: ParallelDims, overrides: list[str]) -> Fi
     fit = estimate_fit(cfg, dims)
     if fit is None or not fit.clearly_too_big:
         return fit
-    from suite.plan.command import job_of
-    from suite.plan.params import count_params
-
     nproc = nproc_range(cfg)[1]
     c = cfg.cluster
     nodes = smallest_cluster(replace(job_of(cfg), cluster=replace(c, nodes=1)))

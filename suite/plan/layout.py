@@ -12,6 +12,10 @@ from dataclasses import dataclass, replace
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SuiteConfig
+from suite.models.moe import expert_ffn_size
+from suite.models.transformer import ffn_size
+from suite.parallel.dims import ParallelDims, check_pipeline
+from suite.runtime import auto_attention, auto_precision
 
 RECOMPUTE_NAMES = {"none": "", "core_attn": "sel", "full_attn": "attn", "full": "full"}
 SCHEDULE_NAMES = {"1f1b": "", "gpipe": "gpipe", "interleaved_1f1b": "", "zero_bubble": "zb"}
@@ -48,8 +52,6 @@ class Job:
     def from_config(cls, cfg: SuiteConfig) -> Job:
         """The job a composed recipe describes on its cluster group (which gives the world size, and
         settles the recipe's `auto` precision and attention for its device type, not this machine's)."""
-        from suite.runtime import auto_attention, auto_precision
-
         device = cfg.cluster.device_type
         precision = cfg.train.precision
         if precision == "auto":  # every GPU preset computes bf16 natively; a CPU: as the trainer decides
@@ -195,9 +197,6 @@ def check_layout(job: Job, layout: Layout) -> None:
     """ConfigError (one line) when the trainer would refuse `layout` for `job`: the degrees against
     the model and batch (ParallelDims.validate), the pipeline schedule (check_pipeline), the sequence
     splits of sp and cp, and the MoE / expert-parallel rules."""
-    from suite.parallel.dims import ParallelDims
-    from suite.parallel.pipeline import check_pipeline
-
     if layout.world != job.world:
         raise ConfigError(
             f"layout {layout.name} uses {layout.world} devices but the cluster has {job.world} "
@@ -220,9 +219,6 @@ def check_layout(job: Job, layout: Layout) -> None:
 
 def _check_model_splits(job: Job, layout: Layout) -> None:
     """The parts of ParallelDims.validate_run that depend on the model and sequence only."""
-    from suite.models.moe import expert_ffn_size
-    from suite.models.transformer import ffn_size
-
     m, tp, cp = job.model, layout.tp, layout.cp
     if tp > 1 and (m.vocab_size % tp or ffn_size(m) % tp):
         raise ConfigError(f"tp={tp} does not divide model.vocab_size or the MLP width")

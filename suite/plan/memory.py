@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from suite.plan.layout import Job, Layout
-from suite.plan.params import RankParams, layer_specs, worst_rank_params
+from suite.plan.params import RankParams, layer_specs, local_shape, worst_rank_params
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 MASTER_BYTES = 4  # fp32 master weights of bf16 parameters (suite.train.master_weights)
@@ -107,8 +107,6 @@ def block_params(job: Job, layout: Layout) -> int:
 
 
 def _largest_block(job: Job, layout: Layout) -> int:
-    from suite.plan.params import local_shape
-
     best = 0
     for layer in {0, job.model.num_layers - 1}:
         total = 0

@@ -24,10 +24,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from suite.config.schema import ModelConfig
 from suite.models.moe import moe_layer_ids
 from suite.models.transformer import Transformer, TransformerBlock
+from suite.parallel.expert_tensor_parallel import shared_expert_plan
+from suite.parallel.pipeline import split_layers
+from suite.parallel.tensor_parallel import block_plan
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,6 @@ def _tp_dims(cfg: ModelConfig, moe: bool) -> dict[str, int]:
     """Parameter name (in a block) -> the dim tensor parallelism splits, read off the plan the trainer
     applies (suite.parallel.tensor_parallel.block_plan): column-parallel weights and biases dim 0,
     row-parallel weights dim 1; everything else is replicated."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from suite.parallel.expert_tensor_parallel import shared_expert_plan
-    from suite.parallel.tensor_parallel import block_plan
-
     plan = dict(block_plan(False, cfg, moe))
     if moe and cfg.num_shared_experts:
         plan |= {f"feed_forward.{key}": style for key, style in shared_expert_plan(cfg).items()}
@@ -155,8 +154,6 @@ def stage_layers(cfg: ModelConfig, num_stages: int) -> tuple[tuple[int, ...], ..
     as plan_stages calls it) computed from the counts alone."""
     key = ("stages", repr(cfg), num_stages)
     if key not in _CACHE:
-        from suite.parallel.pipeline import split_layers
-
         costs = [sum(s.numel for s in layer_specs(cfg, i)) for i in range(cfg.num_layers)]
         first = sum(s.numel for s in embedding_specs(cfg))
         last = sum(s.numel for s in head_specs(cfg, separate_copy=True))

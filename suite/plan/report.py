@@ -5,6 +5,7 @@ from __future__ import annotations
 from suite.plan import comm
 from suite.plan.cost import GIB, Cost, at_time_share
 from suite.plan.layout import Job
+from suite.plan.params import count_params
 from suite.plan.search import SearchResult
 
 TIME_PARTS = {
@@ -70,8 +71,6 @@ def leanest(job: Job, result: SearchResult) -> str:
 
 
 def _count(job: Job) -> str:
-    from suite.plan.params import count_params
-
     n = count_params(job.model)
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 

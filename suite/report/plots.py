@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from suite.report.runs import RunMetrics
 
 SIZE = (8.0, 4.5)  # inches; at DPI: 800 x 450 pixels
@@ -19,9 +22,6 @@ PANELS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
 
 
 def _figure(width: float = SIZE[0], height: float = SIZE[1], columns: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure, figure.subplots(1, columns, squeeze=False)[0]

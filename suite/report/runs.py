@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from suite import user_files
 from suite.config.errors import ConfigError
 
@@ -67,8 +69,6 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def _config(path: Path) -> dict[str, Any]:
     """config.yaml as plain data; {} where it is missing or unreadable (the plots need only metrics)."""
     try:
-        from omegaconf import OmegaConf
-
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception:  # noqa: BLE001 (a hand-edited or foreign config: report without it)
         return {}

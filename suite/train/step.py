@@ -28,7 +28,7 @@ from suite.models.moe import moe_aux_loss
 from suite.parallel import memory
 from suite.parallel.context_parallel import split_batch
 from suite.parallel.data_parallel import clip_grad_norm_, set_gradient_sync
-from suite.parallel.parallelize import Placement
+from suite.parallel.placement import Placement
 from suite.train.loss import HeadInput, cross_entropy
 
 LossFn = Callable[..., torch.Tensor]  # (logits, targets, weight, aux_weight=0.0) -> weighted scalar loss

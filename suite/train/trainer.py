@@ -27,7 +27,8 @@ from suite.models import build_model, flops_per_token, materialize
 from suite.parallel.describe import describe_layout
 from suite.parallel.dims import ParallelDims
 from suite.parallel.env import DistEnv, barrier, init_process_group
-from suite.parallel.parallelize import Placement, parallelize
+from suite.parallel.parallelize import parallelize
+from suite.parallel.placement import Placement
 from suite.runtime import PrecisionPolicy, pick_device, resolve_precision
 from suite.train import checkpoint as ckpt
 from suite.train import run_folder

@@ -18,8 +18,8 @@ import pytest
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, ParallelConfig
 from suite.models import build_model
-from suite.parallel.dims import ParallelDims
-from suite.parallel.pipeline import check_pipeline, plan_stages, split_layers
+from suite.parallel.dims import ParallelDims, check_pipeline
+from suite.parallel.pipeline import plan_stages, split_layers
 from tests.distributed.conftest import LLAMA, pretrain
 from tests.helpers import (
     assert_close_losses,

@@ -14,7 +14,7 @@ from suite.models import build_model, materialize
 from suite.models.document_attention import Documents, document_mask
 from suite.parallel.context_parallel import chunk_index, split_batch
 from suite.parallel.dims import ParallelDims
-from suite.parallel.parallelize import Placement
+from suite.parallel.placement import Placement
 from suite.train.step import TrainStep
 
 EOS = 0

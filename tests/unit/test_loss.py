@@ -12,7 +12,7 @@ from suite.config.schema import ModelConfig, ParallelConfig
 from suite.data.batch import Batch
 from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
-from suite.parallel.parallelize import Placement
+from suite.parallel.placement import Placement
 from suite.train.loss import HeadInput, chunked_cross_entropy, cross_entropy
 from suite.train.step import TrainStep, training_loss
 

@@ -55,6 +55,7 @@ def first_dense_layers(cfg: ModelConfig) -> int:
 
 
 def hf_config(cfg: ModelConfig, special: dict[str, Any]) -> Any:
+    # deferred: transformers costs seconds to import; only converting to/from HF needs it
     from transformers import DeepseekV3Config
 
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}

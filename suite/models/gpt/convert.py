@@ -15,6 +15,7 @@ GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"
 
 
 def hf_config(cfg: ModelConfig, special: dict[str, Any]) -> Any:
+    # deferred: transformers costs seconds to import; only converting to/from HF needs it
     from transformers import GPT2Config
 
     return GPT2Config(

@@ -53,6 +53,7 @@ def common_hf_fields(cfg: ModelConfig, special: dict[str, Any]) -> dict[str, Any
 
 
 def hf_config(cfg: ModelConfig, special: dict[str, Any]) -> Any:
+    # deferred: transformers costs seconds to import; only converting to/from HF needs it
     from transformers import LlamaConfig, Qwen2Config
 
     common = common_hf_fields(cfg, special)
@@ -65,6 +66,7 @@ def hf_config(cfg: ModelConfig, special: dict[str, Any]) -> Any:
 
 def _mixtral_config(cfg: ModelConfig, common: dict) -> Any:
     """MixtralConfig for a llama-family MoE; refuses what Mixtral cannot express."""
+    # deferred: transformers costs seconds to import; only converting to/from HF needs it
     from transformers import MixtralConfig
 
     problems = []

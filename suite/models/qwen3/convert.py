@@ -44,6 +44,7 @@ def default_ffn(cfg: ModelConfig) -> int:
 
 
 def hf_config(cfg: ModelConfig, special: dict[str, Any]) -> Any:
+    # deferred: transformers costs seconds to import; only converting to/from HF needs it
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = common_hf_fields(cfg, special)
