@@ -33,6 +33,7 @@ def _compose_with_ckpt(overrides: list[str], example: str):
         raise ConfigError(
             f"ckpt is missing; pass ckpt=<run.dir> (or a checkpoint folder), e.g. ckpt={example}"
         )
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.model_source import ModelSource
 
     return cfg, ModelSource.parse(cfg.ckpt, "ckpt")

@@ -7,6 +7,7 @@ every verb module is imported to list the verbs, and `suite --help` should not l
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ def with_base_model(raw, overrides: list[str], quantized_ok: bool = False):
     the other model keys it sets (how to compute: attention, document_attention, moe_impl, ...) stay.
     `quantized_ok` (finetune): a `suite quantize` checkpoint may be the base (LoRA over it, QLoRA;
     suite.compress.checks.check_quantized_base says what else it needs)."""
-    from dataclasses import asdict
 
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.compress.checks import refuse_quantized
     from suite.model_source import ModelSource
     from suite.train.run_folder import ARCHITECTURE
@@ -79,6 +80,7 @@ def train(verb: str, cfg, dims, resolved_yaml: str) -> int:
 def _run_training(verb: str, cfg, dims, resolved_yaml: str) -> int:
     """Train here, or hand the frozen config to the elastic launcher when more processes are asked for."""
     if world_size(cfg) > 1:
+        # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
         from suite.launch.launcher import inside_worker, launch
 
         if not inside_worker():
@@ -135,6 +137,7 @@ def print_launch(verb: str, overrides: list[str]) -> int:
     launch = cfg.launch
     if launch.nnodes < 1:
         raise ConfigError(f"launch.nnodes={launch.nnodes} must be a positive integer")
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.launch.launcher import node_commands
 
     host = launch.rdzv_endpoint.rsplit(":", 1)[0]

@@ -23,6 +23,7 @@ def _record(exc: BaseException) -> None:
     """Write the elastic error file the parent reads (no-op outside the launcher)."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
+    # deferred: this process may only stand for a forked worker (see __main__), and then imports nothing heavy
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     with contextlib.suppress(Exception):  # reporting must never mask the real failure
@@ -58,10 +59,12 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    # deferred: this process may only stand for a forked worker (see __main__), and then imports nothing heavy
     from suite.config.errors import ConfigError
 
     try:
         code = run(argv[0], Path(argv[1]))
+        # deferred: this process may only stand for a forked worker (see __main__), and then imports nothing heavy
         from suite.parallel.env import destroy_process_group
 
         destroy_process_group()

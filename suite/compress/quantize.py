@@ -281,6 +281,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
 
 def _torchao_version() -> str:
     # torchao: a heavy optional dependency, imported once a model is quantized
+    # deferred: torchao's version is read only for the report (seconds to import)
     import torchao
 
     return torchao.__version__

@@ -69,6 +69,7 @@ def torchao_quant_type(info: dict[str, Any], group_size: int) -> Any:
 def write_quantized_hf(source: Any, out: Path) -> list[str]:
     """Write the folder; returns the files written (relative to `out`)."""
     # torchao and transformers: heavy optional dependencies, imported when a quantized export runs
+    # deferred: transformers (~2 s) and torchao's safetensors support loads only when an HF folder is written or read back
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
     from transformers import GenerationConfig, TorchAoConfig
 
@@ -136,6 +137,7 @@ def same_tensors(hf_model: Any, source: Any) -> tuple[int, list[str]]:
 def verify_quantized_hf(out: Path, source: Any) -> dict[str, Any]:
     """Load the folder as a user does and compare with the suite's quantized model."""
     # transformers: a heavy optional dependency, imported when a quantized export runs
+    # deferred: transformers (~2 s) loads only when an HF folder is written or read back
     from transformers import AutoModelForCausalLM
 
     with quiet_loading():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.data.tasks import get_task
+from suite.models.lora import EXPERT_WEIGHTS, EXPERTS_TARGET
 
 
 def check_finetune(cfg: SuiteConfig) -> None:
@@ -22,8 +24,6 @@ def check_finetune(cfg: SuiteConfig) -> None:
             "(a `suite pretrain` run) or model.init_from=hf:<folder>"
         )
     if ft.data.task:
-        from suite.data.tasks import get_task
-
         get_task(ft.data.task)  # a one-line error for an unknown name
         if ft.data.sources:
             raise ConfigError(
@@ -45,7 +45,6 @@ def check_finetune(cfg: SuiteConfig) -> None:
 def check_finetune_layout(cfg: SuiteConfig, dims) -> None:
     """What finetuning cannot run, once the base model's architecture and the degrees are known
     (`dims`: suite.parallel.dims.ParallelDims; MoE layouts are the parallel checks')."""
-    from suite.models.lora import EXPERT_WEIGHTS, EXPERTS_TARGET
 
     ft = cfg.finetune
     if ft.method == "lora" and EXPERTS_TARGET in ft.lora.target_modules and not cfg.model.num_experts:

@@ -122,6 +122,7 @@ class CompressionMethod(ABC):
         """Quantize the Linear layers named `targets` in place (round to nearest, torchao)."""
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.quantization import quantize_
 
         wanted = set(targets)
@@ -250,6 +251,7 @@ class Int8(CompressionMethod):
     def fake_quantize_config(self, compress: CompressConfig) -> Any:
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.quantization.granularity import PerAxis
         from torchao.quantization.qat import IntxFakeQuantizeConfig
 
@@ -269,6 +271,7 @@ class W8A8(CompressionMethod):
     def torchao_config(self, compress: CompressConfig, device: torch.device) -> Any:
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
         return Int8DynamicActivationInt8WeightConfig()
@@ -296,6 +299,7 @@ class Int4(CompressionMethod):
     def fake_quantize_config(self, compress: CompressConfig) -> Any:
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.quantization.qat import IntxFakeQuantizeConfig
 
         # the grid suite quantize's int4 stores: symmetric, one bf16 scale per group (with torchao's
@@ -327,6 +331,7 @@ class Int4Tinygemm(CompressionMethod):
     def torchao_config(self, compress: CompressConfig, device: torch.device) -> Any:
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.quantization import Int4WeightOnlyConfig
 
         return Int4WeightOnlyConfig(group_size=self.settings(compress).group_size)
@@ -357,6 +362,7 @@ class SmoothQuant(CompressionMethod):
     ) -> None:
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.prototype.smoothquant import SmoothQuantConfig
         from torchao.quantization import quantize_
 

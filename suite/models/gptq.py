@@ -56,6 +56,7 @@ class Grid:
         groups as IntxWeightOnlyConfig (bf16 scales), int8 rows as Int8WeightOnlyConfig."""
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
+        # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
         from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
 
         if self.group:
@@ -211,6 +212,7 @@ def store_values(
     layers in `values` given those integers and scales instead (GPTQ's, or QAT's learned grid)."""
     quiet_torchao()
     # torchao: a heavy optional dependency, imported when a method runs
+    # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
     from torchao.quantization import quantize_
 
     modules = dict(model.named_modules())

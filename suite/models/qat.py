@@ -50,6 +50,7 @@ def prepare_qat(model: nn.Module, compress: CompressConfig) -> list[str]:
         return []
     quiet_torchao()
     # torchao: a heavy optional dependency, imported when QAT runs
+    # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 

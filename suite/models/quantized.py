@@ -110,6 +110,7 @@ def narrow_block_floats(model: nn.Module) -> list[str]:
 def save_quantized(model: nn.Module, folder: str | Path, info: dict[str, Any]) -> Path:
     """Write model.safetensors and quantized.json into `folder`; returns the weights file."""
     quiet_torchao()
+    # deferred: safetensors/torchao load only when a quantized checkpoint is written or read
     from safetensors.torch import save_file
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
@@ -144,6 +145,7 @@ def save_quantized(model: nn.Module, folder: str | Path, info: dict[str, Any]) -
 def read_quantized_state(folder: str | Path) -> dict[str, torch.Tensor]:
     """The saved state dict with torchao's tensor subclasses rebuilt (int4 unpacked)."""
     quiet_torchao()
+    # deferred: safetensors/torchao load only when a quantized checkpoint is written or read
     from safetensors import safe_open
     from safetensors.torch import load_file
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
@@ -171,6 +173,7 @@ def read_quantized_state(folder: str | Path) -> dict[str, torch.Tensor]:
 
 def load_quantized_model(folder: str | Path, model_cfg, device: str | torch.device = "cpu") -> nn.Module:
     """A single-device eval model holding the quantized weights of a `suite quantize` checkpoint."""
+    # deferred: suite.models imports this module (the quantized checkpoint format sits below it)
     from suite.models import build_model, materialize
 
     model = materialize(build_model(model_cfg), "cpu", seed=0).requires_grad_(False)
@@ -196,6 +199,7 @@ def load_quantized_base(model: nn.Module, folder: str | Path) -> int:
     model.init_from on resume and by `suite eval/generate`. Every other tensor is copied into its
     parameter. Returns the number of weights attached quantized. Single device (a plain model).
     """
+    # deferred: suite.models imports this module (the quantized checkpoint format sits below it)
     from suite.models.lora import canonical
 
     state = read_quantized_state(folder)
@@ -226,6 +230,7 @@ def load_quantized_base(model: nn.Module, folder: str | Path) -> int:
 
 def is_quantized_tensor(tensor: Any) -> bool:
     """A torchao quantized tensor (any of its subclasses), not a plain tensor or parameter."""
+    # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
     from torchao.utils import TorchAOBaseTensor
 
     data = tensor.data if isinstance(tensor, nn.Parameter) else tensor

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -194,7 +195,6 @@ def memory_gb(device: torch.device) -> float:
     """Peak memory of this process: allocator peak on GPU, peak resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 

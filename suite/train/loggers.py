@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -103,7 +105,6 @@ def scrub_secrets(config: Any) -> Any:
 
 def scrub_yaml(text: str) -> str:
     """A resolved config's YAML as it may be written to disk (run folder, checkpoints)."""
-    from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.create(text))
     clean = scrub_secrets(config)
@@ -136,6 +137,7 @@ class MetricsLogger:
         self.wandb_run = None
         if log_cfg.wandb and log_cfg.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
+            # deferred: wandb (seconds to import) loads only when log.wandb is on
             import wandb
 
             self.wandb_run = wandb.init(
@@ -184,6 +186,7 @@ class MetricsLogger:
             self.progress = None
         if not self.log_cfg.report:
             return
+        # deferred: the report (matplotlib) loads only when training ends with log.report on
         from suite.report import report_at_end
 
         written = report_at_end(self.run_dir, self.print)
@@ -205,6 +208,7 @@ class TensorBoardWriter:
     metrics.jsonl. A resume or a rollback to step N drops the events logged past N (purge_step)."""
 
     def __init__(self, folder: Path, resume_step: int | None):
+        # deferred: tensorboard loads only with log=tensorboard
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = folder
@@ -218,6 +222,7 @@ class TensorBoardWriter:
         self.writer.flush()
 
     def rewind(self, step: int) -> None:
+        # deferred: tensorboard loads only with log=tensorboard
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer.close()
@@ -230,6 +235,7 @@ class TensorBoardWriter:
 def _wandb_artifact(run, report: Path, plots: list[Path], say) -> None:
     """report.md and its plots as one wandb artifact of type `report` (logged offline too, synced later)."""
     try:
+        # deferred: wandb (seconds to import) loads only when log.wandb is on
         import wandb
 
         artifact = wandb.Artifact(f"report-{run.id}", type="report")
@@ -246,7 +252,6 @@ def _wandb_id(run_dir: Path) -> str:
     id_file = run_dir / ".wandb_id"
     if id_file.exists():
         return id_file.read_text().strip()
-    import uuid
 
     run_id = uuid.uuid4().hex[:12]
     id_file.write_text(run_id)

@@ -22,7 +22,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from suite import folders
+from suite.config.compose import load_saved_config
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, SuiteConfig
 from suite.models.compression import for_training
@@ -113,10 +116,6 @@ def saved_fingerprint(folder: Path) -> dict[str, Any] | None:
     if found is not None and "compress.qat" in found:
         return found
     try:
-        from omegaconf import OmegaConf
-
-        from suite.config.compose import load_saved_config
-
         saved = load_saved_config(folder / "config.yaml")
         written = OmegaConf.load(folder / "config.yaml").get("compress") or {}
     except Exception:  # noqa: BLE001 (an old or hand-edited config: nothing to compare)

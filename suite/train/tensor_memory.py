@@ -21,13 +21,12 @@ import gc
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages a tensor holds: its own, or its inner tensors' for a wrapper subclass (DTensor)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
