@@ -107,11 +107,11 @@ def build_suite_step(cfg, dims):
 
 
 def hf_model(cfg):
-    """transformers' own class for the shape (the config `suite export` writes: suite.models.hf),
+    """transformers' own class for the shape (the config `suite export` writes: suite.models.hf_mapping),
     with no dropout, SDPA attention and no KV cache."""
     from transformers import AutoModelForCausalLM
 
-    from suite.models.hf import hf_config
+    from suite.models.hf_mapping import hf_config
 
     config = hf_config(cfg.model)
     config.initializer_range = cfg.model.init_std

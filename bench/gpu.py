@@ -31,7 +31,7 @@ tokens/s: median over `--steps` timed steps after `--warmup` steps (compile happ
 a step is the optimizer step: parallel.global_batch_size / parallel.micro_batch_size micro-batches
 (1 unless `--set parallel.global_batch_size=...`), so accumulation amortises AdamW as in training.
 MFU: tokens/s x suite.models.flops_per_token / the device's data-sheet dense bf16 peak
-(suite.train.flops; an fp8 row is against the bf16 peak too, so rows compare). A device the table
+(suite.train.peak_flops; an fp8 row is against the bf16 peak too, so rows compare). A device the table
 lacks prints no MFU. Memory: torch.cuda.max_memory_allocated / max_memory_reserved over the timed
 steps. Without CUDA the script exits 2 with one line.
 """
@@ -100,7 +100,7 @@ def one_row(model: str, variant: str, args) -> dict:
     from suite.models import flops_per_token
     from suite.preflight import validate
     from suite.runtime import resolve_auto
-    from suite.train.flops import cuda_memory_stats, peak_flops
+    from suite.train.peak_flops import cuda_memory_stats, peak_flops
     from suite.train.trainer import standalone_step
 
     _, seq, micro = MODELS[model]

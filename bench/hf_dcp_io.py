@@ -72,7 +72,7 @@ def _import_worker(rank: int, folder: str, fused: bool, port: int, result: str) 
     from torch.distributed.device_mesh import init_device_mesh
 
     import suite.model_source as sources
-    from suite.models.hf import from_hf_state_dict, model_config_from_hf, to_hf_state_dict
+    from suite.models.hf_mapping import from_hf_state_dict, model_config_from_hf, to_hf_state_dict
 
     mesh = init_device_mesh("cpu", (2,))
     cfg = dataclasses.replace(model_config_from_hf(Path(folder)), fused_projections=fused)
@@ -194,7 +194,7 @@ def _export_child(how: str, ckpt: str, out: str) -> None:
     from suite.config.schema import ModelConfig
     from suite.export.hf import write_hf_folder
     from suite.model_source import checkpoint_weights
-    from suite.models.hf import hf_config, to_hf_state_dict
+    from suite.models.hf_mapping import hf_config, to_hf_state_dict
 
     cfg = ModelConfig(**EXPORT_CFG)
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here

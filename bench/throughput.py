@@ -201,7 +201,7 @@ def matmul_ceiling(
     """
     import torch
 
-    from suite.train.flops import measure_matmul_peak, peak_key, record_peak
+    from suite.train.peak_flops import measure_matmul_peak, peak_key, record_peak
 
     device = torch.device("cpu")
     best = 0.0

@@ -6,7 +6,7 @@
 
 `ModelSource.parse(text, key)` is the only place that reads that syntax (the key names the config
 key in one-line errors). A source gives the model config (the run's saved config.yaml, or the
-HF config.json mapped by suite.models.hf), the tokenizer, its weights as suite-named lazy tensors
+HF config.json mapped by suite.models.hf_mapping), the tokenizer, its weights as suite-named lazy tensors
 (export streams them), and loading into a model of any layout: sharded or tensor-parallel
 (collective; each rank reads its own shard), fused projections, LoRA adapters (kept as they are).
 
@@ -44,7 +44,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import LoRAConfig, ModelConfig, SuiteConfig
 from suite.data import load_tokenizer
 from suite.models import build_model, materialize
-from suite.models.hf import from_hf_state_dict, model_config_from_hf
+from suite.models.hf_mapping import from_hf_state_dict, model_config_from_hf
 from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
 from suite.models.lora import apply_lora, merge_lora
 from suite.models.qat import LEARNED_SCALE

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from suite.compress.before_after import measure, save_plain, stored_bytes, table, write_report
 from suite.compress.checks import refuse_quantized
 from suite.compress.importance import Importance, importance
 from suite.compress.quantize import held_out_and_calibration, progress
-from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.folders import claim, source_identity, write_record

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from suite.compress.before_after import measure, save_plain, stored_bytes, table, write_report
 from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
 from suite.compress.methods import linear_plan, quantize_model, usable_scales
-from suite.compress.report import measure, save_plain, stored_bytes, table, write_report
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data import ensure_prepared

@@ -6,8 +6,8 @@ from __future__ import annotations
 from suite.compress.checks import refuse_quantized
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.distill.divergence import DIVERGENCES
 from suite.distill.hidden import HIDDEN_LOSSES, HIDDEN_SCHEDULES
-from suite.distill.loss import DIVERGENCES
 from suite.model_source import ModelSource
 from suite.models.compression import for_training
 from suite.models.transformer import ffn_size
@@ -70,7 +70,7 @@ def check_distill(cfg: SuiteConfig) -> None:
 def check_distill_layout(cfg: SuiteConfig, dims) -> None:
     """What distillation cannot run yet, once the degrees are known (`dims`: ParallelDims); under tp
     the teacher is split like the student, so its widths must divide too. Under pp the loss runs on
-    the last stage with a whole teacher there (suite.distill.step): no tp beside it (the teacher would
+    the last stage with a whole teacher there (suite.distill.step_loss): no tp beside it (the teacher would
     need the tp plans of a stage it is not), and no hidden-state matching (the student's matched blocks
     live on other stages than the loss)."""
     for axis in ("cp", "ep"):

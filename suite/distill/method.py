@@ -5,7 +5,7 @@ The student is the recipe's model (from scratch, or model.init_from: e.g. a prun
 is the recipe's pretraining data (`distill.data=pretrain`) or chat rows (`distill.data=sft`:
 finetune.data's task or sources, with the student's held-out task accuracy at every evaluation);
 either way its tokenizer must be the teacher's. The step is the common one (any layout the checks
-allow, pipeline parallelism included) with `suite.distill.step.DistillLoss` as its training loss.
+allow, pipeline parallelism included) with `suite.distill.step_loss.DistillLoss` as its training loss.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.distill.hidden import attach_projections, hidden_weight_at
-from suite.distill.step import DistillLoss
+from suite.distill.step_loss import DistillLoss
 from suite.distill.teacher import Teacher, load_teacher
 from suite.finetune.method import BaseWeights, SFTData, TaskAccuracy
 from suite.model_source import ModelSource, initial_weights

@@ -7,7 +7,7 @@ softmaxes and divergences need sums and maxima over the whole vocabulary: all-re
 group, three per chunk of tokens (the maxima; the sums of exponentials with the hard-label logit; the
 divergence sums). Autograd through those reductions would be wrong (a gradient arriving at a reduced
 value is itself partial on each rank), so the gradient with respect to this rank's logit slice is
-written out, each term exactly the derivative of suite.distill.loss.token_losses (tested against it):
+written out, each term exactly the derivative of suite.distill.divergence.token_losses (tested against it):
 
     with a = student / T, q = softmax(a), p = softmax(teacher / T), d loss / d student =
     (1 - ce_weight) * T * dD/da + ce_weight * (softmax(student) - onehot(label))
@@ -16,7 +16,7 @@ written out, each term exactly the derivative of suite.distill.loss.token_losses
     jsd         dD/da = q * ((log q - log m) - KL(q || m)) / 2
 
 The step sums this rank's d(hidden) = grad @ W_slice over the tp group once per micro-batch
-(suite.distill.loss); d(W_slice) = grad^T @ hidden is this rank's own.
+(suite.distill.divergence); d(W_slice) = grad^T @ hidden is this rank's own.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`suite export format=gguf`: one llama.cpp GGUF file (f16, q8_0 or q4_0) + export_manifest.json.
 
-The tensors start from the Hugging Face names and layout (suite.models.hf's to_hf_state_dict, as
+The tensors start from the Hugging Face names and layout (suite.models.hf_mapping's to_hf_state_dict, as
 llama.cpp's convert_hf_to_gguf.py starts from an HF folder) and are renamed with gguf's own tensor
 name map. The architecture, its hyper-parameter keys and the layout changes are the family's
 (`Family.gguf`): GPT-2's Conv1D weights ([in, out]) are stored as [out, in], and Llama's q/k rows are
@@ -30,7 +30,7 @@ from suite.export.gguf_vocab import add_vocab, gguf_vocab
 from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
 from suite.export.special import hf_folder_ids, in_vocabulary, tokenizer_ids
 from suite.models.family import family_of
-from suite.models.hf import to_hf_state_dict
+from suite.models.hf_mapping import to_hf_state_dict
 from suite.models.lazy import as_lazy
 from suite.models.quantized import quantized_info
 from suite.models.transformer import ffn_size, kv_heads

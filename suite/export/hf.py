@@ -1,6 +1,6 @@
 """`suite export format=hf`: a folder that transformers' AutoModelForCausalLM loads with no custom code.
 
-The names, transposes and fusions are suite.models.hf's mapping; the weights come from a model
+The names, transposes and fusions are suite.models.hf_mapping's mapping; the weights come from a model
 source (suite.model_source) as lazy tensors, so a checkpoint from any parallel layout (LoRA adapters
 folded in) or another HF folder converts one tensor at a time, holding at most one output shard
 of `max_shard_bytes` in memory. Config files are written through transformers' own classes, with
@@ -23,7 +23,7 @@ from suite.export.checks import check_hf_exportable
 from suite.export.special import SpecialIds, hf_folder_ids, in_vocabulary, tokenizer_ids
 from suite.export.verify import verify_hf_folder
 from suite.model_source import ModelSource
-from suite.models.hf import hf_config, on_disk_names, to_hf_state_dict
+from suite.models.hf_mapping import hf_config, on_disk_names, to_hf_state_dict
 from suite.models.lazy import LazyTensor, as_lazy
 
 MAX_SHARD_BYTES = 2 * 1024**3

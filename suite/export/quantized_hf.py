@@ -29,7 +29,7 @@ from suite.export.special import in_vocabulary, tokenizer_ids
 from suite.infer.generate import load_for_inference
 from suite.models.compression import HF, exporting, post_training
 from suite.models.family import family_of
-from suite.models.hf import hf_config, to_hf_state_dict
+from suite.models.hf_mapping import hf_config, to_hf_state_dict
 from suite.models.quantized import is_quantized_tensor, quantized_info, quiet_torchao, read_quantized_state
 
 

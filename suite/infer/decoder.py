@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch._inductor.config as inductor_config
 
-from suite.infer.layout import decode_layout
+from suite.infer.decode_layout import decode_layout
 from suite.models.transformer import Transformer, cache_dims
 
 
@@ -110,7 +110,7 @@ class BatchDecoder:
     def __init__(self, model: Transformer, compile: bool = False, owns_model: bool = False):
         """owns_model: nobody else uses `model`, so eager decoding may relay it in place (no copy)."""
         self.grow = not compile
-        # eager: the layout the CPU streams fastest (suite.infer.layout; the model itself elsewhere)
+        # eager: the layout the CPU streams fastest (suite.infer.decode_layout; the model itself elsewhere)
         self.model = decode_layout(model.eval(), in_place=owns_model) if self.grow else model.eval()
         model = self.model
         # freezing: the weights become constants, so inductor packs them for oneDNN's matmuls (on CPU

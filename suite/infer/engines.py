@@ -28,7 +28,7 @@ class ModelEngine:
 
     def __init__(self, model: torch.nn.Module, compile: bool = False, owns_model: bool = False):
         """owns_model: the engine is the model's only user: eager CPU decoding relays it in place
-        (suite.infer.layout), after which it is for inference only (not to be trained or saved)."""
+        (suite.infer.decode_layout), after which it is for inference only (not to be trained or saved)."""
         self.decoder = BatchDecoder(model, compile=compile, owns_model=owns_model)
         self.max_seq_len = model.cfg.max_seq_len
 

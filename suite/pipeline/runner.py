@@ -37,7 +37,7 @@ from suite.launch.fork_server import SERVER_ENV, ForkServer, client_command
 from suite.launch.launcher import WORKER_PRELOAD, forks_workers
 from suite.pipeline import outputs
 from suite.pipeline.recipe import Gate, Pipeline, Stage
-from suite.pipeline.report import write_report
+from suite.pipeline.report_file import write_report
 from suite.verb import VERBS
 
 GATE_EXIT = 3  # a quality gate stopped the pipeline

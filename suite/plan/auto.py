@@ -26,8 +26,8 @@ from suite.plan.command import job_of, no_fit
 from suite.plan.cost import GIB, Cost
 from suite.plan.fit import launched_cluster, run_device
 from suite.plan.layout import Job
-from suite.plan.report import TIME_PARTS, as_json
 from suite.plan.search import SearchResult, search
+from suite.plan.tables import TIME_PARTS, as_json
 from suite.preflight import validate
 
 PARALLEL_KEYS = (

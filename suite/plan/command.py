@@ -9,8 +9,8 @@ from suite.config.schema import SuiteConfig
 from suite.config.validate import check_values
 from suite.plan.cost import evaluate
 from suite.plan.layout import Job, check_layout, parse_layout
-from suite.plan.report import as_json, explain, leanest, table
 from suite.plan.search import search, smallest_cluster
+from suite.plan.tables import as_json, explain, leanest, table
 
 
 def job_of(cfg: SuiteConfig) -> Job:

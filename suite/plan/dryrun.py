@@ -19,8 +19,8 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.models.transformer import build_model
 from suite.parallel.dims import MESH_ORDER, MULTI_STAGE, ParallelDims
-from suite.parallel.memory import parameter_bytes
 from suite.parallel.parallelize import parallelize
+from suite.parallel.state_bytes import parameter_bytes
 from suite.plan.layout import BYTES
 from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES
 from suite.plan.params import count_params, pp_rank_params, rank_numel, stage_specs

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from suite.data.batch import Batch
 from suite.models.moe import moe_aux_loss, moe_modules
 from suite.parallel import data_parallel as dpar
-from suite.parallel import memory
+from suite.parallel import state_bytes
 from suite.parallel.pipeline import PipelineStages
 from suite.train.step import TrainStep, like_loss, local_value
 
@@ -183,8 +183,8 @@ class PipelineStep(TrainStep):
                 **kwargs,
             )
         placement.after_backward()
-        self.note_bytes("params", memory.parameter_bytes(self.model))
-        self.note_bytes("grads", memory.gradient_bytes(self.model))
+        self.note_bytes("params", state_bytes.parameter_bytes(self.model))
+        self.note_bytes("grads", state_bytes.gradient_bytes(self.model))
         if stages.has_last:
             loss = torch.stack([local_value(x).float() for x in losses]).sum()
             if scaler.is_enabled():

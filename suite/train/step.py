@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from suite.data.batch import Batch
 from suite.models.moe import moe_aux_loss
-from suite.parallel import memory
+from suite.parallel import state_bytes
 from suite.parallel.context_parallel import split_batch
 from suite.parallel.data_parallel import clip_grad_norm_, set_gradient_sync
 from suite.parallel.placement import Placement
@@ -196,12 +196,12 @@ class TrainStep:
                 with self.autocast():
                     loss = self.model_loss(tokens, targets, kwargs, weight, 1.0 / count)
                 if last:
-                    self.note_bytes("params", memory.parameter_bytes(self.model))
+                    self.note_bytes("params", state_bytes.parameter_bytes(self.model))
                 self.scaler.scale(loss).backward()
             total += local_value(loss)
         placement.after_backward()
-        self.note_bytes("params", memory.parameter_bytes(self.model))
-        self.note_bytes("grads", memory.gradient_bytes(self.model))
+        self.note_bytes("params", state_bytes.parameter_bytes(self.model))
+        self.note_bytes("grads", state_bytes.gradient_bytes(self.model))
         return placement.data_mean(total)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -315,8 +315,8 @@ class TrainStep:
 
     def note_optimizer(self) -> None:
         """Record optimizer-state bytes (after a step, when the state exists)."""
-        self.note_bytes("optim", memory.optimizer_bytes(self.optimizer))
-        self.note_bytes("params", memory.parameter_bytes(self.model))
+        self.note_bytes("optim", state_bytes.optimizer_bytes(self.optimizer))
+        self.note_bytes("params", state_bytes.parameter_bytes(self.model))
 
     def state_bytes(self) -> dict[str, int]:
         """Peak bytes of parameters, gradients and optimizer state this rank held during a step.

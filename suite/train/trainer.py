@@ -35,12 +35,12 @@ from suite.train import run_folder
 from suite.train.checkpointing import Checkpointer
 from suite.train.components import Component, Method, test_components
 from suite.train.faults import SIGTERM_EXIT, Preemption, StepFaults
-from suite.train.flops import Ceiling, memory_gb, memory_metrics
 from suite.train.grad_dump import save_gradients
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.loss_scale import loss_scaler
 from suite.train.optim import optimizer_for
+from suite.train.peak_flops import Ceiling, memory_gb, memory_metrics
 from suite.train.profile import StepProfiler
 from suite.train.schedule import lr_at
 from suite.train.standard import standard_components

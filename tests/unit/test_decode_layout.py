@@ -1,4 +1,4 @@
-"""Eager CPU decoding's weight layout (suite.infer.layout) and last-token head (LastTokenHead) change how
+"""Eager CPU decoding's weight layout (suite.infer.decode_layout) and last-token head (LastTokenHead) change how
 the weights are stored and multiplied, never the model: same logits, same greedy tokens, and models
 with their own kernels (adapters, experts, quantized layers) are left as they are."""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from suite.config.schema import ModelConfig
+from suite.infer.decode_layout import decode_layout, relayable
 from suite.infer.decoder import BatchDecoder, LastTokenHead
-from suite.infer.layout import decode_layout, relayable
 from suite.models import build_model, materialize
 from suite.models.lora import apply_lora
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from suite.data.batch import IGNORE_INDEX
-from suite.distill.loss import DIVERGENCES, distill_loss
+from suite.distill.divergence import DIVERGENCES, distill_loss
 
 
 def reference(hidden, weight, t_hidden, t_weight, targets, kind, temperature, ce_weight):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from suite.data.batch import IGNORE_INDEX
-from suite.distill.loss import DIVERGENCES, distill_loss
+from suite.distill.divergence import DIVERGENCES, distill_loss
 from suite.distill.vocab_parallel import VocabShard, vocab_rows
 from tests.unit.test_distill_loss import reference
 

@@ -6,22 +6,22 @@ import torch
 
 from suite.config.schema import ModelConfig
 from suite.models.transformer import flops_per_token
-from suite.train import flops
+from suite.train import peak_flops
 
 
 def test_recorded_ceiling_keeps_the_best_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path))
-    assert flops.record_peak("cpu-x", 5e10) == 5e10
-    assert flops.record_peak("cpu-x", 2e10) == 5e10  # a busy machine never lowers the ceiling
-    assert flops.record_peak("cpu-x", 8e10) == 8e10
+    assert peak_flops.record_peak("cpu-x", 5e10) == 5e10
+    assert peak_flops.record_peak("cpu-x", 2e10) == 5e10  # a busy machine never lowers the ceiling
+    assert peak_flops.record_peak("cpu-x", 8e10) == 8e10
 
 
 def test_peak_flops_prefers_override_then_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path))
     cpu = torch.device("cpu")
-    assert flops.peak_flops(cpu, "fp32", override=1.5e9) == 1.5e9
-    flops.record_peak(flops.peak_key(cpu, "fp32"), 7e10)
-    assert flops.peak_flops(cpu, "fp32") == 7e10
+    assert peak_flops.peak_flops(cpu, "fp32", override=1.5e9) == 1.5e9
+    peak_flops.record_peak(peak_flops.peak_key(cpu, "fp32"), 7e10)
+    assert peak_flops.peak_flops(cpu, "fp32") == 7e10
 
 
 def test_a_cached_ceiling_a_step_outruns_is_measured_again_and_raised(tmp_path, monkeypatch):
@@ -29,39 +29,41 @@ def test_a_cached_ceiling_a_step_outruns_is_measured_again_and_raised(tmp_path, 
     first step that outruns it triggers one new measurement, and the MFU stays at most 1."""
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path))
     cpu = torch.device("cpu")
-    key = flops.peak_key(cpu, "fp32")
-    flops.record_peak(key, 1e9)  # measured under load
+    key = peak_flops.peak_key(cpu, "fp32")
+    peak_flops.record_peak(key, 1e9)  # measured under load
     measured = []
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, precision: measured.append(1) or 4e9)
-    ceiling = flops.Ceiling(cpu, "fp32")
+    monkeypatch.setattr(
+        peak_flops, "measure_matmul_peak", lambda device, precision: measured.append(1) or 4e9
+    )
+    ceiling = peak_flops.Ceiling(cpu, "fp32")
     assert ceiling.mfu(tokens_per_s=100.0, flops_per_token=5e6, world_size=1) == 0.5  # 5e8 of 1e9
     assert measured == []
     assert ceiling.mfu(tokens_per_s=1000.0, flops_per_token=5e6, world_size=2) == 2.5e9 / 4e9
-    assert measured == [1] and flops.peak_flops(cpu, "fp32") == 4e9  # measured again, cached
+    assert measured == [1] and peak_flops.peak_flops(cpu, "fp32") == 4e9  # measured again, cached
     assert ceiling.mfu(tokens_per_s=2000.0, flops_per_token=5e6, world_size=1) == 1.0  # not measured again
-    assert measured == [1] and flops.peak_flops(cpu, "fp32") == 10e9
-    outrun = flops.Ceiling(cpu, "fp32")  # the new measurement is still below the step: the step's rate
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda device, precision: 3e9)
+    assert measured == [1] and peak_flops.peak_flops(cpu, "fp32") == 10e9
+    outrun = peak_flops.Ceiling(cpu, "fp32")  # the new measurement is still below the step: the step's rate
+    monkeypatch.setattr(peak_flops, "measure_matmul_peak", lambda device, precision: 3e9)
     assert outrun.mfu(tokens_per_s=4000.0, flops_per_token=5e6, world_size=1) == 1.0
-    assert flops.peak_flops(cpu, "fp32") == 20e9
-    given = flops.Ceiling(cpu, "fp32", override=1e9)  # a peak the user gives is theirs
+    assert peak_flops.peak_flops(cpu, "fp32") == 20e9
+    given = peak_flops.Ceiling(cpu, "fp32", override=1e9)  # a peak the user gives is theirs
     assert given.mfu(tokens_per_s=2000.0, flops_per_token=5e6, world_size=1) == 10.0
 
 
 def test_no_mfu_peak_where_the_cpu_emulates_the_precision(tmp_path, monkeypatch, capsys):
     """An emulated fp16/bf16 ceiling does not apply (MFU came out above 1 against it): none, said once."""
     monkeypatch.setenv("SUITE_CACHE", str(tmp_path))
-    monkeypatch.setattr(flops, "emulates_low_precision", lambda device, precision: precision != "fp32")
+    monkeypatch.setattr(peak_flops, "emulates_low_precision", lambda device, precision: precision != "fp32")
     cpu = torch.device("cpu")
-    assert flops.peak_flops(cpu, "fp16") is None
+    assert peak_flops.peak_flops(cpu, "fp16") is None
     assert "MFU is not reported" in capsys.readouterr().err
-    assert flops.peak_flops(cpu, "fp16", override=2e9) == 2e9  # a peak the user gives applies
-    flops.record_peak(flops.peak_key(cpu, "fp32"), 7e10)
-    assert flops.peak_flops(cpu, "fp32") == 7e10
+    assert peak_flops.peak_flops(cpu, "fp16", override=2e9) == 2e9  # a peak the user gives applies
+    peak_flops.record_peak(peak_flops.peak_key(cpu, "fp32"), 7e10)
+    assert peak_flops.peak_flops(cpu, "fp32") == 7e10
 
 
 def test_matmul_ceiling_is_measured():
-    assert flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(128,), seconds=0.05) > 0
+    assert peak_flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(128,), seconds=0.05) > 0
 
 
 def test_matmul_ceiling_skips_sizes_that_would_outlast_the_budget(monkeypatch):
@@ -71,8 +73,8 @@ def test_matmul_ceiling_skips_sizes_that_would_outlast_the_budget(monkeypatch):
     monkeypatch.setattr(
         torch, "randn", lambda *shape, **kw: sizes_built.append(shape[0]) or real_randn(*shape, **kw)
     )
-    assert flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(8192,), seconds=1e-6) > 0
-    assert sizes_built == [flops.PROBE_SIZE]  # the 8192 product (1.1 TFLOP) was never started
+    assert peak_flops.measure_matmul_peak(torch.device("cpu"), "fp32", sizes=(8192,), seconds=1e-6) > 0
+    assert sizes_built == [peak_flops.PROBE_SIZE]  # the 8192 product (1.1 TFLOP) was never started
 
 
 # MFU's numerator, counted by hand: multiply-adds (MACs) per token of the forward, for every matmul.
@@ -177,25 +179,27 @@ def test_data_sheet_peaks_by_device_name(monkeypatch):
         ("NVIDIA H100 80GB HBM3", "fp32"): 67e12,
     }
     for (name, precision), peak in cases.items():
-        assert flops.peak_flops(_on_gpu(monkeypatch, name), precision) == peak, (name, precision)
-    assert flops.tabled_peak("NVIDIA H100 NVL", "fp8") == 1671e12
+        assert peak_flops.peak_flops(_on_gpu(monkeypatch, name), precision) == peak, (name, precision)
+    assert peak_flops.tabled_peak("NVIDIA H100 NVL", "fp8") == 1671e12
     # an fp8 run's MFU is against the bf16 peak, comparable with a bf16 run's
-    assert flops.peak_flops(_on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3"), "fp8") == 989e12
+    assert peak_flops.peak_flops(_on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3"), "fp8") == 989e12
 
 
 def test_an_unknown_gpu_reports_no_mfu_unless_given_a_peak(monkeypatch, capsys):
     """A device the table lacks (or a precision it lacks) gets no peak, so no MFU rather than a wrong one."""
     device = _on_gpu(monkeypatch, "NVIDIA Future GPU 9000")
-    assert flops.peak_flops(device, "bf16") is None
+    assert peak_flops.peak_flops(device, "bf16") is None
     err = capsys.readouterr().err
     assert "MFU is not reported" in err and "NVIDIA Future GPU 9000" in err and "train.peak_flops" in err
-    assert flops.peak_flops(device, "bf16", override=5e14) == 5e14
-    assert flops.peak_flops(_on_gpu(monkeypatch, "Tesla V100-SXM2-32GB"), "bf16") is None  # no bf16 cores
+    assert peak_flops.peak_flops(device, "bf16", override=5e14) == 5e14
+    assert (
+        peak_flops.peak_flops(_on_gpu(monkeypatch, "Tesla V100-SXM2-32GB"), "bf16") is None
+    )  # no bf16 cores
 
 
 def test_memory_metrics_add_the_cuda_allocator_peaks_on_cuda_only(monkeypatch):
-    assert set(flops.memory_metrics(torch.device("cpu"))) == {"mem_gb"}
+    assert set(peak_flops.memory_metrics(torch.device("cpu"))) == {"mem_gb"}
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
-    stats = flops.memory_metrics(torch.device("cuda", 0))
+    stats = peak_flops.memory_metrics(torch.device("cuda", 0))
     assert stats == {"mem_gb": 3.0, "mem_allocated_gb": 3.0, "mem_reserved_gb": 4.0}

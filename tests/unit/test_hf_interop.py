@@ -154,7 +154,7 @@ def test_import_into_fused_projections_matches_transformers_logits(tmp_path, nam
     import dataclasses
 
     from suite.model_source import read_hf_weights
-    from suite.models.hf import from_hf_state_dict, model_config_from_hf
+    from suite.models.hf_mapping import from_hf_state_dict, model_config_from_hf
 
     torch.manual_seed(0)
     hf = HF_MODELS[name]().eval()
@@ -181,7 +181,7 @@ def test_unknown_architecture_is_refused(tmp_path):
 def test_mixtral_fused_and_per_expert_layouts_import_alike(tmp_path):
     """transformers 5 holds experts fused (gate_up_proj [E, 2*ffn, h]); its files list them per expert."""
     from suite.model_source import read_hf_weights
-    from suite.models.hf import from_hf_state_dict, model_config_from_hf
+    from suite.models.hf_mapping import from_hf_state_dict, model_config_from_hf
 
     hf = HF_MODELS["mixtral"]()
     _randomise(hf)
@@ -202,7 +202,7 @@ def test_lazy_import_reads_only_the_requested_box(tmp_path, name):
     import dataclasses
 
     from suite.model_source import hf_weights, read_hf_weights
-    from suite.models.hf import from_hf_state_dict, model_config_from_hf
+    from suite.models.hf_mapping import from_hf_state_dict, model_config_from_hf
     from suite.models.lazy import Source
 
     hf = HF_MODELS[name.removesuffix("-fused")]()

@@ -9,7 +9,7 @@ own. With distill.hidden_weight > 0 the loss adds hidden-state matching (suite.d
 student's router losses (balance, z) are added as in pretraining.
 
 - Accumulation step: the loss gets the student's final hidden states and head weight (`HeadInput`)
-  and projects both models chunk by chunk (suite.distill.loss), so no full-vocabulary distribution of
+  and projects both models chunk by chunk (suite.distill.divergence), so no full-vocabulary distribution of
   a whole micro-batch exists. Under tensor parallelism (with or without sp) both heads are
   vocabulary-sharded: the loss runs on this rank's rows with the reductions of
   suite.distill.vocab_parallel, on the whole sequence (gathered under sp).
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.config.schema import DistillConfig
+from suite.distill.divergence import distill_loss, token_losses
 from suite.distill.hidden import PROJECTIONS, BlockOutputs, hidden_loss, layer_pairs
-from suite.distill.loss import distill_loss, token_losses
 from suite.distill.teacher import Teacher
 from suite.distill.vocab_parallel import VocabShard
 from suite.models.moe import moe_aux_loss

@@ -138,7 +138,7 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
         peak = tabled_peak(name, precision)
         if peak is None and int(os.environ.get("RANK", "0")) == 0:
             print(
-                f"note: MFU is not reported: no {precision} peak is tabled for {name} (suite/train/flops.py "
+                f"note: MFU is not reported: no {precision} peak is tabled for {name} (suite/train/peak_flops.py "
                 "GPU_PEAKS); train.peak_flops=<FLOP/s per device> sets one",
                 file=sys.stderr,
             )
