@@ -23,7 +23,7 @@ RESULT = "result.json"
 
 def run_worker(cfg: Any, dims: Any) -> int:
     """In a launched worker: the tensor-parallel model, its shard of the weights, the windows."""
-    # deferred: suite --help imports this module (suite.cli.infer reads RESULT); the worker's engine
+    # deferred: suite --help imports this module (suite.cli.verbs.eval reads RESULT); the worker's engine
     # (parallelize, DCP, the model sources: ~100 modules, seconds) stays out of it
     import torch
 
