@@ -23,6 +23,7 @@ from suite.config.schema import SuiteConfig
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic iteration)
 NS_EPS = 1e-7
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def is_muon_param(name: str, param: nn.Parameter, exclude: list[str]) -> bool:
@@ -33,13 +34,15 @@ def is_muon_param(name: str, param: nn.Parameter, exclude: list[str]) -> bool:
     return name.startswith("layers.") and param.ndim in (2, 3) and not any(part in name for part in exclude)
 
 
-def newton_schulz(grad: Tensor, steps: int, eps: float = NS_EPS) -> Tensor:
-    """torch.optim.Muon's orthogonalisation, op for op (bf16, the wide orientation), on one matrix
-    or on each matrix of a stack."""
+def newton_schulz(
+    grad: Tensor, steps: int, dtype: torch.dtype = torch.bfloat16, eps: float = NS_EPS
+) -> Tensor:
+    """torch.optim.Muon's orthogonalisation, op for op (in bf16 there, `dtype` here; the wide
+    orientation), on one matrix or on each matrix of a stack."""
     if grad.ndim == 3:
-        return torch.stack([newton_schulz(g, steps, eps) for g in grad.unbind(0)])
+        return torch.stack([newton_schulz(g, steps, dtype, eps) for g in grad.unbind(0)])
     a, b, c = NS_COEFFICIENTS
-    x = grad.bfloat16()
+    x = grad.to(dtype, copy=True)
     tall = grad.size(0) > grad.size(1)
     if tall:
         x = x.T
@@ -61,11 +64,11 @@ def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
     return lr
 
 
-def orthogonalise(update: Tensor, steps: int) -> Tensor:
+def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     """Newton-Schulz of the whole matrix; a DTensor is gathered whole and every rank keeps its part."""
     if not isinstance(update, DTensor):
-        return newton_schulz(update, steps)
-    whole = newton_schulz(update.full_tensor(), steps)
+        return newton_schulz(update, steps, dtype)
+    whole = newton_schulz(update.full_tensor(), steps, dtype)
     # every rank computed the same whole result: keep this rank's part without communication
     return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
 
@@ -86,9 +89,16 @@ class MuonWithAdamW(torch.optim.AdamW):
         nesterov: bool,
         ns_steps: int,
         adjust_lr: str,
+        ns_dtype: str = "bf16",
         **adamw_options,
     ):
-        muon = {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr": adjust_lr}
+        muon = {
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "adjust_lr": adjust_lr,
+            "ns_dtype": ns_dtype,
+        }
         groups = [{**muon, **g, "fused": False, "foreach": False} if g.get("muon") else g for g in groups]
         super().__init__(groups, **adamw_options)
         # GradScaler (fp16) must not hand its scale to the fused AdamW part: the Muon part ignores it
@@ -124,7 +134,7 @@ class MuonWithAdamW(torch.optim.AdamW):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = orthogonalise(update, group["ns_steps"])
+            update = orthogonalise(update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
             self.orthogonalised += 1
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))

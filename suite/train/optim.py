@@ -83,6 +83,7 @@ def build_optimizer(
                 nesterov=cfg.muon_nesterov,
                 ns_steps=cfg.muon_ns_steps,
                 adjust_lr=cfg.muon_adjust_lr,
+                ns_dtype=cfg.muon_ns_dtype,
                 **options,
             )
         return torch.optim.AdamW(groups, **options)
