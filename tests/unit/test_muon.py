@@ -116,3 +116,44 @@ def test_muon_refuses_the_layouts_not_built(overrides, key):
     check_muon_layout(SuiteConfig(), dims)  # adamw: every layout
     cfg.parallel.offload = False
     check_muon_layout(cfg, ParallelDims(dp=1, sharding=2, tp=1, pp=1, cp=1, ep=1, world_size=2))
+
+
+def test_stacked_expert_weights_are_orthogonalised_one_expert_at_a_time():
+    """A [E, out, in] expert stack steps like E separate torch.optim.Muon matrices. Fails if the stack
+    were orthogonalised as one flattened matrix, or the lr adjusted by the stack's first two dims."""
+    gen = torch.Generator().manual_seed(2)
+    stack = nn.Parameter(torch.randn(3, 24, 8, generator=gen))
+    refs = [nn.Parameter(m.detach().clone()) for m in stack.unbind(0)]
+    opt = MuonWithAdamW(
+        [{"params": [stack], "weight_decay": 0.1, "muon": True}],
+        lr=0.02,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        adjust_lr="match_rms_adamw",
+    )
+    torch_opt = torch.optim.Muon(refs, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(2):
+        grad = torch.randn(stack.shape, generator=gen)
+        stack.grad = grad.clone()
+        for ref, g in zip(refs, grad.unbind(0)):
+            ref.grad = g.clone()
+        opt.step()
+        torch_opt.step()
+    torch.testing.assert_close(stack.data, torch.stack([r.data for r in refs]), atol=1e-6, rtol=0)
+
+
+def test_muon_runs_on_fp32_masters_of_bf16_parameters():
+    """train.param_dtype=bf16: the Muon group reaches the optimizer over the fp32 masters and its state
+    is fp32. Fails if the master-weight wrapper dropped the `muon` flag (the matrices would get AdamW)."""
+    model = _Tiny()
+    cfg = OptimConfig(name="muon", lr=1e-3, fused=False)
+    opt = build_optimizer(model, cfg, torch.device("cpu"), torch.bfloat16)
+    hidden = model.layers["0"]["wq"](model.tok_embeddings.weight[:4])
+    (model.output(model.norm(hidden)).sum() + model.layers["0"]["router"](hidden).sum()).backward()
+    opt.step()
+    inner = opt.inner
+    muon = [p for g in inner.param_groups if g.get("muon") for p in g["params"]]
+    assert len(muon) == 1 and inner.state[muon[0]]["momentum_buffer"].dtype == torch.float32
+    assert isinstance(inner, MuonWithAdamW) and inner.orthogonalised == 1
+    assert model.layers["0"]["wq"].weight.dtype == torch.bfloat16
