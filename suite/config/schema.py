@@ -206,8 +206,9 @@ class OptimConfig:
     # the Newton-Schulz iteration's dtype: bf16 (torch.optim.Muon's, fast on GPUs) or fp32 (no rounding
     # flips: layouts then match one process within 1e-4, where bf16 agrees only to ~1e-2 of the update)
     muon_ns_dtype: str = "bf16"
-    # name parts of 2-D (3-D: experts) weights under `layers.` that stay on AdamW
-    muon_exclude: list[str] = field(default_factory=lambda: ["router"])
+    # name parts of 2-D (3-D: experts) weights under `layers.` that stay on AdamW: the MoE router and
+    # LoRA adapters (low-rank factors, whose orthogonalisation is not what Muon was tuned for)
+    muon_exclude: list[str] = field(default_factory=lambda: ["router", "lora_"])
 
 
 @dataclass

@@ -30,7 +30,7 @@ def is_muon_param(name: str, param: nn.Parameter, exclude: list[str]) -> bool:
     """The role by name and shape: 2-D matrices inside the transformer blocks (attention and MLP
     projections; 3-D stacked expert weights, one matrix per expert). Embeddings, the output head,
     norms and biases live outside `layers.` or are 1-D; `exclude` (optim.muon_exclude) keeps
-    matching names (the router by default) on AdamW."""
+    matching names (the router and LoRA adapters by default) on AdamW."""
     return name.startswith("layers.") and param.ndim in (2, 3) and not any(part in name for part in exclude)
 
 
