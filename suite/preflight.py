@@ -20,6 +20,7 @@ from suite.output_paths import check_run_dir
 from suite.parallel.dims import ParallelDims, check_elastic, resolve_dims
 from suite.parallel.recompute import check_recompute
 from suite.runtime import check_device, check_precision
+from suite.train.muon import check_muon_layout
 
 LayoutCheck = Callable[[SuiteConfig, ParallelDims], None]
 
@@ -57,6 +58,7 @@ def _layout(cfg: SuiteConfig, world: int, layout_checks: tuple[LayoutCheck, ...]
     for check in layout_checks:
         check(cfg, dims)
     check_qat_layout(cfg, dims)
+    check_muon_layout(cfg, dims)
     return dims
 
 

@@ -188,7 +188,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | muon (Muon on the hidden matrices, AdamW on the rest: suite/train/muon.py)
     lr: float = 3e-4
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -196,13 +196,30 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     fused: Optional[bool] = None  # None: fused where the device supports it
+    # optim=muon: the hidden matrices' momentum, Nesterov, Newton-Schulz iterations, and the lr scaling
+    # by shape (match_rms_adamw: 0.2*sqrt(max(rows, cols)), so optim.lr/weight_decay carry over from AdamW;
+    # original: sqrt(max(1, rows/cols)); none)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"
+    # the Newton-Schulz iteration's dtype: bf16 (torch.optim.Muon's, fast on GPUs) or fp32 (no rounding
+    # flips: layouts then match one process within 1e-4, where bf16 agrees only to ~1e-2 of the update)
+    muon_ns_dtype: str = "bf16"
+    # name parts of 2-D (3-D: experts) weights under `layers.` that stay on AdamW: the MoE router and
+    # LoRA adapters (low-rank factors, whose orthogonalisation is not what Muon was tuned for)
+    muon_exclude: list[str] = field(default_factory=lambda: ["router", "lora_"])
 
 
 @dataclass
 class SchedConfig:
-    name: str = "cosine"  # cosine | linear | constant
+    name: str = "cosine"  # cosine | linear | constant | wsd
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    # wsd (warmup-stable-decay): the decay takes the last decay_fraction of train.max_steps, shaped
+    # linear | cosine | 1-sqrt, down to min_lr_ratio * optim.lr; the lr is constant before it
+    decay_fraction: float = 0.2
+    decay_shape: str = "linear"
 
 
 @dataclass

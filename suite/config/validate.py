@@ -14,8 +14,11 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16", "fp8", "auto"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.param_dtype": ("fp32", "bf16"),
-    "optim.name": ("adamw",),
-    "sched.name": ("cosine", "linear", "constant"),
+    "optim.name": ("adamw", "muon"),
+    "optim.muon_adjust_lr": ("match_rms_adamw", "original", "none"),
+    "optim.muon_ns_dtype": ("bf16", "fp32"),
+    "sched.name": ("cosine", "linear", "constant", "wsd"),
+    "sched.decay_shape": ("linear", "cosine", "1-sqrt"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "launch.backend": ("auto", "nccl", "gloo"),
     "launch.worker_start": ("auto", "fork", "spawn"),
@@ -43,6 +46,7 @@ POSITIVE = (
     "parallel.micro_batch_size",
     "parallel.global_batch_size",
     "generate.max_new_tokens",
+    "optim.muon_ns_steps",
 )
 
 
@@ -165,6 +169,13 @@ def _check_ranges(cfg: SuiteConfig) -> None:
         raise ConfigError(
             f"sched.min_lr_ratio={cfg.sched.min_lr_ratio} must be in [0, 1] (the final lr over optim.lr), e.g. 0.1"
         )
+    if not 0.0 < cfg.sched.decay_fraction <= 1.0:
+        raise ConfigError(
+            f"sched.decay_fraction={cfg.sched.decay_fraction} must be in (0, 1] (the share of train.max_steps "
+            "that sched=wsd decays over), e.g. 0.2"
+        )
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1), e.g. model.dropout=0.1")
     if t.num_threads is not None and t.num_threads < 1:

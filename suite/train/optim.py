@@ -1,5 +1,5 @@
 """AdamW with Megatron's parameter groups: no weight decay on biases, norms, 1-D tensors and learned
-quantization scales."""
+quantization scales; optim=muon moves the hidden matrices into a Muon group (suite.train.muon)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from suite.config.schema import OptimConfig
 from suite.models.qat import learned_scale_ratios
 from suite.train.master_weights import MasterWeightOptimizer
+from suite.train.muon import MuonWithAdamW, is_muon_param
 from suite.train.wrapped_optim import WrappedOptimizer
 from suite.train.zero1 import ZeroOneOptimizer
 
@@ -32,6 +33,16 @@ def param_groups(model: nn.Module, weight_decay: float, scale_lr: float = 1.0) -
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ] + [{"params": ps, "weight_decay": 0.0, "lr_ratio": ratio} for ratio, ps in scales.items()]
+
+
+def muon_groups(model: nn.Module, groups: list[dict], exclude: list[str]) -> list[dict]:
+    """The decayed group split in two: the hidden matrices (a `muon` group) and the rest (AdamW)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    decay, *rest = groups
+    muon = [p for p in decay["params"] if is_muon_param(names[id(p)], p, exclude)]
+    chosen = {id(p) for p in muon}
+    adamw = [p for p in decay["params"] if id(p) not in chosen]
+    return [{**decay, "params": adamw}, *rest, {**decay, "params": muon, "muon": True}]
 
 
 def optimizer_for(placement, cfg: OptimConfig, scale_lr: float = 1.0) -> torch.optim.Optimizer:
@@ -64,9 +75,22 @@ def build_optimizer(
     kwargs = {"fused": True} if fused else {"foreach": True}
 
     def adamw(groups: list[dict]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+        options = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **kwargs}
+        if cfg.name == "muon":
+            return MuonWithAdamW(
+                groups,
+                momentum=cfg.muon_momentum,
+                nesterov=cfg.muon_nesterov,
+                ns_steps=cfg.muon_ns_steps,
+                adjust_lr=cfg.muon_adjust_lr,
+                ns_dtype=cfg.muon_ns_dtype,
+                **options,
+            )
+        return torch.optim.AdamW(groups, **options)
 
     groups = param_groups(model, cfg.weight_decay, scale_lr)  # scale_lr: compress.scale_lr
+    if cfg.name == "muon":
+        groups = muon_groups(model, groups, cfg.muon_exclude)
     if param_dtype != torch.float32:
         return MasterWeightOptimizer(model, groups, adamw, param_dtype)  # type: ignore[return-value]
     return adamw(groups)

@@ -167,11 +167,16 @@ class ZeroOneOptimizer(WrappedOptimizer):
         for e in self.entries:
             shard = e["shard"]
             if shard not in self.inner.state or not self.inner.state[shard]:
-                self.inner.state[shard] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(shard.detach()),
-                    "exp_avg_sq": torch.zeros_like(shard.detach()),
-                }
+                empty = getattr(self.inner, "empty_state", None)  # optim=muon: its groups' own keys
+                self.inner.state[shard] = (
+                    empty(shard)
+                    if empty is not None
+                    else {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(shard.detach()),
+                        "exp_avg_sq": torch.zeros_like(shard.detach()),
+                    }
+                )
 
     def dcp_state_dict(self, for_loading: bool = False) -> dict:
         """FQN-keyed state like `get_optimizer_state_dict` (loaded in place by dcp.load)."""

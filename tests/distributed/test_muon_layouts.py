@@ -1,0 +1,40 @@
+"""optim=muon under data parallelism and sharding trains like one process (fp32, gloo, real processes):
+the same loss and gradient norm at every step, the same step-1 gradients and the same updates of every
+parameter (tests/helpers.py: assert_equivalent), and the layout that ran is the one asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.conftest import pretrain
+from tests.helpers import assert_equivalent, assert_layout
+
+# loading a checkpoint into a plain model in this (non-distributed) test process is the intent
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+STEPS = 3  # enough for momentum to matter (steps 2-3) and for a wrong update to show in the losses
+# fp32 Newton-Schulz: in bf16 (the default, torch's) a 1e-7 difference in the averaged gradient flips
+# roundings and the updates agree only to ~5e-3; the distributed code is the same in either dtype.
+# save_every=1: a step-1 checkpoint, for the step-1 updates
+MUON = ["optim=muon", "optim.muon_ns_dtype=fp32", "sched=wsd", "train.save_every=1"]
+LAYOUTS = {
+    "dp2": ["parallel.dp=2"],
+    "sharding2-stage1": ["parallel.sharding=2", "parallel.sharding_stage=1"],
+    "sharding2-stage3": ["parallel.sharding=2", "parallel.sharding_stage=3"],
+}
+
+
+@pytest.fixture(scope="module")
+def muon_single(tiny_data, tmp_path_factory):
+    return pretrain(tmp_path_factory.mktemp("muon") / "single", tiny_data, 1, *MUON, steps=STEPS)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_layout_matches_single_process(muon_single, tiny_data, tmp_path, name):
+    """Fails if a rank orthogonalised its own shard instead of the whole matrix (ZeRO-1 slices, FSDP2
+    shards: the updates then differ from one process's), if a rank's momentum missed the averaged
+    gradient, or if the Muon/AdamW grouping depended on the layout's parameter names."""
+    run = pretrain(tmp_path / name, tiny_data, 2, *MUON, *LAYOUTS[name], steps=STEPS)
+    assert_layout(run, 2, LAYOUTS[name])
+    assert_equivalent(muon_single, run, to_step=1)  # step-1 gradients and updates within 1e-4
+    assert_equivalent(muon_single, run, grad_step=None)  # every step's loss and norm, the final updates
