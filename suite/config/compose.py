@@ -19,6 +19,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -109,6 +110,9 @@ def _schema_type(key: str) -> str | None:
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
+OVERRIDES = OverridesParser.create()  # Hydra's own grammar, to read one override at a time
+
+
 def _split_override(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise ConfigError(
@@ -120,6 +124,29 @@ def _split_override(text: str) -> tuple[str, str]:
     if not key:
         raise ConfigError(f"argument '{text}' has an empty key; write key=value, e.g. train.max_steps=100")
     return key, value.strip()
+
+
+def _check_syntax(key: str, value: str) -> None:
+    """An override Hydra's grammar cannot read, or reads as a sweep (a comma), refused pointing at the
+    value and how to quote it: single quotes for Hydra inside double quotes for the shell."""
+    try:
+        parsed = OVERRIDES.parse_override(f"{key}={value}")
+    except HydraException as exc:
+        why = str(exc).splitlines()[0]
+    else:
+        if not parsed.is_sweep_override():
+            return
+        why = "a comma makes it a list of runs (a sweep), which the suite does not run"
+    if value.lstrip().startswith(("[", "{")):  # a list or mapping: complete it, quote it for the shell
+        raise ConfigError(
+            f"{key}={value}: the value cannot be read ({why}); write the list or mapping whole, in single "
+            f"quotes for the shell, e.g. '{key}=[{{path: /data/a.jsonl, weight: 1}}]'"
+        )
+    quoted = value.replace("\\", "\\\\").replace("'", "\\'")
+    raise ConfigError(
+        f"{key}={value}: the value cannot be read ({why}); a value with spaces, commas, quotes, "
+        f"brackets or '=' goes in single quotes inside double quotes: \"{key}='{quoted}'\""
+    )
 
 
 def _materialise_recipe_file(value: str, workdir: Path) -> str:
@@ -236,6 +263,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
                 value = _materialise_recipe_file(value, workdir)
                 extra_dirs = [workdir]
             _check_override(key, value, extra_dirs)
+            _check_syntax(key, value)
             if key == "recipe":
                 recipe_name = value
             final.append(f"{key}={value}")

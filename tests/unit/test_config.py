@@ -261,3 +261,23 @@ def test_auto_attention_is_resolved_at_compose_time(monkeypatch):
     assert (
         resolve_auto(compose_config([*bf16, "model.attention=sdpa"])).model.attention == "sdpa"
     )  # explicit values stay
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("model.name=a b,c", "a b,c"), ("model.name=it's", "it's"), ("model.name=x=y,z", "x=y,z")],
+)
+def test_an_unreadable_value_says_how_to_quote_it_and_the_quoted_form_works(typed, meant):
+    """Hydra's grammar message alone ("token recognition error", a silent sweep on a comma) does not
+    say what to type; the refusal does, and what it suggests (the argument inside its double quotes,
+    as the shell hands it over) composes to the value meant. Without `_check_syntax` the comma case
+    is a sweep Hydra rejects with "Ambiguous value" and the quote case a lexer error, no suggestion."""
+    with pytest.raises(ConfigError, match="single quotes inside double quotes") as info:
+        compose_config([typed])
+    suggested = str(info.value).rsplit('"', 2)[1]  # what the shell passes for "key='...'"
+    assert compose_config([suggested]).model.name == meant
+
+
+def test_an_unfinished_list_is_refused_saying_to_write_it_whole():
+    with pytest.raises(ConfigError, match="write the list or mapping whole"):
+        compose_config(["data.sources=[{path: x"])
