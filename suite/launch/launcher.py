@@ -189,6 +189,7 @@ WORKER_PRELOAD = (
     "suite.model_source",
     "suite.train.trainer",
     "suite.cli.worker",
+    "suite.cli.verbs",  # the verb registry the worker reads (every verb module: import it once, not per rank)
 )
 
 
