@@ -69,7 +69,7 @@ def serve() -> None:
     import torch.distributed.checkpoint  # noqa: F401
     from transformers import PreTrainedTokenizerFast  # noqa: F401  (the tokenizer of every run)
 
-    import suite.cli  # noqa: F401
+    import suite.cli.dispatch  # noqa: F401  (the CLI and every verb; suite.cli itself is kept light)
     import suite.infer.generate  # noqa: F401
     import suite.model_source  # noqa: F401
     import suite.train.trainer  # noqa: F401

@@ -42,7 +42,7 @@ from suite.verb import VERBS
 
 GATE_EXIT = 3  # a quality gate stopped the pipeline
 # what most stages import beyond a worker's, imported once by the run's fork server
-STAGE_PRELOAD = ("transformers", "suite.cli", "suite.infer.generate", "suite.config.compose")
+STAGE_PRELOAD = ("transformers", "suite.cli.dispatch", "suite.infer.generate", "suite.config.compose")
 RECORD = "pipeline.json"
 
 
