@@ -1,4 +1,4 @@
-"""The one reader of files users hand the suite: text, JSON lines (plain or .gz), JSON, Parquet and
+"""The one reader of files users hand the suite: text, JSON lines (plain, .gz or .zst), JSON, Parquet and
 YAML. Whatever is wrong with such a file (an encoding other than UTF-8, another format under the
 name, binary junk, an empty file, a file that cannot be opened) ends in one ConfigError line that
 names the file, the line or byte, and what would work, never in a decoder's or pyarrow's traceback.
@@ -11,6 +11,7 @@ Imports nothing of suite but suite.config's errors, so any layer may use it.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import shlex
 import zlib
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+import zstandard
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,6 +31,7 @@ SNIFF_BYTES = 8192  # how much of a file's start is looked at to tell text from 
 MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"PAR1", "a Parquet file; name it .parquet"),
     (b"\x1f\x8b", "gzip-compressed; name it .jsonl.gz (JSON lines) or decompress it with gunzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed; name it .jsonl.zst (JSON lines) or decompress it with unzstd"),
     (b"PK\x03\x04", "a zip archive; unzip it and give the files inside"),
     (b"ARROW1", "an Arrow file; convert it to .parquet or .jsonl"),
     (b"\xff\xfe", "UTF-16 text; re-encode it as UTF-8 (iconv -f utf-16 -t utf-8)"),
@@ -117,22 +120,54 @@ def read_text(path: str | Path, what: str = "") -> str:
         raise not_utf8(what, path, err) from None
 
 
-def _open_lines(path: Path, what: str) -> Any:
-    """A binary handle on a JSON lines file (.gz decompressed), its start checked for another format."""
+def _decompressor(path: Path, raw: Any) -> Any:
+    """A buffered (peekable) reader of `raw`'s decompressed bytes, by the file's name."""
+    if path.name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if path.name.endswith(".zst"):
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
+
+
+def open_lines(path: str | Path, what: str = "") -> tuple[Any, Any]:
+    """(the file on disk, a binary handle on its JSON lines): .gz/.zst decompressed as read, the start
+    checked for another format. `file.tell()` is how far into the file on disk reading has come."""
+    path = Path(path)
+    kind = "zstd" if path.name.endswith(".zst") else "gzip"
     try:
-        handle = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
-        head = handle.peek(SNIFF_BYTES)[:SNIFF_BYTES] if hasattr(handle, "peek") else b""
-    except (OSError, EOFError, zlib.error) as err:
-        if isinstance(err, OSError) and not isinstance(err, gzip.BadGzipFile):
-            raise _os_error(what, path, err) from None
+        raw = open(path, "rb")  # noqa: SIM115 - closed with the handle, or below
+    except OSError as err:
+        raise _os_error(what, path, err) from None
+    try:
+        handle = _decompressor(path, raw)
+        head = handle.peek(SNIFF_BYTES)[:SNIFF_BYTES]
+    except (OSError, EOFError, zlib.error, zstandard.ZstdError) as err:
+        raw.close()
+        plain = ".jsonl.gz" if kind == "gzip" else ".jsonl.zst"
         raise ConfigError(
-            f"{_named(what, path)} is not a readable gzip file ({err}); if it is plain JSON lines name it .jsonl"
+            f"{_named(what, path)} is not a readable {kind} file ({err}); if it is plain JSON lines name it "
+            f".jsonl instead of {plain}"
         ) from None
     why = binary_reason(head)
     if why:
         handle.close()
+        raw.close()
         raise ConfigError(f"{_named(what, path)} {why}; JSON lines are UTF-8 text, one object a line")
-    return handle
+    return raw, handle
+
+
+def _open_lines(path: Path, what: str) -> Any:
+    return open_lines(path, what)[1]
+
+
+def read_block(handle: Any, size: int, path: Path, what: str, line: int) -> bytes:
+    """Up to `size` bytes of a JSON lines handle; a broken compressed stream is one line."""
+    try:
+        return handle.read(size)
+    except (OSError, EOFError, zlib.error, zstandard.ZstdError) as err:
+        raise ConfigError(
+            f"{_named(what, path)} is cut short or corrupt after line {line} ({err}); copy or download it again"
+        ) from None
 
 
 def json_lines(path: str | Path, what: str = "") -> Iterator[tuple[int, Any]]:
@@ -146,7 +181,7 @@ def json_lines(path: str | Path, what: str = "") -> Iterator[tuple[int, Any]]:
         while True:
             try:
                 raw = handle.readline()
-            except (OSError, EOFError, zlib.error) as err:
+            except (OSError, EOFError, zlib.error, zstandard.ZstdError) as err:
                 raise ConfigError(
                     f"{_named(what, path)} is cut short or corrupt after line {lineno} ({err}); "
                     "copy or download it again"
@@ -228,6 +263,25 @@ def read_parquet(path: str | Path, what: str = "", columns: list[str] | None = N
     path = Path(path)
     try:
         return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError) as err:
+        raise _not_parquet(what, path, err) from None
+
+
+def parquet_batches(
+    path: str | Path, column: str, what: str = "", rows: int = 1024
+) -> Iterator[tuple[list, int]]:
+    """(values of `column`, rows in the file) for each batch of up to `rows` rows of a Parquet file,
+    read a record batch at a time; a file that is not Parquet, or breaks while read, is one line."""
+    # deferred: pyarrow.parquet (~0.2 s) stays out of suite --help, which imports this module
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        file = pq.ParquetFile(path)
+        total = file.metadata.num_rows
+        for batch in file.iter_batches(batch_size=rows, columns=[column]):
+            yield batch.column(0).to_pylist(), total
     except (pa.ArrowException, OSError) as err:
         raise _not_parquet(what, path, err) from None
 

@@ -168,6 +168,7 @@ class DataSourceConfig:
     text_field: str = "text"
     split: str = "train"
     name: Optional[str] = None  # datasets config name
+    min_chars: int = 0  # documents shorter than this many characters are dropped (counted as filtered)
 
 
 @dataclass
@@ -184,6 +185,14 @@ class DataConfig:
     # gather the next step's batch in a background thread (pinned memory on CUDA); None: on when
     # training on an accelerator, off on the CPU (the thread would compete with compute for cores)
     prefetch: Optional[bool] = None
+    # suite prepare: tokenization worker processes (None: the cores available); the shards are the same
+    # whatever the number. skip_bad_files: a source file that cannot be read is skipped and counted
+    # instead of stopping. part_mb: text per resumable part: a killed prepare, run again, redoes at
+    # most one part per worker. tokenizer_sample_mb: the reservoir sample a trained tokenizer learns from.
+    workers: Optional[int] = None
+    skip_bad_files: bool = False
+    part_mb: float = 64.0
+    tokenizer_sample_mb: float = 64.0
 
 
 @dataclass

@@ -1,32 +1,51 @@
 """`suite prepare`: text sources -> tokenizer + train/val token shards + meta.json, atomically.
 
-The output folder appears only when complete (built in a temporary sibling, then renamed), so
-a crash or Ctrl-C never leaves a half-prepared folder that training would trust.
+Documents stream from the sources (suite.data.streams) through tokenization worker processes
+(suite.data.workers) into resumable parts, then into the shards (suite.data.parts): memory does not
+grow with the corpus. The output folder appears only when complete (built in a sibling work folder,
+then renamed), so a crash or Ctrl-C never leaves a half-prepared folder that training would trust,
+and a rerun of the same configuration continues from the last complete part.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import sys
-import tempfile
+import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from suite import user_files
 from suite.config.errors import ConfigError
 from suite.config.schema import DataConfig
-from suite.data.corpus import build_embedded_corpus, read_corpus
-from suite.data.shards import IndexedTokens, ShardWriter
-from suite.data.sources import read_source, source_fields
+from suite.data.corpus import build_embedded_corpus
+from suite.data.parts import (
+    DOCS,
+    DUPLICATES,
+    assemble,
+    check_documents,
+    sample_pass,
+    split_documents,
+    tokenize_parts,
+    training_order,
+)
+from suite.data.prepare_report import PrepareProgress, describe_sources, print_report
+from suite.data.shards import IndexedTokens, dtype_for
+from suite.data.sources import local_files, source_fields
+from suite.data.streams import Reading, Unit, known_size, no_text, source_units
 from suite.data.tokenizer import load_tokenizer, train_tokenizer
+from suite.data.workers import Pool, available_cores
 from suite.output_paths import check_replaceable
 
 try:
@@ -38,11 +57,9 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 CHECKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json")
-# The tokenizer learns merges from at most this much text (a shuffled sample of the training mix):
-# more barely changes the merges but costs time and memory on big corpora.
-TOKENIZER_SAMPLE_MB = 64.0
-ENCODE_CHUNK = 512
-_SPLIT_SEED, _WEIGHT_SEED, _ORDER_SEED = 20240501, 20240502, 20240503
+BATCH_MB = 1.0  # text per work unit sent to a tokenization worker
+TOKENIZER_DONE = ".tokenizer-done"  # written after the trained tokenizer is saved: a rerun reuses it
+LOCK_FILE = ".lock"  # held while a prepare works in the folder: a second one of the same config waits
 # what to do when the place a prepared folder goes cannot be written
 WRITABLE_FIX = {
     "data.path": "give a folder you can write, e.g. data.path=data/prepared",
@@ -54,59 +71,97 @@ def prepare(
     cfg: Any, out_dir: Path, progress: bool = True, summary: bool = True, key: str = "data.path"
 ) -> Path:
     """Prepare `cfg.sources` (or the embedded corpus when empty) into `out_dir`; return `out_dir`.
-    `summary`: end with a `prepared ...` line (with `progress`); `suite prepare` prints its own.
-    `key`: the setting that named `out_dir`, for the one-line refusal of a place that cannot be written."""
+    `summary`: end with the one-screen report (with `progress`); `suite prepare` prints its own line.
+    `key`: the setting that named `out_dir`, for the one-line refusal of a place that cannot be written.
+
+    Work happens in `.<name>.partial-<key>` beside `out_dir` (the key: the config and the sources' sizes
+    and times), renamed into place when complete; a killed run, run again, continues there."""
     out_dir = Path(out_dir).expanduser()
     _check_config(cfg)
     _check_target(out_dir)
     check_replaceable(key, str(out_dir), WRITABLE_FIX.get(key, WRITABLE_FIX["data.path"]))
     console = Console(stderr=True, quiet=not progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    started = time.monotonic()
+    sources, sources_meta = _sources(cfg, console)
+    work = _work_folder(cfg, out_dir, sources)
+    work.mkdir(exist_ok=True)
+    work.chmod(0o755)  # a shared cache stays readable by other users
     try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-        texts, owners, sources_meta = _load_documents(cfg, console)
-        train_ids, val_ids = split_documents(len(texts), float(cfg.val_fraction))
-        train_order = weighted_order(train_ids, owners, [s["weight"] for s in sources_meta])
-        tokenizer = _tokenizer(cfg, [texts[i] for i in train_order], tmp, console)
-        eos_id = tokenizer.eos_token_id
+        meta = _build(cfg, work, sources, sources_meta, console, progress)
+    except ConfigError:  # the input or config is wrong: a fixed rerun has another key anyway
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    _install(work, out_dir)
+    if summary:
+        print_report(console, out_dir, meta, time.monotonic() - started)
+    return out_dir
+
+
+def _build(
+    cfg: Any,
+    work: Path,
+    sources: list[Any],
+    sources_meta: list[dict[str, Any]],
+    console: Console,
+    progress: bool,
+) -> dict[str, Any]:
+    """Everything up to the rename: tokenizer, parts, shards and meta.json in `work`; returns meta."""
+    with _file_lock(work / LOCK_FILE):
+        workers = int(cfg.workers or available_cores())
+        size = known_size(sources)
+        batch = _batch_bytes(cfg)
+        if size is not None and size <= batch:
+            workers = 1  # one unit of text: starting processes would cost more than it saves
+        reading = Reading()
+        units = partial(_units, sources, batch, bool(cfg.skip_bad_files), reading)
+        with PrepareProgress(console, size, progress and not console.quiet, reading) as bar:
+            tokenizer = _tokenizer(cfg, units, workers, len(sources), work, console, bar)
+            bad_files = list(reading.bad_files)
+            reading.bad_files.clear()
+            bar.start("tokenizing")
+            with Pool(
+                workers, str(work / "tokenizer.json"), tokenizer.eos_token_id, str(dtype_for(len(tokenizer)))
+            ) as pool:
+                totals, num_parts = tokenize_parts(
+                    units(),
+                    pool,
+                    work / "parts",
+                    _units_per_part(cfg),
+                    len(tokenizer),
+                    len(sources),
+                    bar.tick,
+                )
+            bad_files = sorted(set(bad_files) | set(reading.bad_files))
+        for index, row in enumerate(totals.counts):
+            if not row[DOCS] + row[DUPLICATES] and not cfg.skip_bad_files:
+                raise no_text(sources[index], index)
         vocab = len(tokenizer)
-        _encode_all(tokenizer, texts, eos_id, tmp / "all", vocab, progress, console)
-        everything = IndexedTokens(tmp / "all")
-        counts = {}
-        for split, order in (("train", train_order), ("val", val_ids)):
-            with ShardWriter(tmp / split, vocab) as writer:
-                for i in order:
-                    writer.add_document(everything.document(int(i)))
-            counts[split] = (writer.num_docs, writer.num_tokens)
-        del everything
-        for suffix in (".bin", ".idx"):
-            (tmp / f"all{suffix}").unlink()
+        counts = assemble(work / "parts", num_parts, work, vocab, float(cfg.val_fraction), len(sources))
+        shutil.rmtree(work / "parts")
+        mixture = describe_sources(sources_meta, totals.counts, counts["train"]["ranges"])
         meta = {
             "format_version": FORMAT_VERSION,
             "vocab_size": vocab,
-            "eos_id": eos_id,
+            "eos_id": tokenizer.eos_token_id,
             "pad_id": tokenizer.pad_token_id,
-            "num_train_tokens": counts["train"][1],
-            "num_val_tokens": counts["val"][1],
-            "num_train_docs": counts["train"][0],
-            "num_val_docs": counts["val"][0],
+            "num_train_tokens": counts["train"]["tokens"],
+            "num_val_tokens": counts["val"]["tokens"],
+            "num_train_docs": counts["train"]["docs"],
+            "num_val_docs": counts["val"]["docs"],
             "val_fraction": float(cfg.val_fraction),
             "tokenizer": str(cfg.tokenizer) if cfg.tokenizer else "trained",
-            "sources": sources_meta,
+            "sources": mixture,
+            "skipped_files": bad_files,
             # sizes + sha256 of the files training reads, checked by verify_prepared() on every open
-            "files": {name: _file_record(tmp / name) for name in CHECKED_FILES if (tmp / name).is_file()},
+            "files": {name: _file_record(work / name) for name in CHECKED_FILES if (work / name).is_file()},
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _install(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if summary:
-        console.print(
-            f"[green]prepared[/] {out_dir}: {counts['train'][1]:,} train / {counts['val'][1]:,} val tokens, "
-            f"vocab {vocab}"
-        )
-    return out_dir
+        if len(sources) > 1:  # the loader draws each source's windows from its range, by weight
+            meta["train_ranges"] = counts["train"]["ranges"]
+        for name in (TOKENIZER_DONE, LOCK_FILE):
+            (work / name).unlink(missing_ok=True)
+        (work / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        return meta
 
 
 def _check_config(cfg: Any) -> None:
@@ -114,6 +169,14 @@ def _check_config(cfg: Any) -> None:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1); e.g. 0.02")
     if not cfg.sources and not float(cfg.max_corpus_mb) > 0:
         raise ConfigError(f"data.max_corpus_mb={cfg.max_corpus_mb} must be > 0; e.g. 8")
+    if cfg.workers is not None and int(cfg.workers) < 1:
+        raise ConfigError(f"data.workers={cfg.workers} must be >= 1 (or null: the cores available)")
+    for name in ("part_mb", "tokenizer_sample_mb"):
+        if not float(getattr(cfg, name)) > 0:
+            raise ConfigError(f"data.{name}={getattr(cfg, name)} must be > 0; e.g. 64")
+    for index, src in enumerate(cfg.sources):
+        if int(src.min_chars) < 0:
+            raise ConfigError(f"data.sources[{index}].min_chars={src.min_chars} must be >= 0")
 
 
 def _check_target(out_dir: Path) -> None:
@@ -125,70 +188,76 @@ def _check_target(out_dir: Path) -> None:
         )
 
 
-def _load_documents(cfg: Any, console: Console) -> tuple[list[str], np.ndarray, list[dict[str, Any]]]:
-    """All unique documents, the source index of each, and a meta.json record per source."""
-    texts: list[str] = []
-    owners: list[int] = []
-    sources_meta: list[dict[str, Any]] = []
+def _sources(cfg: Any, console: Console) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The sources to read (the embedded corpus as a JSON lines source when none are given), and
+    their meta.json records."""
     if cfg.sources:
-        for index, src in enumerate(cfg.sources):
-            docs = read_source(src, index)
-            console.print(f"source {index}: {src.path} -> {len(docs):,} documents")
-            texts.extend(docs)
-            owners.extend([index] * len(docs))
-            sources_meta.append({**source_fields(src), "num_docs": len(docs)})
-    else:
-        corpus_dir = cache_root(cfg) / f"embedded-corpus-{corpus_hash(float(cfg.max_corpus_mb))}"
-        console.print(
-            f"building the embedded corpus (Python docstrings, {cfg.max_corpus_mb} MB) in {corpus_dir}"
+        return list(cfg.sources), [source_fields(s) for s in cfg.sources]
+    corpus_dir = cache_root(cfg) / f"embedded-corpus-{corpus_hash(float(cfg.max_corpus_mb))}"
+    console.print(f"building the embedded corpus (Python docstrings, {cfg.max_corpus_mb} MB) in {corpus_dir}")
+    corpus = build_embedded_corpus(corpus_dir, float(cfg.max_corpus_mb))
+    source = SimpleNamespace(
+        path=str(corpus), weight=1.0, text_field="text", split="train", name=None, min_chars=0
+    )
+    return [source], [{"path": "embedded:python-docstrings", "weight": 1.0, "corpus": str(corpus)}]
+
+
+def _units(sources: list[Any], batch: int, skip_bad: bool, reading: Reading) -> Iterator[Unit]:
+    """One pass over every source's units, in order (reading from the start again each call)."""
+    reading.bytes_read = 0
+    for index, src in enumerate(sources):
+        yield from source_units(src, index, batch, skip_bad, reading)
+
+
+def _batch_bytes(cfg: Any) -> int:
+    """Text per work unit: 1 MB, or less when parts are smaller (a part is whole units)."""
+    return max(1, int(min(BATCH_MB, float(cfg.part_mb)) * 1_000_000))
+
+
+def _units_per_part(cfg: Any) -> int:
+    return max(1, round(float(cfg.part_mb) * 1_000_000 / _batch_bytes(cfg)))
+
+
+def _work_folder(cfg: Any, out_dir: Path, sources: list[Any]) -> Path:
+    """Where this configuration's prepare works: the same folder for the same config and the same
+    source files (size, time), so a rerun resumes; other configs' leftovers are removed."""
+    files = []
+    for index, src in enumerate(sources):
+        found = (
+            None
+            if user_files.is_saved_dataset(str(src.path))
+            else local_files(str(src.path), f"data.sources[{index}]")
         )
-        corpus = build_embedded_corpus(corpus_dir, float(cfg.max_corpus_mb))
-        texts = [t for t in read_corpus(corpus) if t.strip()]
-        owners = [0] * len(texts)
-        sources_meta.append(
-            {
-                "path": "embedded:python-docstrings",
-                "weight": 1.0,
-                "corpus": str(corpus),
-                "num_docs": len(texts),
-            }
-        )
-    if len(texts) < 2:
-        raise ConfigError(
-            f"data.sources hold {len(texts)} non-empty document(s); a train/val split needs at least 2 — add text"
-        )
-    return texts, np.asarray(owners, dtype=np.int64), sources_meta
+        for path in found or [Path(str(src.path))]:
+            stat = path.stat() if path.exists() else None
+            files.append([str(path), stat.st_size if stat else None, stat.st_mtime_ns if stat else None])
+    key = {
+        "format": FORMAT_VERSION,
+        "sources": [source_fields(s) for s in sources],
+        "files": files,
+        "vocab": int(cfg.vocab_size),
+        "tokenizer": cfg.tokenizer
+        and [str(cfg.tokenizer), Path(cfg.tokenizer).expanduser().stat().st_mtime_ns],
+        "val_fraction": float(cfg.val_fraction),
+        "part_mb": float(cfg.part_mb),
+        "sample_mb": float(cfg.tokenizer_sample_mb),
+        "skip_bad_files": bool(cfg.skip_bad_files),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    work = out_dir.with_name(f".{out_dir.name}.partial-{digest}")
+    for stale in itertools.chain(
+        out_dir.parent.glob(f".{out_dir.name}.partial-*"), out_dir.parent.glob(f".{out_dir.name}.tmp-*")
+    ):
+        if stale.is_dir() and stale != work:
+            shutil.rmtree(stale, ignore_errors=True)
+    return work
 
 
-def split_documents(num_docs: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic train/val document ids (sorted); at least one of each."""
-    num_val = min(max(1, round(val_fraction * num_docs)), num_docs - 1)
-    perm = np.random.default_rng(_SPLIT_SEED).permutation(num_docs)
-    return np.sort(perm[num_val:]), np.sort(perm[:num_val])
-
-
-def weighted_order(doc_ids: np.ndarray, owners: np.ndarray, weights: list[float]) -> np.ndarray:
-    """Training documents blended by source weight, then shuffled so sources interleave.
-
-    A source with weight w contributes floor(w) copies of each of its documents plus a seeded
-    sample of round(frac(w) * n) more, so 0.5 halves it and 2.0 doubles it, deterministically.
-    """
-    picked = []
-    for source, weight in enumerate(weights):
-        mine = doc_ids[owners[doc_ids] == source]
-        whole = int(weight)
-        extra = round((weight - whole) * len(mine))
-        rng = np.random.default_rng([_WEIGHT_SEED, source])
-        picked.extend([mine] * whole)
-        picked.append(np.sort(mine[rng.permutation(len(mine))[:extra]]))
-    order = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
-    if not len(order):
-        raise ConfigError("data.sources weights leave no training documents; raise data.sources[*].weight")
-    return order[np.random.default_rng(_ORDER_SEED).permutation(len(order))]
-
-
-def _tokenizer(cfg: Any, train_texts: list[str], out_dir: Path, console: Console) -> Any:
-    """Reuse `cfg.tokenizer` or train one on a sample of the training mix; saved into out_dir."""
+def _tokenizer(
+    cfg: Any, units: Any, workers: int, num_sources: int, work: Path, console: Console, bar: PrepareProgress
+) -> Any:
+    """Reuse `cfg.tokenizer`, or train one on a bounded sample of the training documents; saved into
+    `work` (a rerun after a kill reuses one already trained there)."""
     if cfg.tokenizer:
         try:
             tokenizer = load_tokenizer(cfg.tokenizer)
@@ -199,41 +268,27 @@ def _tokenizer(cfg: Any, train_texts: list[str], out_dir: Path, console: Console
                 f"data.tokenizer='{cfg.tokenizer}' has no end-of-text token to separate documents; "
                 "use a tokenizer with an eos_token"
             )
-        tokenizer.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(work))
         return tokenizer
-    console.print(f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size})")
-    train_tokenizer(_sample(train_texts, TOKENIZER_SAMPLE_MB), int(cfg.vocab_size), out_dir)
-    return load_tokenizer(out_dir)
-
-
-def _sample(texts: list[str], max_mb: float) -> Iterator[str]:
-    """The first texts up to max_mb (characters as a cheap byte proxy)."""
-    budget = int(max_mb * 1_000_000)
-    for text in texts:
-        if budget <= 0:
-            return
-        budget -= len(text)
-        yield text
-
-
-def _encode_all(
-    tokenizer: Any, texts: list[str], eos_id: int, prefix: Path, vocab: int, progress: bool, console: Console
-) -> None:
-    """Tokenize every unique document once (EOS appended) into one scratch shard."""
-    backend = tokenizer.backend_tokenizer
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    columns = [TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
-    with (
-        Progress(*columns, console=console, disable=not progress, transient=True) as bar,
-        ShardWriter(prefix, vocab) as writer,
-    ):
-        task = bar.add_task("tokenizing", total=len(texts))
-        for start in range(0, len(texts), ENCODE_CHUNK):
-            chunk = texts[start : start + ENCODE_CHUNK]
-            for enc in encode(chunk, add_special_tokens=False):
-                ids = np.asarray(enc.ids, dtype=np.int64)
-                writer.add_document(np.append(ids, eos_id))
-            bar.advance(task, len(chunk))
+    if (work / TOKENIZER_DONE).is_file():
+        return load_tokenizer(work)
+    bar.start("sampling")
+    budget = int(float(cfg.tokenizer_sample_mb) * 1_000_000)
+    with Pool(workers, None) as pool:
+        totals, sample = sample_pass(units(), pool, budget, num_sources, bar.tick)
+    check_documents(len(totals.owners))
+    train_ids, _ = split_documents(len(totals.owners), float(cfg.val_fraction))
+    order = training_order(train_ids, totals.owners, 1)
+    position = np.full(len(totals.owners), -1, dtype=np.int64)
+    position[order] = np.arange(len(order))
+    texts = [sample[i] for i in sorted((i for i in sample if position[i] >= 0), key=lambda i: position[i])]
+    console.print(
+        f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) on {len(texts):,} of "
+        f"{len(train_ids):,} training documents"
+    )
+    train_tokenizer(texts, int(cfg.vocab_size), work)
+    (work / TOKENIZER_DONE).write_text("done\n")
+    return load_tokenizer(work)
 
 
 def _install(tmp: Path, out_dir: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class ShardWriter:
         self._tmp_idx = self.idx_path.with_name(f".{self.idx_path.name}.tmp-{os.getpid()}")
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in close()/abort()
-        self._offsets = [0]
+        self._offsets = array("q", [0])  # 8 bytes a document, not a Python int each
 
     def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
         """Append one document's token ids."""
@@ -54,6 +55,14 @@ class ShardWriter:
             raise ValueError(f"token id out of range [0, {self.vocab_size}) in document {self.num_docs}")
         arr.astype(self.dtype, copy=False).tofile(self._file)
         self._offsets.append(self._offsets[-1] + int(arr.size))
+
+    def add_documents(self, tokens: np.ndarray, offsets: np.ndarray) -> None:
+        """Append many documents at once: document i is tokens[offsets[i]:offsets[i+1]] (offsets from 0)."""
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.vocab_size}) after document {self.num_docs}")
+        tokens.astype(self.dtype, copy=False).tofile(self._file)
+        base = self._offsets[-1]
+        self._offsets.extend((np.asarray(offsets[1:], dtype=np.int64) + base).tolist())
 
     @property
     def num_docs(self) -> int:
@@ -71,7 +80,7 @@ class ShardWriter:
         code = next(c for c, d in DTYPES.items() if d == self.dtype)
         with open(self._tmp_idx, "wb") as f:
             f.write(HEADER.pack(MAGIC, VERSION, code, self.num_docs, self.num_tokens))
-            np.asarray(self._offsets, dtype="<i8").tofile(f)
+            np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False).tofile(f)
         os.replace(self._tmp_bin, self.bin_path)
         os.replace(self._tmp_idx, self.idx_path)
 

@@ -25,7 +25,6 @@ from suite.data import (
     train_tokenizer,
 )
 from suite.data.batch import Batch
-from suite.data.prepare import weighted_order
 
 SUBJECTS = [
     "The model",
@@ -199,8 +198,10 @@ def test_prepare_local_sources_with_weights(sources_dir: Path, tmp_path: Path) -
     assert meta["num_val_docs"] == sum(val.values()) >= 1
     assert not set(train) & set(val)  # no document leaks across the split
     assert set(train) | set(val) == set(txt_docs) | set(records)
-    assert all(train[t] == 1 for t in txt_docs if t in train)
-    assert all(train[r] == 2 for r in records if r in train)  # weight 2 doubles the jsonl source
+    assert set(train.values()) == {1}  # each document once: weights are the loader's token shares
+    assert [s["share"] for s in meta["sources"]] == pytest.approx([1 / 3, 2 / 3], abs=1e-6)
+    ranges = meta["train_ranges"]  # each source's documents, together, in train.bin
+    assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == meta["num_train_tokens"]
     assert meta["num_train_tokens"] == IndexedTokens(out / "train").num_tokens
 
     again = prepare(local_cfg(sources_dir, seq_len=16), tmp_path / "again", progress=False)
@@ -261,14 +262,6 @@ def test_gzipped_jsonl_and_a_saved_datasets_folder_prepare_as_the_jsonl_does(
         built.append(prepare(cfg, tmp_path / f"out-{len(built)}", progress=False))
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert len({(out / name).read_bytes() for out in built}) == 1, name
-
-
-def test_weighted_order_counts() -> None:
-    owners = np.array([0] * 10 + [1] * 10 + [2] * 10)
-    order = weighted_order(np.arange(30), owners, [1.0, 2.0, 0.5])
-    counts = Counter(owners[order].tolist())
-    assert counts == {0: 10, 1: 20, 2: 5}
-    np.testing.assert_array_equal(order, weighted_order(np.arange(30), owners, [1.0, 2.0, 0.5]))
 
 
 def test_ensure_prepared_embedded_default_builds_once(tmp_path: Path) -> None:

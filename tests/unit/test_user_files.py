@@ -16,7 +16,7 @@ from suite import user_files
 from suite.config.errors import ConfigError
 from suite.config.schema import DataSourceConfig
 from suite.data.sft import iter_sft_rows
-from suite.data.sources import read_source
+from suite.data.streams import read_source
 from suite.output_paths import check_output_folder, check_replaceable
 
 ROWS = [{"text": "café au lait"}, {"text": "naïve résumé"}, {"text": "plain"}]

@@ -1,0 +1,177 @@
+"""`suite prepare`'s tokenization workers: units of text in, token arrays out, in the order sent.
+
+Each worker process parses its unit (suite.data.streams.unit_texts), hashes every kept document
+(the exact-duplicate check is the parent's, so it sees documents in stream order) and encodes them
+with the tokenizer's own single-threaded `encode_batch`. The parent keeps a bounded number of units
+in flight and takes results strictly in submission order, so the output is the same for any number
+of workers and memory stays at a few units per worker. Workers are spawned (no fork of a parent
+that may hold threads) and leave on their own when the parent dies (a SIGKILLed prepare leaves no
+orphans behind to hold memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from suite.data.streams import Unit, unit_texts
+
+_PARALLELISM = "TOKENIZERS_PARALLELISM"
+_state: dict[str, Any] = {}
+
+
+@dataclass
+class Encoded:
+    """One unit's kept documents: content hashes, and tokens (EOS after each) with offsets."""
+
+    source: int
+    hashes: np.ndarray  # uint64, one per kept document
+    offsets: np.ndarray  # int64, len(hashes) + 1
+    tokens: np.ndarray  # the shard dtype
+    filtered: int
+    bad: int
+    text_bytes: int
+
+
+@dataclass
+class Scanned:
+    """One unit's kept documents for the tokenizer-sample pass: hashes, sizes, and the texts whose
+    hash falls under the sample's current threshold (the rest could never enter the sample)."""
+
+    source: int
+    hashes: np.ndarray
+    sizes: np.ndarray
+    candidates: list[tuple[int, str]]
+    filtered: int
+    bad: int
+    text_bytes: int
+
+
+def doc_hash(text: str) -> int:
+    """A 64-bit content hash: exact duplicates share it (and the tokenizer sample is ordered by it)."""
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little"
+    )
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _init(tokenizer_file: str | None, eos_id: int, dtype: str, parent: int) -> None:
+    """Worker start: one tokenizer, one thread (the parallelism is the processes)."""
+    os.environ[_PARALLELISM] = "false"
+    _setup(tokenizer_file, eos_id, dtype)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _setup(tokenizer_file: str | None, eos_id: int, dtype: str) -> None:
+    # deferred to the worker: the parent of a tokenizer-sample pass has no tokenizer yet
+    from tokenizers import Tokenizer
+
+    tok = None
+    if tokenizer_file is not None:
+        tok = Tokenizer.from_file(tokenizer_file)
+        tok.no_truncation()
+        tok.no_padding()
+    _state.update(tokenizer=tok, eos_id=eos_id, dtype=np.dtype(dtype))
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def encode_unit(unit: Unit) -> Encoded:
+    """Parse, hash and tokenize one unit (runs in a worker, or in the parent with one worker)."""
+    texts, filtered, bad = unit_texts(unit)
+    tok = _state["tokenizer"]
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    encodings = encode(texts, add_special_tokens=False) if texts else []
+    lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.empty(int(offsets[-1]), dtype=_state["dtype"])
+    eos = _state["eos_id"]
+    for enc, start, end in zip(encodings, offsets[:-1], offsets[1:]):
+        tokens[start : end - 1] = enc.ids
+        tokens[end - 1] = eos
+    hashes = np.fromiter((doc_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
+    size = sum(len(t) for t in texts)
+    return Encoded(unit.source, hashes, offsets, tokens, filtered, bad, size)
+
+
+def scan_unit(unit: Unit, threshold: int) -> Scanned:
+    """Parse and hash one unit for the tokenizer sample; texts are sent back only under `threshold`."""
+    texts, filtered, bad = unit_texts(unit)
+    hashes = np.fromiter((doc_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
+    sizes = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+    under = np.ones(len(texts), dtype=bool) if threshold >= 2**64 else hashes < np.uint64(threshold)
+    candidates = [(i, texts[i]) for i in np.flatnonzero(under).tolist()]
+    return Scanned(unit.source, hashes, sizes, candidates, filtered, bad, int(sizes.sum()))
+
+
+class Pool:
+    """`workers` processes (or the calling process when 1) mapping units in order, a few in flight."""
+
+    def __init__(self, workers: int, tokenizer_file: str | None, eos_id: int = 0, dtype: str = "<u2") -> None:
+        self.workers = workers
+        args = (tokenizer_file, eos_id, np.dtype(dtype).str)
+        self._pool = None
+        if workers > 1:
+            context = multiprocessing.get_context("spawn")
+            self._pool = context.Pool(workers, initializer=_init, initargs=(*args, os.getpid()))
+        else:
+            _setup(*args)
+
+    def map(
+        self, fn: Callable[..., Any], units: Iterable[Any], extra: Callable[[], tuple] = tuple
+    ) -> Iterator[Any]:
+        """fn(unit, *extra()) for every unit, results in the units' order. `extra` is read at submission
+        (e.g. the sample threshold as it stands then)."""
+        if self._pool is None:
+            saved = os.environ.get(_PARALLELISM)
+            os.environ[_PARALLELISM] = "false"  # one worker means one core, as in the workers
+            try:
+                for unit in units:
+                    yield fn(unit, *extra())
+            finally:
+                if saved is None:
+                    os.environ.pop(_PARALLELISM, None)
+                else:
+                    os.environ[_PARALLELISM] = saved
+            return
+        pending: deque = deque()
+        limit = 2 * self.workers + 1
+        for unit in units:
+            pending.append(self._pool.apply_async(fn, (unit, *extra())))
+            if len(pending) >= limit:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
