@@ -111,8 +111,10 @@ def tokenize_parts(
     vocab: int,
     num_sources: int,
     tick: Callable[[int, int], None],
+    encoding: tuple[str, int, str],
 ) -> tuple[Totals, int]:
-    """Tokenize the stream into parts (resuming after the complete ones); the totals and part count."""
+    """Tokenize the stream into parts (resuming after the complete ones); the totals and part count.
+    `encoding`: (tokenizer.json, eos id, token dtype) for the workers."""
     parts.mkdir(parents=True, exist_ok=True)
     for stale in parts.glob(".*.tmp*"):  # what a killed run was writing
         stale.unlink(missing_ok=True)
@@ -124,7 +126,8 @@ def tokenize_parts(
             seen.update(saved["hashes"].tolist())
             totals.counts += saved["counts"]
     part = _Part(parts, done, vocab, num_sources)
-    for enc in pool.map(encode_unit, itertools.islice(units, done * units_per_part, None)):
+    rest = itertools.islice(units, done * units_per_part, None)
+    for enc in pool.map(encode_unit, rest, lambda: encoding):
         assert isinstance(enc, Encoded)
         part.add(enc, seen)
         tick(enc.text_bytes, int(enc.offsets[-1]))

@@ -35,6 +35,7 @@ from suite.data.parts import (
     DUPLICATES,
     assemble,
     check_documents,
+    complete_parts,
     sample_pass,
     split_documents,
     tokenize_parts,
@@ -115,23 +116,28 @@ def _build(
             workers = 1  # one unit of text: starting processes would cost more than it saves
         reading = Reading()
         units = partial(_units, sources, batch, bool(cfg.skip_bad_files), reading)
-        with PrepareProgress(console, size, progress and not console.quiet, reading) as bar:
-            tokenizer = _tokenizer(cfg, units, workers, len(sources), work, console, bar)
+        with (
+            PrepareProgress(console, size, progress and not console.quiet, reading) as bar,
+            Pool(workers) as pool,
+        ):
+            tokenizer = _tokenizer(cfg, units, pool, len(sources), work, console, bar)
             bad_files = list(reading.bad_files)
             reading.bad_files.clear()
+            done = complete_parts(work / "parts")
+            if done:
+                console.print(f"resuming: {done} part(s) already tokenized in {work}")
             bar.start("tokenizing")
-            with Pool(
-                workers, str(work / "tokenizer.json"), tokenizer.eos_token_id, str(dtype_for(len(tokenizer)))
-            ) as pool:
-                totals, num_parts = tokenize_parts(
-                    units(),
-                    pool,
-                    work / "parts",
-                    _units_per_part(cfg),
-                    len(tokenizer),
-                    len(sources),
-                    bar.tick,
-                )
+            encoding = (str(work / "tokenizer.json"), tokenizer.eos_token_id, dtype_for(len(tokenizer)).str)
+            totals, num_parts = tokenize_parts(
+                units(),
+                pool,
+                work / "parts",
+                _units_per_part(cfg),
+                len(tokenizer),
+                len(sources),
+                bar.tick,
+                encoding,
+            )
             bad_files = sorted(set(bad_files) | set(reading.bad_files))
         for index, row in enumerate(totals.counts):
             if not row[DOCS] + row[DUPLICATES] and not cfg.skip_bad_files:
@@ -254,7 +260,7 @@ def _work_folder(cfg: Any, out_dir: Path, sources: list[Any]) -> Path:
 
 
 def _tokenizer(
-    cfg: Any, units: Any, workers: int, num_sources: int, work: Path, console: Console, bar: PrepareProgress
+    cfg: Any, units: Any, pool: Pool, num_sources: int, work: Path, console: Console, bar: PrepareProgress
 ) -> Any:
     """Reuse `cfg.tokenizer`, or train one on a bounded sample of the training documents; saved into
     `work` (a rerun after a kill reuses one already trained there)."""
@@ -274,8 +280,7 @@ def _tokenizer(
         return load_tokenizer(work)
     bar.start("sampling")
     budget = int(float(cfg.tokenizer_sample_mb) * 1_000_000)
-    with Pool(workers, None) as pool:
-        totals, sample = sample_pass(units(), pool, budget, num_sources, bar.tick)
+    totals, sample = sample_pass(units(), pool, budget, num_sources, bar.tick)
     check_documents(len(totals.owners))
     train_ids, _ = split_documents(len(totals.owners), float(cfg.val_fraction))
     order = training_order(train_ids, totals.owners, 1)

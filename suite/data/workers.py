@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from suite.data.streams import Unit, unit_texts
 
@@ -70,23 +71,22 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _init(tokenizer_file: str | None, eos_id: int, dtype: str, parent: int) -> None:
-    """Worker start: one tokenizer, one thread (the parallelism is the processes)."""
+def _init(parent: int) -> None:
+    """Worker start: one thread each (the parallelism is the processes); leave when the parent dies."""
     os.environ[_PARALLELISM] = "false"
-    _setup(tokenizer_file, eos_id, dtype)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
 
 
-def _setup(tokenizer_file: str | None, eos_id: int, dtype: str) -> None:
-    # deferred to the worker: the parent of a tokenizer-sample pass has no tokenizer yet
-    from tokenizers import Tokenizer
-
-    tok = None
-    if tokenizer_file is not None:
+def _tokenizer(tokenizer_file: str) -> Any:
+    """The tokenizer of this file, loaded once per process."""
+    stat = os.stat(tokenizer_file)
+    key = (tokenizer_file, stat.st_mtime_ns, stat.st_size)
+    if _state.get("key") != key:
         tok = Tokenizer.from_file(tokenizer_file)
         tok.no_truncation()
         tok.no_padding()
-    _state.update(tokenizer=tok, eos_id=eos_id, dtype=np.dtype(dtype))
+        _state.update(key=key, tokenizer=tok)
+    return _state["tokenizer"]
 
 
 def _watch_parent(parent: int) -> None:
@@ -96,17 +96,17 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)
 
 
-def encode_unit(unit: Unit) -> Encoded:
-    """Parse, hash and tokenize one unit (runs in a worker, or in the parent with one worker)."""
+def encode_unit(unit: Unit, tokenizer_file: str, eos: int, dtype: str) -> Encoded:
+    """Parse, hash and tokenize one unit (runs in a worker, or in the parent with one worker); the
+    tokens (an EOS after each document) in `dtype`."""
     texts, filtered, bad = unit_texts(unit)
-    tok = _state["tokenizer"]
+    tok = _tokenizer(tokenizer_file)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     encodings = encode(texts, add_special_tokens=False) if texts else []
     lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    tokens = np.empty(int(offsets[-1]), dtype=_state["dtype"])
-    eos = _state["eos_id"]
+    tokens = np.empty(int(offsets[-1]), dtype=np.dtype(dtype))
     for enc, start, end in zip(encodings, offsets[:-1], offsets[1:]):
         tokens[start : end - 1] = enc.ids
         tokens[end - 1] = eos
@@ -128,15 +128,12 @@ def scan_unit(unit: Unit, threshold: int) -> Scanned:
 class Pool:
     """`workers` processes (or the calling process when 1) mapping units in order, a few in flight."""
 
-    def __init__(self, workers: int, tokenizer_file: str | None, eos_id: int = 0, dtype: str = "<u2") -> None:
+    def __init__(self, workers: int) -> None:
         self.workers = workers
-        args = (tokenizer_file, eos_id, np.dtype(dtype).str)
         self._pool = None
         if workers > 1:
             context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(workers, initializer=_init, initargs=(*args, os.getpid()))
-        else:
-            _setup(*args)
+            self._pool = context.Pool(workers, initializer=_init, initargs=(os.getpid(),))
 
     def map(
         self, fn: Callable[..., Any], units: Iterable[Any], extra: Callable[[], tuple] = tuple

@@ -18,9 +18,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
     check_prepare(cfg)
 
     if cfg.data.path and (cfg.data.sources or not Path(cfg.data.path).exists()):
-        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True, summary=False)
+        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True, summary=True)
     else:
-        out = ensure_prepared(cfg.data, progress=True, summary=False)
+        out = ensure_prepared(cfg.data, progress=True, summary=True)
     meta = json.loads((out / "meta.json").read_text())
     return _report(
         flags,

@@ -1,0 +1,172 @@
+"""Corpus-scale `suite prepare` (issue 40): workers, resume after SIGKILL, formats, bad files, mixtures.
+
+Tiny corpora and small parts (data.part_mb) so that many work units and parts exist in a second."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from suite.config.errors import ConfigError
+from suite.config.schema import DataConfig, DataSourceConfig
+from suite.data import TokenBatches, prepare, read_meta
+
+SHARD_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json")
+WORDS = ["the", "a", "model", "token", "data", "loader", "shard", "worker", "river", "fox", "42", "1984"]
+
+
+def document(i: int) -> str:
+    rng = random.Random(i)
+    return f"Doc {i}: " + " ".join(rng.choice(WORDS) for _ in range(20 + i % 40)) + "."
+
+
+def write_jsonl(path: Path, rows: list[dict], opener=open) -> Path:
+    with opener(path, "wt") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three JSON lines files of ~150 documents each; 20 documents repeat across files."""
+    root = tmp_path_factory.mktemp("stream")
+    for f in range(3):
+        rows = [{"text": document(f * 150 + i)} for i in range(150)] + [
+            {"text": document(i)} for i in range(f * 10)
+        ]
+        write_jsonl(root / f"part-{f}.jsonl", rows)
+    return root
+
+
+def cfg_for(path: Path, **kwargs) -> DataConfig:
+    sources = kwargs.pop("sources", None) or [DataSourceConfig(path=str(path))]
+    kwargs.setdefault("workers", 1)  # processes only where a test is about them: each start costs ~1 s
+    return DataConfig(sources=sources, vocab_size=300, val_fraction=0.05, part_mb=0.004, **kwargs)
+
+
+def same_shards(a: Path, b: Path) -> None:
+    for name in SHARD_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_workers_give_the_same_shards_and_count_duplicates(corpus: Path, tmp_path: Path) -> None:
+    one = prepare(cfg_for(corpus, workers=1), tmp_path / "one", progress=False)
+    two = prepare(cfg_for(corpus, workers=2), tmp_path / "two", progress=False)
+    same_shards(one, two)
+    (source,) = read_meta(one)["sources"]
+    assert source["documents"] == 450 and source["duplicates"] == 30
+    assert read_meta(one)["num_train_docs"] + read_meta(one)["num_val_docs"] == 450
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no work folders left
+
+
+def test_a_prepare_killed_from_outside_resumes_to_the_same_bytes(corpus: Path, tmp_path: Path) -> None:
+    """SIGKILL at a random moment while parts are written; the rerun continues and matches."""
+    tokenizer = prepare(cfg_for(corpus), tmp_path / "whole", progress=False)
+    whole = prepare(cfg_for(corpus, tokenizer=str(tokenizer)), tmp_path / "whole2", progress=False)
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), *sys.path])}
+    command = [
+        sys.executable, "-m", "suite", "prepare", f"data.path={out}", f"data.tokenizer={tokenizer}",
+        f"data.sources=[{{path: '{corpus}'}}]", "data.vocab_size=300", "data.val_fraction=0.05",
+        "data.part_mb=0.0005", "data.workers=2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    parts = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob(".killed.partial-*/parts/part-00002.npz"))
+        if found:
+            parts = found[0].parent
+            time.sleep(random.uniform(0.0, 0.05))
+            break
+        time.sleep(0.01)
+    proc.kill()  # SIGKILL: no cleanup runs
+    proc.communicate()
+    assert parts is not None, "the prepare ended before three parts were written; grow the corpus"
+    assert not out.exists()  # the final folder appears only when complete
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resuming:" in rerun.stderr
+    same_shards(whole, out)
+    assert read_meta(out)["sources"][0]["duplicates"] == 30
+
+
+def test_compressed_parquet_saved_and_dotted_sources_prepare_alike(corpus: Path, tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (corpus / "part-0.jsonl").read_text().splitlines()]
+    nested = [{"meta": {"body": r["text"]}, "id": i} for i, r in enumerate(rows)]
+    write_jsonl(tmp_path / "plain.jsonl", rows)
+    write_jsonl(tmp_path / "nested.jsonl.gz", nested, gzip.open)
+    with zstandard.open(tmp_path / "nested.jsonl.zst", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in nested))
+    (tmp_path / "pq").mkdir()
+    for k in range(2):  # a folder of Parquet files, a struct column
+        pq.write_table(pa.Table.from_pylist(nested[k * 75 : (k + 1) * 75]), tmp_path / "pq" / f"{k}.parquet")
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_list(nested).save_to_disk(str(tmp_path / "saved"))
+    built = [prepare(cfg_for(tmp_path / "plain.jsonl"), tmp_path / "out-plain", progress=False)]
+    for name in ("nested.jsonl.gz", "nested.jsonl.zst", "pq", "saved"):
+        source = DataSourceConfig(path=str(tmp_path / name), text_field="meta.body")
+        built.append(prepare(cfg_for(tmp_path, sources=[source]), tmp_path / f"out-{name}", progress=False))
+    for out in built[1:]:
+        same_shards(built[0], out)
+
+
+def test_a_bad_file_among_many_is_named_or_skipped_and_counted(corpus: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for f in range(3):
+        data = gzip.compress((corpus / f"part-{f}.jsonl").read_bytes())
+        (folder / f"{f}.jsonl.gz").write_bytes(data[: len(data) // 2] if f == 1 else data)
+    with pytest.raises(
+        ConfigError, match=r"data.sources\[0\]: '.*1.jsonl.gz' is cut short or corrupt"
+    ) as err:
+        prepare(cfg_for(folder), tmp_path / "out", progress=False)
+    assert "\n" not in str(err.value)
+    out = prepare(cfg_for(folder, skip_bad_files=True), tmp_path / "out", progress=False)
+    assert read_meta(out)["skipped_files"] == [str(folder / "1.jsonl.gz")]
+
+
+def test_min_chars_filters_and_counts(corpus: Path, tmp_path: Path) -> None:
+    source = DataSourceConfig(path=str(corpus / "part-0.jsonl"), min_chars=200)
+    out = prepare(cfg_for(corpus, sources=[source]), tmp_path / "out", progress=False)
+    (meta,) = read_meta(out)["sources"]
+    expected = sum(len(document(i)) < 200 for i in range(150))
+    assert meta["filtered"] == expected > 0 and meta["documents"] == 150 - expected
+
+
+def test_a_mixture_draws_exact_token_shares_and_reports_upsampling(corpus: Path, tmp_path: Path) -> None:
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": document(1000 + i)} for i in range(45)])
+    sources = [
+        DataSourceConfig(path=str(corpus / "part-*.jsonl"), weight=0.7),
+        DataSourceConfig(path=str(small), weight=0.3),
+    ]
+    out = prepare(cfg_for(corpus, sources=sources), tmp_path / "mix", progress=False)
+    meta = read_meta(out)
+    big, little = meta["sources"]
+    assert little["epochs"] > 1 > big["epochs"]  # the small source is upsampled, and says so
+    loader = TokenBatches(out, "train", 16, 4, 8, seed=1)
+    steps = 60
+    for _ in range(steps):
+        loader.next_step()
+    counts = loader.source.tokens_by_source
+    assert sum(counts) == steps * 8 * 16
+    assert abs(counts[0] / sum(counts) - 0.7) < 0.005 and abs(counts[1] / sum(counts) - 0.3) < 0.005
+    resumed = TokenBatches(out, "train", 16, 4, 8, seed=1)
+    resumed.load_state_dict(loader.state_dict())
+    a, b = loader.next_step(), resumed.next_step()
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
