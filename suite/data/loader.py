@@ -8,12 +8,14 @@ over these windows: the order, the data-parallel slicing, prefetching and resume
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from suite.data.batch import Batch
+from suite.data.mixture import MixtureWindows
 from suite.data.sampler import GlobalBatches
 from suite.data.shards import IndexedTokens
 
@@ -49,6 +51,21 @@ class TokenWindows:
         return None  # a grown or shrunk corpus resumes at the same (epoch, position)
 
 
+def _windows(
+    prefix_or_dir: str | Path, split: str, seq_len: int, eos_id: int | None, seed: int
+) -> TokenWindows | MixtureWindows:
+    """A prepared mixture's training split draws by token share (suite.data.mixture); anything else
+    is one stream of windows."""
+    folder = Path(prefix_or_dir).expanduser()
+    meta_file = folder / "meta.json"
+    if split == "train" and folder.is_dir() and meta_file.is_file():
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        if meta.get("train_ranges") and len(meta["train_ranges"]) > 1:
+            shares = [float(s["weight"]) for s in meta["sources"]]
+            return MixtureWindows(folder, meta["train_ranges"], shares, seq_len, eos_id, seed)
+    return TokenWindows(prefix_or_dir, split, seq_len, eos_id)
+
+
 class TokenBatches(GlobalBatches):
     """GlobalBatches over the token windows of `split` under `prefix_or_dir`."""
 
@@ -67,7 +84,7 @@ class TokenBatches(GlobalBatches):
         eos_id: int | None = None,
     ) -> None:
         super().__init__(
-            TokenWindows(prefix_or_dir, split, seq_len, eos_id),
+            _windows(prefix_or_dir, split, seq_len, eos_id, seed),
             micro_batch_size,
             global_batch_size,
             dp_rank=dp_rank,

@@ -82,7 +82,10 @@ class GlobalBatches:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
-            self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+            if getattr(self.source, "self_ordered", False):  # a mixture: absolute sample numbers
+                self._order = epoch * self.num_samples + np.arange(self.num_samples, dtype=np.int64)
+            else:
+                self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
             self._order_epoch = epoch
         return self._order
 

@@ -170,3 +170,6 @@ def test_a_mixture_draws_exact_token_shares_and_reports_upsampling(corpus: Path,
     resumed.load_state_dict(loader.state_dict())
     a, b = loader.next_step(), resumed.next_step()
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    sources[0].weight, sources[1].weight = 1.0, 3.0  # weight 3 on a tenth of the data: 7.5 epochs a pass
+    heavy = read_meta(prepare(cfg_for(corpus, sources=sources), tmp_path / "heavy", progress=False))
+    assert heavy["sources"][1]["share"] == 0.75 and heavy["sources"][1]["epochs"] > 5
