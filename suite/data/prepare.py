@@ -120,7 +120,8 @@ def _build(
             PrepareProgress(console, size, progress and not console.quiet, reading) as bar,
             Pool(workers) as pool,
         ):
-            tokenizer = _tokenizer(cfg, units, pool, len(sources), work, console, bar)
+            paths = [str(src.path) for src in sources]
+            tokenizer = _tokenizer(cfg, units, pool, paths, work, console, bar)
             bad_files = list(reading.bad_files)
             reading.bad_files.clear()
             done = complete_parts(work / "parts")
@@ -139,9 +140,7 @@ def _build(
                 encoding,
             )
             bad_files = sorted(set(bad_files) | set(reading.bad_files))
-        for index, row in enumerate(totals.counts):
-            if not row[DOCS] + row[DUPLICATES] and not cfg.skip_bad_files:
-                raise no_text(sources[index], index)
+        _check_text(cfg, sources, totals.counts)
         vocab = len(tokenizer)
         counts = assemble(work / "parts", num_parts, work, vocab, float(cfg.val_fraction), len(sources))
         shutil.rmtree(work / "parts")
@@ -168,6 +167,13 @@ def _build(
             (work / name).unlink(missing_ok=True)
         (work / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         return meta
+
+
+def _check_text(cfg: Any, sources: list[Any], counts: np.ndarray) -> None:
+    """A source that yielded no document is named (unless unreadable files are being skipped)."""
+    for index, row in enumerate(counts):
+        if not row[DOCS] + row[DUPLICATES] and not cfg.skip_bad_files:
+            raise no_text(sources[index], index)
 
 
 def _check_config(cfg: Any) -> None:
@@ -260,7 +266,7 @@ def _work_folder(cfg: Any, out_dir: Path, sources: list[Any]) -> Path:
 
 
 def _tokenizer(
-    cfg: Any, units: Any, pool: Pool, num_sources: int, work: Path, console: Console, bar: PrepareProgress
+    cfg: Any, units: Any, pool: Pool, paths: list[str], work: Path, console: Console, bar: PrepareProgress
 ) -> Any:
     """Reuse `cfg.tokenizer`, or train one on a bounded sample of the training documents; saved into
     `work` (a rerun after a kill reuses one already trained there)."""
@@ -280,7 +286,8 @@ def _tokenizer(
         return load_tokenizer(work)
     bar.start("sampling")
     budget = int(float(cfg.tokenizer_sample_mb) * 1_000_000)
-    totals, sample = sample_pass(units(), pool, budget, num_sources, bar.tick)
+    totals, sample = sample_pass(units(), pool, budget, len(paths), bar.tick)
+    _check_text(cfg, [SimpleNamespace(path=p) for p in paths], totals.counts)
     check_documents(len(totals.owners))
     train_ids, _ = split_documents(len(totals.owners), float(cfg.val_fraction))
     order = training_order(train_ids, totals.owners, 1)
