@@ -56,12 +56,22 @@ def main() -> None:
     parser.add_argument("--held", type=int, default=8)
     parser.add_argument("--forwards", action="store_true", help="the old way: forwards from the embedding")
     parser.add_argument("--no-ppl", action="store_true")
+    parser.add_argument(
+        "--forwards-only",
+        action="store_true",
+        help="time the calibration forwards and Hessians only (weights kept)",
+    )
     args = parser.parse_args()
 
     from suite.compress.methods import grid_for, linear_plan
     from suite.config.schema import CompressConfig
     from suite.model_source import ModelSource
+    from suite.models import gptq
     from suite.models.gptq import gptq_quantize
+
+    if args.forwards_only:  # the per-column GPTQ update skipped: what caching the block inputs changes
+        gptq._quantize_linears = lambda linears, hessians, grid, damp, results: None
+        gptq.store_values = lambda *a, **k: None
 
     source = ModelSource.parse(f"gguf:{args.gguf}")
     tokenizer, model = source.tokenizer(), source.load_model()
@@ -85,7 +95,7 @@ def main() -> None:
         "model": Path(args.gguf).name, "precision": "fp32 (dequantized), int4 g32 gptq",
         "mode": "forwards from the embedding" if args.forwards else "cached block inputs",
         "calib": f"{len(calib)} x {args.seq}", "held_out": f"{len(held)} x {args.seq}",
-        "gptq_seconds": round(seconds, 1), "ppl_before": before, "ppl_after": after,
+        "gptq_seconds": round(seconds, 1), "forwards_only": args.forwards_only, "ppl_before": before, "ppl_after": after,
         "cpu": cpu_name(), "threads": torch.get_num_threads(),
     }))  # fmt: skip
 
