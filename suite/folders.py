@@ -31,13 +31,25 @@ MANIFEST = "manifest.json"  # a checkpoint's (suite.train.checkpoint.MANIFEST; t
 OVERWRITE = "--overwrite"  # the switch of every verb without train.overwrite in its config
 
 
+# model sources from outside the suite (suite.model_source): an HF folder, a llama.cpp GGUF file
+IMPORTED_PREFIXES = ("hf:", "gguf:")
+
+
+def imported_path(text: str) -> Path | None:
+    """The path of an `hf:<dir>` or `gguf:<file>` source (None for a suite run or checkpoint)."""
+    for prefix in IMPORTED_PREFIXES:
+        if text.startswith(prefix):
+            return Path(text[len(prefix) :]).expanduser()
+    return None
+
+
 def source_identity(folder: Path, is_hf: bool) -> str:
-    """A model source (suite.model_source.ModelSource's folder) as it is on disk: an HF folder by its
-    resolved path; a suite checkpoint by its resolved folder and its manifest's sha256 (another step,
-    or the same path retrained, is another source)."""
+    """A model source (suite.model_source.ModelSource's folder) as it is on disk: an HF folder (or a
+    GGUF file) by its resolved path; a suite checkpoint by its resolved folder and its manifest's
+    sha256 (another step, or the same path retrained, is another source)."""
     folder = Path(folder).resolve()
     if is_hf:
-        return f"hf:{folder}"
+        return f"{'gguf' if folder.is_file() else 'hf'}:{folder}"
     digest = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()[:16]
     return f"{folder} (manifest sha256 {digest})"
 

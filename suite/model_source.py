@@ -3,6 +3,7 @@
     suite run folder     runs/gpt-tiny                  its newest checkpoint that verifies
     checkpoint folder    runs/gpt-tiny/checkpoints/step_20
     Hugging Face folder  hf:path/to/save_pretrained/folder
+    llama.cpp GGUF file  gguf:path/to/model.gguf       dequantized on load (suite.gguf_file)
 
 `ModelSource.parse(text, key)` is the only place that reads that syntax (the key names the config
 key in one-line errors). A source gives the model config (the run's saved config.yaml, or the
@@ -43,6 +44,7 @@ from suite.config.compose import load_saved_config
 from suite.config.errors import ConfigError
 from suite.config.schema import LoRAConfig, ModelConfig, SuiteConfig
 from suite.data import load_tokenizer
+from suite.gguf_file import GGUF_PREFIX, GGUFFile
 from suite.models import build_model, materialize
 from suite.models.hf_mapping import from_hf_state_dict, model_config_from_hf
 from suite.models.lazy import Box, InMemory, LazyTensor, Source, as_lazy
@@ -82,13 +84,16 @@ SAFETENSORS_DTYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """A resolved model source: `folder` is the checkpoint folder (suite) or the HF folder."""
+    """A resolved model source: `folder` is the checkpoint folder (suite), the HF folder, or the
+    GGUF file. `is_hf`: the weights come under HF names from outside the suite (an HF folder or a
+    GGUF file, `gguf` set): no saved run config, no steps."""
 
     text: str  # as the user wrote it
     key: str  # the config key it came from: ckpt, model.init_from
     folder: Path
     is_hf: bool
     skipped: tuple[str, ...] = ()  # newer checkpoints passed over because they did not verify
+    gguf: bool = False
 
     @classmethod
     def parse(cls, value: str | Path | ModelSource, key: str = "ckpt") -> ModelSource:
@@ -104,15 +109,23 @@ class ModelSource:
                     f"{key}='{text}' has no config.json; give hf:<a folder written by save_pretrained>"
                 )
             return cls(text, key, folder, True)
+        if text.startswith(GGUF_PREFIX):
+            path = Path(text[len(GGUF_PREFIX) :]).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"{key}='{text}': no such file; give gguf:<a .gguf file>")
+            return cls(text, key, path, True, gguf=True)
         try:
             folder, skipped = find_checkpoint(text)
         except ConfigError as exc:
-            raise ConfigError(f"{key}='{text}': {exc}") from None
+            hint = f"; a GGUF file is read as {key}=gguf:{text}" if text.endswith(".gguf") else ""
+            raise ConfigError(f"{key}='{text}': {exc}{hint}") from None
         return cls(text, key, folder, False, tuple(skipped))
 
     def describe(self) -> str:
         """One line naming what is read: `ckpt='runs/x': step 8 (runs/x/checkpoints/step_8, verified)`,
         after the checkpoints that were skipped because they did not verify."""
+        if self.gguf:
+            return f"{self.named}: {self.gguf_file.describe()}"
         if self.is_hf:
             return f"{self.named}: Hugging Face folder {self.folder}"
         skipped = "".join(f"; {note}" for note in self.skipped)
@@ -127,6 +140,11 @@ class ModelSource:
     def run_dir(self) -> Path | None:
         """The suite run folder the checkpoint belongs to (None for an HF folder)."""
         return None if self.is_hf else self.folder.parent.parent
+
+    @cached_property
+    def gguf_file(self) -> GGUFFile:
+        """The parsed GGUF file (a gguf: source only)."""
+        return GGUFFile(self.folder, self.named)
 
     @cached_property
     def saved(self) -> SuiteConfig | None:
@@ -169,13 +187,17 @@ class ModelSource:
 
     def model_config(self) -> ModelConfig:
         """The architecture: the saved run's model config, or the HF config.json mapped to suite's."""
+        if self.gguf:
+            return self.gguf_file.config
         if self.is_hf:
             return model_config_from_hf(self.folder, self.named)
         return self.saved.model
 
     def tokenizer(self, required: bool = True) -> Any:
         """The run's tokenizer (with the chat template it trained with), or the HF folder's; None
-        when an HF folder has none and `required` is False."""
+        when an HF folder has none and `required` is False; a GGUF file's from its metadata."""
+        if self.gguf:
+            return self.gguf_file.tokenizer()
         if self.is_hf:
             if not (
                 (self.folder / "tokenizer.json").is_file()
@@ -205,7 +227,7 @@ class ModelSource:
         them one at a time."""
         if self.is_hf:
             cfg = self.model_config()
-            with hf_weights(self.folder, self.named) as tensors:
+            with self._hf_tensors(cfg) as tensors:
                 yield from_hf_state_dict(cfg, tensors)
             return
         lora = self.lora
@@ -222,7 +244,7 @@ class ModelSource:
         """
         if self.is_hf:
             cfg = dataclasses.replace(self.model_config(), fused_projections=fused_projections)
-            with hf_weights(self.folder, self.named) as tensors:
+            with self._hf_tensors(cfg) as tensors:
                 load_suite_weights(model, from_hf_state_dict(cfg, tensors), self.named)
             return
         if self.quantized:  # QLoRA: the frozen quantized base under the adapters
@@ -233,6 +255,15 @@ class ModelSource:
         }
         dcp.load({"model": state}, checkpoint_id=str(self.folder))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+    @contextlib.contextmanager
+    def _hf_tensors(self, cfg: ModelConfig) -> Iterator[dict[str, LazyTensor]]:
+        """An imported source's tensors under HF names, unread (an HF folder's or a GGUF file's)."""
+        if self.gguf:
+            yield self.gguf_file.hf_weights(cfg)
+            return
+        with hf_weights(self.folder, self.named) as tensors:
+            yield tensors
 
     def load_model(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """A single-device model in eval mode holding the source's weights (LoRA adapters merged)."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from suite.config.schema import CompressConfig
-from suite.models.compression import for_training, get, skipped
+from suite.models.compression import for_training, get, is_none, skipped
 from suite.models.gptq import Grid, store_values
 from suite.models.quantized import quiet_torchao
 
@@ -85,7 +85,25 @@ def quantize_model(
         _quantize_on_scales(model, targets, cfg, learned_scales)
     else:
         get(cfg.method).quantize(model, targets, cfg, device, calibrate)
+    if not is_none(cfg.embedding):  # int8, the one choice (suite.config.validate)
+        quantize_embedding(model)
     return targets, skip
+
+
+EMBEDDING = "tok_embeddings"
+
+
+def quantize_embedding(model: nn.Module) -> None:
+    """compress.embedding=int8: the token embedding as int8, one scale per row (torchao's
+    IntxUnpackedToInt8Tensor, which computes both the lookup and a tied head's matmul); a tied output
+    head is re-tied to it, so the checkpoint stores the int8 table once."""
+    # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
+    from torchao.quantization import IntxWeightOnlyConfig, PerAxis, quantize_
+
+    config = IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+    quantize_(model, config, lambda m, n: n == EMBEDDING and isinstance(m, nn.Embedding))
+    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+        model.tie_weights()
 
 
 def usable_scales(

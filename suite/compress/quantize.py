@@ -142,7 +142,15 @@ def _write_checkpoint(out: Path, step: int, model, info: dict, config_yaml: str)
 
 # compress keys that make the artefact (not how it is measured: eval_batches, decode_tokens,
 # task_samples; nor QAT's training keys)
-ARTEFACT_KEYS = ("method", "group_size", "skip", "calib_samples", "smoothquant_alpha", "gptq_damp")
+ARTEFACT_KEYS = (
+    "method",
+    "group_size",
+    "skip",
+    "embedding",
+    "calib_samples",
+    "smoothquant_alpha",
+    "gptq_damp",
+)
 
 
 def made_by(cfg: SuiteConfig, source) -> dict[str, Any]:

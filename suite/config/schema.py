@@ -144,6 +144,9 @@ class CompressConfig:
     # module-name patterns (fnmatch, on names like layers.0.attention.wq) left in full precision;
     # the embedding is never a Linear, the output head is usually tied to it
     skip: list[str] = field(default_factory=lambda: ["tok_embeddings", "pos_embeddings", "output"])
+    # the token embedding (and the output head tied to it) after any method: int8, one scale per row
+    # (a 4-byte-per-weight table that dominates a small model's file); none: kept in full precision
+    embedding: str = "none"
     # qat-*: the fake quantizer's scales are trained with the weights (learned step size, LSQ; torchao's
     # range learning) and the conversion stores them; false: each step recomputes them from the weights
     learn_scales: bool = True

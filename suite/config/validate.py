@@ -26,6 +26,7 @@ CHOICES = {
     "eval.metric": ("accuracy", "perplexity"),
     "export.dtype": ("fp32", "bf16", "fp16"),
     "cluster.device_type": ("cuda", "cpu"),
+    "compress.embedding": ("none", "int8"),
 }
 POSITIVE = (
     "model.num_layers",

@@ -28,7 +28,7 @@ from suite.config.schema import ModelConfig
 from suite.export.checks import check_hf_exportable
 from suite.export.gguf_vocab import add_vocab, gguf_vocab
 from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
-from suite.export.special import hf_folder_ids, in_vocabulary, tokenizer_ids
+from suite.export.special import imported_ids, in_vocabulary, tokenizer_ids
 from suite.models.family import family_of
 from suite.models.hf_mapping import to_hf_state_dict
 from suite.models.lazy import as_lazy
@@ -141,7 +141,7 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     check_gguf_exportable(cfg, source.named)
     tokenizer = source.tokenizer(required=True)
     vocab = gguf_vocab(tokenizer, cfg.vocab_size, source.named)
-    ids = hf_folder_ids(source.folder)[0] if source.is_hf else tokenizer_ids(tokenizer)
+    ids = imported_ids(source)[0] if source.is_hf else tokenizer_ids(tokenizer)
     special = in_vocabulary(ids, ids, cfg.vocab_size)
     arch = family_of(cfg).gguf.arch
     out.mkdir(parents=True, exist_ok=True)

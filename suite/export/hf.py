@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from suite.config.schema import ModelConfig
 from suite.export.checks import check_hf_exportable
-from suite.export.special import SpecialIds, hf_folder_ids, in_vocabulary, tokenizer_ids
+from suite.export.special import SpecialIds, imported_ids, in_vocabulary, tokenizer_ids
 from suite.export.verify import verify_hf_folder
 from suite.model_source import ModelSource
 from suite.models.hf_mapping import hf_config, on_disk_names, to_hf_state_dict
@@ -89,7 +89,7 @@ def export_checkpoint_hf(
     tokenizer = source.tokenizer(required=not source.is_hf)
     cfg = source.model_config()
     if source.is_hf:  # its own ids: its tokenizer may hold tokens past the model's vocabulary
-        special = in_vocabulary(*hf_folder_ids(source.folder), cfg.vocab_size)
+        special = in_vocabulary(*imported_ids(source), cfg.vocab_size)
     else:
         ids = tokenizer_ids(tokenizer)
         special = in_vocabulary(ids, ids, cfg.vocab_size)

@@ -45,6 +45,15 @@ def hf_folder_ids(folder: Path) -> tuple[Ids, Ids]:
     return config, (_read_ids(generation) if generation.is_file() else dict(config))
 
 
+def imported_ids(source: Any) -> tuple[Ids, Ids]:
+    """An imported source's own ids (suite.model_source.ModelSource with is_hf): an HF folder's files
+    (hf_folder_ids), a GGUF file's tokenizer.ggml.* metadata."""
+    if getattr(source, "gguf", False):
+        ids = source.gguf_file.special_ids()
+        return ids, dict(ids)
+    return hf_folder_ids(source.folder)
+
+
 def _read_ids(path: Path) -> Ids:
     values = json.loads(path.read_text())
     return {key: values.get(key) for key in KEYS}

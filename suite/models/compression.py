@@ -392,7 +392,7 @@ class _Gptq(CompressionMethod):
         calibrate: Calibrate | None,
     ) -> None:
         damp = self.settings(compress).gptq_damp
-        gptq_quantize(model, targets, self.grid(compress), damp, calibrate or (lambda m: None))
+        gptq_quantize(model, targets, self.grid(compress), damp, calibrate or (lambda m: None), progress=True)
 
 
 @register

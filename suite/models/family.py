@@ -55,6 +55,9 @@ class GGUFMapping:
     permute_qk: bool = True  # rotate-half q/k rows -> llama.cpp's interleaved rotary pairs
     # what transformers' GGUF reader needs beside the file to rebuild the model
     load_kwargs: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    # importing a GGUF (suite.gguf_file): what transformers' GGUF config reader misses, from the file's
+    # `<arch>.*` keys (prefix removed), passed to AutoConfig beside the file
+    config_kwargs: Callable[[dict[str, Any]], dict[str, Any]] = lambda fields: {}
 
 
 @dataclass(frozen=True)

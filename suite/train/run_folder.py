@@ -91,8 +91,9 @@ def _identity(verb: str) -> RunIdentity:
 def _source_identity(text: str, key: str) -> str:
     """A source as suite.model_source.ModelSource.parse resolves it (parsed there first, by the verb;
     train sits below sources, so only the folder is found here)."""
-    if text.startswith("hf:"):
-        return folders.source_identity(Path(text[3:]).expanduser(), True)
+    imported = folders.imported_path(text)
+    if imported is not None:
+        return folders.source_identity(imported, True)
     path = Path(
         text
     ).expanduser()  # the checkpoint itself, or the one its run's `latest` names: no re-hashing
@@ -152,8 +153,8 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     run_dir = Path(cfg.run.dir).expanduser()
     named = f"run.dir={cfg.run.dir}"
     if cfg.train.overwrite:
-        source = str(cfg.model.init_from or "").removeprefix("hf:")
-        init = Path(source).expanduser().resolve() if source else None
+        source = str(cfg.model.init_from or "")
+        init = (folders.imported_path(source) or Path(source)).expanduser().resolve() if source else None
         if init is not None and run_dir.resolve() in (init, *init.parents):
             raise ConfigError(
                 f"model.init_from={cfg.model.init_from} is inside {named}, which train.overwrite=true would "

@@ -352,3 +352,24 @@ def test_llama_cpp_itself_decodes_the_greedy_tokens_transformers_does(runs, tmp_
         got.append(token)
         llm.eval([token])
     assert got == expected[0, 8:].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_source_reads_the_file_as_transformers_does(runs, tmp_path, family):
+    """`ckpt=gguf:<file>` (suite.gguf_file) on the suite's own q8_0 export: the architecture, the
+    tokenizer, and logits within 1e-4 of transformers' reading of the same file (GPT-2's transposed
+    Conv1D weights, Llama's interleaved q/k rows, Qwen3's own head size all undone)."""
+    from suite.model_source import ModelSource
+
+    path = _export(runs[family], tmp_path / "out", "q8_0")
+    run, imported = ModelSource.parse(runs[family]), ModelSource.parse(f"gguf:{path}")
+    ours = imported.model_config()
+    assert ours.family == family and imported.is_hf and imported.gguf
+    assert ours.num_layers == run.model_config().num_layers and ours.head_dim == run.model_config().head_dim
+    kwargs = json.loads((path.parent / "export_manifest.json").read_text())["transformers_load_kwargs"]
+    tokens = torch.randint(0, ours.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = imported.load_model()(tokens)
+        theirs = _load(path, kwargs)(tokens).logits
+    assert (mine - theirs).abs().max().item() < 1e-4
+    assert imported.tokenizer().encode(TEXT) == run.tokenizer().encode(TEXT)

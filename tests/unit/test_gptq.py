@@ -99,3 +99,43 @@ def test_whole_model_gets_rtns_tensor_types_and_tracks_the_float_model_better(fa
         want = reference(held)
         err = {n: (m(held) - want).pow(2).mean().item() for n, m in models.items()}
     assert err["gptq"] < err["rtn"], err
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize(
+    "skip", [["tok_embeddings", "pos_embeddings"], ["layers.0.", "tok_embeddings", "output"]]
+)
+def test_cached_block_inputs_give_the_same_integers_as_forwards_from_the_embedding(family, skip):
+    """GPTQ keeps each block's calibration inputs (one forward per block) instead of re-running the
+    model from the embedding for every block: bit-identical integers and scales, with a block left out
+    (its inputs still pass through it) and with an untied head (calibrated by a whole forward)."""
+    from suite.compress.methods import grid_for, linear_plan
+    from suite.config.schema import ModelConfig
+    from suite.models import build_model, materialize
+    from suite.models.gptq import gptq_quantize
+
+    grouped = {"num_kv_heads": 2} if family == "llama" else {}
+    cfg = ModelConfig(
+        name="t", family=family, num_layers=3, hidden_size=64, num_heads=4, vocab_size=97, max_seq_len=32,
+        tie_embeddings=False, **grouped,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    calib = [torch.randint(0, 97, (2, 32), generator=gen) for _ in range(3)]
+
+    def calibrate(m):
+        for tokens in calib:
+            m(tokens)
+
+    reference = materialize(build_model(cfg), "cpu", seed=0).eval()
+    targets, _ = linear_plan(reference, [s for s in skip if not s.endswith(".")])
+    targets = [t for t in targets if not any(t.startswith(s) for s in skip if s.endswith("."))]
+    assert any(t.startswith("layers.2.") for t in targets)
+    weights = {}
+    for cached in (True, False):
+        model = materialize(build_model(cfg), "cpu", seed=0).eval()
+        gptq_quantize(model, targets, grid_for("gptq", 32), 0.01, calibrate, cache_inputs=cached)
+        modules = dict(model.named_modules())
+        weights[cached] = {t: (modules[t].weight.qdata, modules[t].weight.scale) for t in targets}
+    for t in targets:
+        assert torch.equal(weights[True][t][0], weights[False][t][0]), t
+        assert torch.equal(weights[True][t][1], weights[False][t][1]), t

@@ -118,3 +118,35 @@ def test_learned_scales_start_at_round_to_nearest_and_the_conversion_stores_them
         assert torch.equal(converted, trained)
     else:
         torch.testing.assert_close(converted, trained, rtol=2**-8, atol=0)
+
+
+def test_int8_embedding_keeps_the_tie_and_shrinks_the_file(tmp_path):
+    """compress.embedding=int8: the tied embedding/head stored once as int8 rows; the reloaded model
+    computes what was measured, and the file is smaller than with the float table."""
+    from suite.compress.methods import quantize_model
+    from suite.config.schema import CompressConfig, ModelConfig
+    from suite.models import build_model, materialize
+    from suite.models.quantized import load_quantized_model, save_quantized
+
+    cfg = ModelConfig(
+        name="t", family="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=512,
+        max_seq_len=32, tie_embeddings=True,
+    )  # fmt: skip
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    sizes, outputs = {}, {}
+    for embedding in ("none", "int8"):
+        model = materialize(build_model(cfg), "cpu", seed=0).eval()
+        with torch.no_grad():
+            quantize_model(model, CompressConfig(method="int4", embedding=embedding), torch.device("cpu"))
+            outputs[embedding] = after = model(tokens)
+        assert model.output.weight is model.tok_embeddings.weight
+        quantized = type(model.tok_embeddings.weight).__name__ == "IntxUnpackedToInt8Tensor"
+        assert quantized == (embedding == "int8")
+        sizes[embedding] = save_quantized(model, tmp_path / embedding, {"method": "int4"}).stat().st_size
+        reloaded = load_quantized_model(tmp_path / embedding, cfg)
+        assert reloaded.output.weight is reloaded.tok_embeddings.weight
+        with torch.no_grad():
+            assert torch.equal(reloaded(tokens), after)
+    # int8 rows cost little beside int4's own rounding
+    assert (outputs["int8"] - outputs["none"]).abs().max() < 0.05 * outputs["none"].abs().max()
+    assert sizes["int8"] < sizes["none"] - 2.5 * 512 * 64  # 4 bytes a weight -> 1 (+ a scale per row)

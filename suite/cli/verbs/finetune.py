@@ -65,6 +65,8 @@ def base_tokenizer(cfg, data_dir: Path | None) -> Path | None:
         return None
     if init.startswith("hf:"):
         return Path(init[3:]).expanduser() / "tokenizer.json"
+    if init.startswith("gguf:"):  # the tokenizer is the file's metadata: the file stands for it
+        return Path(init[5:]).expanduser()
     path = Path(init).expanduser()  # a run folder, or one of its checkpoint folders
     return (
         path / "tokenizer.json"

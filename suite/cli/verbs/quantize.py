@@ -28,6 +28,7 @@ Post-training quantization of the Linear layers with torchao, measured before an
 recipe's held-out data. compress= picks a recipes/compress option (compress.method):
 {compress_methods}
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
+      compress.embedding=int8 (the token embedding and a head tied to it as int8 rows; default none)
       compress.calib_samples  compress.smoothquant_alpha  compress.gptq_damp
       compress.eval_batches  compress.decode_tokens
       compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)

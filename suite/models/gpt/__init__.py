@@ -32,6 +32,7 @@ FAMILY = register(
             transposed=convert.GPT2_TRANSPOSED,
             permute_qk=False,
             load_kwargs=convert.gguf_load_kwargs,
+            config_kwargs=convert.gguf_config_kwargs,
         ),
     )
 )

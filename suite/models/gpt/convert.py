@@ -133,3 +133,9 @@ def gguf_load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     whose context is not the default 1024 is built with 1024 positions (a size mismatch) unless
     n_positions is passed. The file itself is right for llama.cpp (position_embd has context_length rows)."""
     return {"n_positions": cfg.max_seq_len} if cfg.max_seq_len != 1024 else {}
+
+
+def gguf_config_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
+    """Importing a GPT-2 GGUF: its context length as n_positions (see gguf_load_kwargs)."""
+    context = fields.get("context_length")
+    return {"n_positions": int(context)} if context else {}

@@ -137,3 +137,9 @@ def gguf_load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """transformers' GGUF mapping for qwen3 does not read the head size (key_length): it builds
     Qwen3Config's default 128-wide heads unless head_dim is passed. llama.cpp reads the key."""
     return {"head_dim": head_size(cfg)}
+
+
+def gguf_config_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
+    """Importing a Qwen3 GGUF: its head size (key_length; see gguf_load_kwargs)."""
+    size = fields.get("attention.key_length")
+    return {"head_dim": int(size)} if size else {}
