@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from suite.launch.fork_server import SERVER_NAME
 from tests.forked_cli import ForkedCLI
 
 REPO = Path(__file__).resolve().parent.parent
@@ -468,6 +469,21 @@ def child_processes(parent: int) -> dict[int, bytes]:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
                 found[int(entry.name)] = cmdline
+    return found
+
+
+def fork_servers(parent: int) -> list[int]:
+    """The worker servers (suite/launch/fork_server.py) among `parent`'s children: a fresh
+    `python -m suite.launch.fork_server <socket>`, or one forked in place from the launcher, which
+    keeps the launcher's command line and is named SERVER_NAME."""
+    found = []
+    for pid, cmd in child_processes(parent).items():
+        try:
+            name = Path(f"/proc/{pid}/comm").read_bytes().strip()
+        except OSError:
+            continue
+        if name == SERVER_NAME or (b"suite.launch.fork_server" in cmd and b"--client" not in cmd):
+            found.append(pid)
     return found
 
 

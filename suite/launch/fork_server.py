@@ -290,35 +290,112 @@ def serve(path: str, modules: list[str], parent: int) -> None:
             os.unlink(path)
 
 
+SERVER_NAME = b"suite-forksrv"  # the process name (ps, top, /proc/<pid>/comm) of a server forked in place
+
+
+class _ForkedServer:
+    """The handle of a server forked from the launcher itself: what ForkServer uses of a Popen."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+                if done:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork_in_place(path: str, modules: list[str], env: dict[str, str]) -> _ForkedServer | None:
+    """The server as a fork of this process, when this process already imported torch and may be
+    forked (no thread, no CUDA): what a fresh server would import first (~4 s of CPU, on every
+    launch's critical path) is here already. None where it may not, and the caller starts one."""
+    torch = sys.modules.get("torch")
+    if torch is None or _fork_safe() is not None:
+        return None
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _ForkedServer(pid)
+    code = 0
+    try:  # the child: the server, as `python -m suite.launch.fork_server` would run with `env`
+        os.setsid()  # as start_new_session: the terminal's Ctrl-C goes to the launcher
+        for sig in (*FORWARDED, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(1)  # no OpenMP pool in the server (see ForkServer)
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(15, SERVER_NAME)  # PR_SET_NAME
+        serve(path, modules, parent)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
 class ForkServer:
-    """The launcher's side: start the server for one job, give the clients its address, stop it."""
+    """The launcher's side: start the server for one job, give the clients its address, stop it.
+
+    Forked from the launcher itself where that is safe (`_fork_in_place`), else a fresh interpreter."""
 
     def __init__(self, folder: str, modules: list[str], env: dict[str, str]):
         self.path = os.path.join(folder, "workers.sock")
         env = {**os.environ, **env}
         torch = sys.modules.get("torch")
         threads = env.get("OMP_NUM_THREADS") or str(torch.get_num_threads() if torch else os.cpu_count() or 1)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "suite.launch.fork_server",
-                self.path,
-                ",".join(modules),
-                str(os.getpid()),
-            ],
-            env={
-                **env,
-                # one OpenMP thread while importing: an OpenMP pool in the server would be broken in
-                # every forked child (each sets its own count, THREADS_ENV, after the fork)
-                "OMP_NUM_THREADS": "1",
-                THREADS_ENV: threads,
-                # torch.cuda.is_available() through NVML: asking CUDA itself would make forking unsafe
-                "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-            },
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # the terminal's Ctrl-C goes to the launcher, which stops the workers
-        )
+        server_env = {
+            **env,
+            # one OpenMP thread while importing: an OpenMP pool in the server would be broken in
+            # every forked child (each sets its own count, THREADS_ENV, after the fork)
+            "OMP_NUM_THREADS": "1",
+            THREADS_ENV: threads,
+            # torch.cuda.is_available() through NVML: asking CUDA itself would make forking unsafe
+            "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        }
+        self.proc: subprocess.Popen | _ForkedServer | None = _fork_in_place(self.path, modules, server_env)
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "suite.launch.fork_server",
+                    self.path,
+                    ",".join(modules),
+                    str(os.getpid()),
+                ],
+                env=server_env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # the terminal's Ctrl-C goes to the launcher, which stops the workers
+            )
 
     @property
     def address(self) -> str:

@@ -21,6 +21,7 @@ from tests.helpers import (
     assert_equivalent,
     assert_layout,
     child_processes,
+    fork_servers,
     process_gone,
     run_loopback_nodes,
     run_suite,
@@ -195,7 +196,7 @@ def test_a_dying_worker_ends_the_job_with_one_error_line(tiny_data, tmp_path, wo
             time.sleep(0.5)
         workers = worker_pids(job.pid)
         assert sorted(workers) == [0, 1], (workers, log.read_text())
-        servers = [pid for pid, cmd in child_processes(job.pid).items() if b"suite.launch.fork_server" in cmd]
+        servers = fork_servers(job.pid)
         forked = child_processes(servers[0]) if servers else {}
         if worker_start == "fork":
             assert len(servers) == 1 and len(forked) == 2, (servers, forked)

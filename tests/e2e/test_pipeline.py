@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY_MODEL, child_processes, process_gone, run_suite, suite_env
+from tests.helpers import REPO, TINY_MODEL, child_processes, fork_servers, process_gone, run_suite, suite_env
 
 pytestmark = pytest.mark.slow
 
@@ -176,9 +176,7 @@ def test_killed_during_finetuning_resumes_it(tmp_path, tiny_data):
             break
         time.sleep(0.05)
     tree = child_processes(proc.pid)
-    servers = [
-        pid for pid, cmd in tree.items() if b"suite.launch.fork_server" in cmd and b"--client" not in cmd
-    ]
+    servers = fork_servers(proc.pid)
     clients = [pid for pid, cmd in tree.items() if b"--client\0suite.cli\0finetune" in cmd]
     forked = child_processes(servers[0]) if servers else {}
     os.killpg(proc.pid, signal.SIGKILL)
