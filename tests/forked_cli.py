@@ -72,6 +72,7 @@ def serve() -> None:
     import suite.cli.dispatch  # noqa: F401  (the CLI and every verb; suite.cli itself is kept light)
     import suite.infer.generate  # noqa: F401
     import suite.model_source  # noqa: F401
+    import suite.report.plots  # noqa: F401  (matplotlib: every training run writes its report)
     import suite.train.trainer  # noqa: F401
     from suite.config.compose import compose_config
 
