@@ -10,7 +10,10 @@ every run (`data.tokenizer`), so the runs time streaming, parsing, tokenizing an
 The ceiling is `Tokenizer.encode_batch` single-threaded (TOKENIZERS_PARALLELISM=false) over the same
 documents in one process, 1 MB batches, only the encode calls timed: what one core can do at best.
 Each `suite prepare` is a fresh process; its peak memory is the largest sum of RSS over it and its
-children (the workers), sampled every 0.1 s.
+children (the workers), sampled every 0.1 s; its CPU seconds (all processes) are recorded beside the
+wall time, since on a shared machine wall-clock ratios measure the other users too. The ceiling is
+measured once per corpus and kept in --dir (`--workers` with no numbers measures only that), so the
+points can be run one at a time.
 """
 
 from __future__ import annotations
@@ -212,7 +215,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.1, 1.0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])  # none: the ceiling only
     parser.add_argument("--dir", type=Path, default=Path("/tmp/prepare-bench"))
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
