@@ -10,7 +10,10 @@ every run (`data.tokenizer`), so the runs time streaming, parsing, tokenizing an
 The ceiling is `Tokenizer.encode_batch` single-threaded (TOKENIZERS_PARALLELISM=false) over the same
 documents in one process, 1 MB batches, only the encode calls timed: what one core can do at best.
 Each `suite prepare` is a fresh process; its peak memory is the largest sum of RSS over it and its
-children (the workers), sampled every 0.1 s.
+children (the workers), sampled every 0.1 s; its CPU seconds (all processes) are recorded beside the
+wall time, since on a shared machine wall-clock ratios measure the other users too. The ceiling is
+measured once per corpus and kept in --dir (`--workers` with no numbers measures only that), so the
+points can be run one at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -138,13 +142,14 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(sys.argv[1])
 encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-spent = size = 0
+spent = cpu = size = 0
 batch, batch_size = [], 0
 def run(batch):
-    global spent
-    start = time.perf_counter()
+    global spent, cpu
+    start, start_cpu = time.perf_counter(), time.process_time()
     encode(batch, add_special_tokens=False)
     spent += time.perf_counter() - start
+    cpu += time.process_time() - start_cpu
 with open(sys.argv[2]) as f:
     for line in f:
         text = json.loads(line)["text"]
@@ -153,8 +158,15 @@ with open(sys.argv[2]) as f:
             run(batch); batch, batch_size = [], 0
 if batch:
     run(batch)
-print(json.dumps({"mb": size / 1e6, "seconds": spent}))
+print(json.dumps({"mb": size / 1e6, "seconds": spent, "cpu": cpu}))
 """
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children and theirs: what a run cost
+    in CPU whatever else shares the cores."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def ceiling(tok: Path, corpus: Path) -> dict:
@@ -179,19 +191,20 @@ def run_prepare(corpus: Path, tok: Path, out: Path, workers: int) -> dict:
         f"data.sources=[{{path: '{corpus}'}}]", f"data.workers={workers}", "data.val_fraction=0.001",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), children_cpu()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     watched, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         peak = max(peak, tree_rss(watched))
         time.sleep(0.1)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, children_cpu() - start_cpu
     if proc.returncode:
         raise SystemExit(proc.stderr.read().decode()[-2000:])
     meta = json.loads((out / "meta.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "peak_rss_mb": peak / 2**20,
         "tokens": meta["num_train_tokens"] + meta["num_val_tokens"],
     }
@@ -202,21 +215,26 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.1, 1.0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])  # none: the ceiling only
     parser.add_argument("--dir", type=Path, default=Path("/tmp/prepare-bench"))
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the start", flush=True)
     for gb in args.sizes:
         corpus = generate(args.dir / f"corpus-{gb:g}gb.jsonl", gb)
         mb = corpus.stat().st_size / 1e6
         tok = tokenizer(
             args.dir / "tokenizer", generate(args.dir / f"corpus-{args.sizes[0]:g}gb.jsonl", args.sizes[0])
         )
-        ceil = ceiling(tok, corpus)
-        ceil_rate = ceil["mb"] / ceil["seconds"]
+        saved = args.dir / f"ceiling-{gb:g}gb.json"  # measured once per corpus: reruns time prepare only
+        if not saved.is_file():
+            saved.write_text(json.dumps(ceiling(tok, corpus)))
+        ceil = json.loads(saved.read_text())
+        ceil_rate, ceil_cpu_rate = ceil["mb"] / ceil["seconds"], ceil["mb"] / ceil["cpu"]
         print(
-            f"{gb:g} GB ({mb:,.0f} MB of JSON lines): encode_batch ceiling {ceil_rate:.2f} MB/s of text, 1 core",
+            f"{gb:g} GB ({mb:,.0f} MB of JSON lines): encode_batch ceiling {ceil_rate:.2f} MB/s of text "
+            f"({ceil_cpu_rate:.2f} MB per CPU second), 1 core",
             flush=True,
         )
         for workers in args.workers:
@@ -228,11 +246,17 @@ def main() -> None:
                 **r,
                 "text_mb_s": rate,
                 "of_ceiling": rate / (ceil_rate * workers),
+                # CPU the ceiling spends per MB over CPU prepare spends per MB, all processes: the
+                # share of the cores' work that is tokenizing, whatever else shares the machine
+                "cpu_efficiency": ceil["cpu"] / r["cpu_seconds"],
+                "load": os.getloadavg()[0],
             }
             rows.append(row)
             print(
                 f"  workers={workers}: {r['seconds']:.1f} s, {rate:.2f} MB/s of text, {r['tokens'] / r['seconds']:,.0f} "
-                f"tokens/s, {row['of_ceiling']:.0%} of {workers} x ceiling, peak RSS {r['peak_rss_mb']:,.0f} MB",
+                f"tokens/s, {row['of_ceiling']:.0%} of {workers} x ceiling, peak RSS {r['peak_rss_mb']:,.0f} MB; "
+                f"{r['cpu_seconds']:.0f} CPU s ({row['cpu_efficiency']:.0%} of the ceiling's CPU per MB), "
+                f"load {row['load']:.2f}",
                 flush=True,
             )
     print(json.dumps(rows))

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from suite.config.errors import ConfigError
+from suite.data.seen import SeenHashes
 from suite.data.shards import IndexedTokens, ShardWriter, dtype_for
 from suite.data.workers import Encoded, Pool, Scanned, encode_unit, scan_unit
 
@@ -70,21 +71,17 @@ def sample_pass(
 ) -> tuple[Totals, dict[int, str]]:
     """Every document's source, and the tokenizer sample {document index: text} (train and val)."""
     totals = Totals(np.zeros((num_sources, len(COUNTS)), dtype=np.int64))
-    seen: set[int] = set()
+    seen = SeenHashes()
     owners: list[np.ndarray] = []
     heap: list[tuple[int, int, str]] = []  # (-hash, index, text): the largest hash on top
     state = {"threshold": 2**64, "size": 0, "count": 0}
     for scanned in pool.map(scan_unit, units, lambda: (state["threshold"],)):
         assert isinstance(scanned, Scanned)
         texts = dict(scanned.candidates)
-        kept = []
-        for j, h in enumerate(scanned.hashes.tolist()):
-            if h in seen:
-                totals.add(scanned.source, DUPLICATES, 1)
-                continue
-            seen.add(h)
-            index = state["count"] + len(kept)
-            kept.append(j)
+        kept = seen.first_seen(scanned.hashes).tolist()
+        totals.add(scanned.source, DUPLICATES, len(scanned.hashes) - len(kept))
+        for index, j in enumerate(kept, start=state["count"]):
+            h = int(scanned.hashes[j])
             if h < state["threshold"] and j in texts:
                 heapq.heappush(heap, (-h, index, texts[j]))
                 state["size"] += len(texts[j])
@@ -120,10 +117,10 @@ def tokenize_parts(
         stale.unlink(missing_ok=True)
     done = complete_parts(parts)
     totals = Totals(np.zeros((num_sources, len(COUNTS)), dtype=np.int64))
-    seen: set[int] = set()
+    seen = SeenHashes()
     for i in range(done):
         with np.load(parts / f"{part_name(i)}.npz") as saved:
-            seen.update(saved["hashes"].tolist())
+            seen.add_all(saved["hashes"])
             totals.counts += saved["counts"]
     part = _Part(parts, done, vocab, num_sources)
     rest = itertools.islice(units, done * units_per_part, None)
@@ -153,20 +150,16 @@ class _Part:
         self.counts = np.zeros((num_sources, len(COUNTS)), dtype=np.int64)
         self.units = 0
 
-    def add(self, enc: Encoded, seen: set[int]) -> None:
+    def add(self, enc: Encoded, seen: SeenHashes) -> None:
         """Append a unit's documents that are not duplicates of any document before them."""
-        hashes = enc.hashes.tolist()
-        keep = []
-        for j, h in enumerate(hashes):
-            if h not in seen:
-                seen.add(h)
-                keep.append(j)
+        hashes = enc.hashes
+        kept = seen.first_seen(hashes)
+        keep = kept.tolist()
         if len(keep) == len(hashes):
             self.writer.add_documents(enc.tokens, enc.offsets)
         else:
             for j in keep:
                 self.writer.add_document(enc.tokens[enc.offsets[j] : enc.offsets[j + 1]])
-        kept = np.asarray(keep, dtype=np.int64)
         self.hashes.append(enc.hashes[kept])
         self.owners.append(np.full(len(keep), enc.source, dtype=np.int16))
         row = self.counts[enc.source]

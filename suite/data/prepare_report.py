@@ -1,6 +1,6 @@
-"""What `suite prepare` shows: a progress bar (MB/s, tokens/s, ETA when the sources' size is known)
-and, at the end, one screen: per source the documents, tokens, duplicates, filtered, its share of
-the training tokens and how many times a pass of the mixture reads it (epochs)."""
+"""What `suite prepare` shows: a progress bar (MB read, MB/s of text, tokens/s, ETA when the sources'
+size is known) and, at the end, one screen: per source the documents, tokens, duplicates, filtered,
+its share of the training tokens and how many times a pass of the mixture reads it (epochs)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ from suite.data.streams import Reading
 
 
 class _Rates(ProgressColumn):
-    """MB read, MB/s and tokens/s since the phase started."""
+    """MB read from disk (what the ETA counts), MB/s of text (decompressed: .gz/.zst and Parquet read
+    fewer bytes than they hold) and tokens/s, since the pass started."""
 
     def render(self, task: Task) -> Text:
         elapsed = max(task.elapsed or 0.0, 1e-6)
         done = task.completed / 1e6
         total = f"/{task.total / 1e6:,.0f}" if task.total else ""
+        text = task.fields.get("text_bytes", 0) / 1e6
         tokens = task.fields.get("tokens", 0)
-        rate = f" {tokens / elapsed:,.0f} tokens/s" if tokens else ""
-        return Text(f"{done:,.1f}{total} MB {done / elapsed:,.1f} MB/s{rate}")
+        rate = f", {tokens / elapsed:,.0f} tokens/s" if tokens else ""
+        return Text(f"{done:,.1f}{total} MB read, {text / elapsed:,.1f} MB/s of text{rate}")
 
 
 class PrepareProgress:
@@ -45,8 +47,7 @@ class PrepareProgress:
         )
         self.total = total
         self.task: Any = None
-        self.tokens = 0
-        self.text_bytes = 0
+        self.tokens = self.text_bytes = self.pass_text = 0
         self.started = time.monotonic()
         reading.on_bytes = self._read
 
@@ -54,8 +55,8 @@ class PrepareProgress:
         """A new pass: the bar restarts from 0."""
         if self.task is not None:
             self._progress.remove_task(self.task)
-        self.tokens = 0
-        self.task = self._progress.add_task(phase, total=self.total, tokens=0)
+        self.tokens = self.pass_text = 0
+        self.task = self._progress.add_task(phase, total=self.total, tokens=0, text_bytes=0)
 
     def _read(self, n: int) -> None:
         if self.task is not None:
@@ -65,8 +66,9 @@ class PrepareProgress:
         """A unit's results arrived: its text and tokens."""
         self.tokens += tokens
         self.text_bytes += text_bytes
+        self.pass_text += text_bytes
         if self.task is not None:
-            self._progress.update(self.task, tokens=self.tokens)
+            self._progress.update(self.task, tokens=self.tokens, text_bytes=self.pass_text)
 
     def __enter__(self) -> PrepareProgress:
         self._progress.__enter__()
@@ -132,7 +134,7 @@ def print_report(console: Console, out_dir: Path, meta: dict[str, Any], seconds:
     console.print(
         f"{meta['num_train_tokens']:,} train / {meta['num_val_tokens']:,} val tokens "
         f"({meta['num_train_docs']:,} / {meta['num_val_docs']:,} documents), vocab {meta['vocab_size']}; "
-        f"{seconds:.1f} s, {text_bytes / 1e6 / seconds:,.1f} MB/s, {tokens / seconds:,.0f} tokens/s"
+        f"{seconds:.1f} s, {text_bytes / 1e6 / seconds:,.1f} MB/s of text, {tokens / seconds:,.0f} tokens/s"
     )
     if meta.get("skipped_files"):
         files = meta["skipped_files"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +75,18 @@ def local_files(pattern: str, key: str) -> list[Path] | None:
 
 def split_text(text: str, max_chars: int = TXT_DOC_CHARS) -> list[str]:
     """Greedily pack blank-line-separated blocks into documents of about `max_chars` characters."""
-    docs: list[str] = []
+    return list(pack_blocks(text.split("\n\n"), max_chars))
+
+
+def pack_blocks(blocks: Iterable[str], max_chars: int = TXT_DOC_CHARS) -> Iterator[str]:
+    """`split_text` over a stream of blocks: a .txt file is cut into documents as it is read."""
     current: list[str] = []
     size = 0
-    for block in text.split("\n\n"):
+    for block in blocks:
         if current and size + len(block) > max_chars:
-            docs.append("\n\n".join(current))
+            yield "\n\n".join(current)
             current, size = [], 0
         current.append(block)
         size += len(block) + 2
     if current:
-        docs.append("\n\n".join(current))
-    return docs
+        yield "\n\n".join(current)

@@ -15,14 +15,14 @@ A file that cannot be read ends in one ConfigError line naming it (suite.user_fi
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from suite import user_files
 from suite.config.errors import ConfigError
-from suite.data.sources import local_files, source_fields, source_key, split_text
+from suite.data.sources import local_files, pack_blocks, source_fields, source_key
 
 DATASET_ROWS = 1024  # rows of a `datasets` source read at a time
 
@@ -165,9 +165,8 @@ def source_units(src: Any, index: int, batch_bytes: int, skip_bad: bool, reading
     for path in files:
         try:
             if path.name.endswith(".txt"):
-                text = user_files.read_text(path, key)
-                reading.advance(path.stat().st_size)
-                yield from _text_units(split_text(text), str(path), base, batch_bytes)
+                docs = pack_blocks(_txt_blocks(path, key, reading, batch_bytes))
+                yield from _text_units(docs, str(path), base, batch_bytes)
             elif path.name.endswith(".parquet"):
                 yield from _parquet_units(path, fields, base, batch_bytes, reading, key)
             else:
@@ -189,7 +188,7 @@ def _is_field_error(fields: dict[str, Any], path: Path, key: str) -> bool:
     return fields["text_field"].split(".")[0] not in columns and fields["text_field"] not in columns
 
 
-def _text_units(texts: list[str], where: str, base: dict[str, Any], batch_bytes: int) -> Iterator[Unit]:
+def _text_units(texts: Iterable[Any], where: str, base: dict[str, Any], batch_bytes: int) -> Iterator[Unit]:
     batch: list[str] = []
     size = 0
     for text in texts:
@@ -200,6 +199,45 @@ def _text_units(texts: list[str], where: str, base: dict[str, Any], batch_bytes:
             batch, size = [], 0
     if batch:
         yield Unit(where=where, texts=tuple(batch), **base)
+
+
+def _txt_blocks(path: Path, key: str, reading: Reading, block_bytes: int) -> Iterator[str]:
+    """The blank-line-separated blocks of a UTF-8 .txt file (`text.split("\\n\\n")` of the whole
+    file), read `block_bytes` at a time: a big file is never held whole."""
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 (closed below; the open's error is one line)
+    except OSError as err:
+        raise user_files._os_error(key, path, err) from None
+    with handle:
+        pending, offset, lines = b"", 0, 0  # undecoded bytes, their offset and line in the file
+        held: list[str] = []  # text since the last blank line
+        while True:
+            data = handle.read(block_bytes)
+            if not offset and not pending:
+                why = user_files.binary_reason(data[: user_files.SNIFF_BYTES])
+                if why:
+                    raise ConfigError(f"{key}: '{path}' {why}; give UTF-8 text")
+            reading.advance(len(data))
+            pending += data
+            cut = pending.rfind(b"\n") + 1 if data else len(pending)  # never inside a character
+            if data and not cut:
+                continue
+            piece, pending = pending[:cut], pending[cut:]
+            try:
+                text = piece.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line = lines + piece[: err.start].count(b"\n") + 1
+                raise user_files.not_utf8(key, path, err, offset, line) from None
+            offset, lines = offset + len(piece), lines + piece.count(b"\n")
+            last = held[-1][-1:] if held else ""
+            if "\n\n" in text or (last == "\n" and text.startswith("\n")) or not data:
+                blocks = ("".join(held) + text).split("\n\n")
+                held = [blocks.pop()] if data else []
+                yield from blocks
+            else:
+                held.append(text)
+            if not data:
+                return
 
 
 def _line_units(

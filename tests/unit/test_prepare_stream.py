@@ -102,7 +102,9 @@ def test_a_prepare_killed_from_outside_resumes_to_the_same_bytes(corpus: Path, t
     assert read_meta(out)["sources"][0]["duplicates"] == 30
 
 
-def test_compressed_parquet_saved_and_dotted_sources_prepare_alike(corpus: Path, tmp_path: Path) -> None:
+def test_compressed_parquet_saved_streamed_and_dotted_sources_prepare_alike(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -118,10 +120,22 @@ def test_compressed_parquet_saved_and_dotted_sources_prepare_alike(corpus: Path,
         pq.write_table(pa.Table.from_pylist(nested[k * 75 : (k + 1) * 75]), tmp_path / "pq" / f"{k}.parquet")
     datasets.disable_progress_bars()
     datasets.Dataset.from_list(nested).save_to_disk(str(tmp_path / "saved"))
+    # a `datasets` name, streamed: the Hub is out of reach here, so a local folder serves the name
+    (tmp_path / "hub").mkdir()
+    write_jsonl(tmp_path / "hub" / "train.jsonl", nested)
+    load = datasets.load_dataset
+
+    def from_folder(path: str, name: str | None = None, **kwargs) -> datasets.IterableDataset:
+        assert path == "someone/nested-docs" and kwargs["streaming"]
+        return load(str(tmp_path / "hub"), name, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", from_folder)
     built = [prepare(cfg_for(tmp_path / "plain.jsonl"), tmp_path / "out-plain", progress=False)]
-    for name in ("nested.jsonl.gz", "nested.jsonl.zst", "pq", "saved"):
-        source = DataSourceConfig(path=str(tmp_path / name), text_field="meta.body")
-        built.append(prepare(cfg_for(tmp_path, sources=[source]), tmp_path / f"out-{name}", progress=False))
+    for name in ("nested.jsonl.gz", "nested.jsonl.zst", "pq", "saved", "someone/nested-docs"):
+        path = name if "/" in name else str(tmp_path / name)
+        source = DataSourceConfig(path=path, text_field="meta.body")
+        out = tmp_path / f"out-{name.replace('/', '-')}"
+        built.append(prepare(cfg_for(tmp_path, sources=[source]), out, progress=False))
     for out in built[1:]:
         same_shards(built[0], out)
 
@@ -173,3 +187,25 @@ def test_a_mixture_draws_exact_token_shares_and_reports_upsampling(corpus: Path,
     sources[0].weight, sources[1].weight = 1.0, 3.0  # weight 3 on a tenth of the data: 7.5 epochs a pass
     heavy = read_meta(prepare(cfg_for(corpus, sources=sources), tmp_path / "heavy", progress=False))
     assert heavy["sources"][1]["share"] == 0.75 and heavy["sources"][1]["epochs"] > 5
+
+
+def test_seen_hashes_and_txt_blocks_match_their_in_memory_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compact duplicate check is a set; a .txt read a block at a time cuts as the whole text."""
+    import suite.data.seen as seen
+    from suite.data.sources import pack_blocks, split_text
+    from suite.data.streams import Reading, _txt_blocks
+
+    monkeypatch.setattr(seen, "_MIN_RECENT", 4)  # merge into the sorted array often
+    rng, held, check = np.random.default_rng(0), set(), seen.SeenHashes()
+    for _ in range(100):
+        hashes = rng.integers(0, 300, size=int(rng.integers(0, 12)), dtype=np.uint64)
+        expected = [j for j, h in enumerate(hashes.tolist()) if h not in held and not held.add(h)]
+        assert check.first_seen(hashes).tolist() == expected
+    text = "".join(random.Random(1).choice(["ab", "\n", "\n\n", "é€", "\n\n\n"]) for _ in range(400))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    for block in (1, 2, 5, 1000):
+        blocks = list(_txt_blocks(tmp_path / "t.txt", "k", Reading(), block))
+        assert blocks == text.split("\n\n")
+    assert list(pack_blocks(blocks, 30)) == split_text(text, 30)
