@@ -273,13 +273,13 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
         raise ConfigError(f"run.dir='{out}' is the source run; pass a new folder, e.g. run.dir={out}-pruned")
     model_cfg = source.model_config()
     check_prune(cfg, model_cfg)
+    tokenizer = source.tokenizer()
+    recipe = source_recipe(source, tokenizer, cfg)  # an hf:/gguf: source: this command's, in its tokenizer
     made = made_by(cfg, source)  # another model's or plan's output: refused or moved aside
     claim(out, made, "run.dir", cfg.train.overwrite, reads=(source.folder,))
 
     progress(1, f"reading {source.named} ({source.folder}) and calibration data")
     model = source.load_model("cpu")
-    tokenizer = source.tokenizer()
-    recipe = source_recipe(source, tokenizer, cfg)  # an hf:/gguf: source: this command's, in its tokenizer
     evals, calib, task = held_out_and_calibration(recipe, tokenizer, cfg, tmp)
     prompt = evals[0].tokens[0, :16].tolist()
     task_eval = None

@@ -199,15 +199,18 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     if not targets:
         raise ConfigError(f"compress.skip={list(c.skip)} leaves no Linear layer to quantize")
     check_compress_model(cfg, shape_only, targets, shape_only.cfg.name)
+    tokenizer = source.tokenizer()
+    recipe = source_recipe(
+        source, tokenizer, cfg
+    )  # before the model: a data.path in another tokenizer stops here
     # the last check: another quantization in run.dir is refused, or moved aside with --overwrite
     claim(out, made_by(cfg, source), "run.dir", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,))
 
     # a LoRA run's adapters are merged into the weights by load_model: the merged weights are quantized
     progress(1, f"reading {source.named} ({source.folder}) and its held-out data")
     model = source.load_model("cpu").to(device)
-    tokenizer = source.tokenizer()
     saved = _saved_config(cfg, source)
-    evals, calib, task = held_out_and_calibration(source_recipe(source, tokenizer, cfg), tokenizer, cfg, tmp)
+    evals, calib, task = held_out_and_calibration(recipe, tokenizer, cfg, tmp)
     prompt = evals[0].tokens[0, :PROMPT_TOKENS].tolist()
     task_eval = None
     if task is not None:

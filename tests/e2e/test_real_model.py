@@ -85,3 +85,16 @@ def test_chat_generation_uses_the_files_template_like_transformers(source, suite
     assert expected.strip()
     greedy = GenerateConfig(max_new_tokens=new, temperature=0.0, top_k=None, top_p=None)
     assert generate_texts(ModelEngine(suite_model), tokenizer, [ids], greedy) == [expected]
+
+
+def test_calibration_data_in_another_tokenizer_is_refused(gguf_file, tiny_data, tmp_path, capsys):
+    """compress=gptq from `gguf:` calibrates on data in the file's own tokenizer: a data.path prepared
+    with another one is refused in one line, before the model is read and before run.dir is claimed."""
+    from suite.cli import main
+
+    out = tmp_path / "q"
+    argv = ["quantize", f"ckpt=gguf:{gguf_file}", "compress=gptq", f"data.path={tiny_data}", f"run.dir={out}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"data.path='{tiny_data}'" in err and "tokenizer" in err
+    assert not out.exists()
