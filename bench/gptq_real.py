@@ -3,6 +3,7 @@ forwards from the embedding, and held-out perplexity before and after.
 
     python bench/gptq_real.py --gguf .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf --calib 32
     python bench/gptq_real.py --gguf ... --calib 4 --forwards     # the old way (re-run per block)
+    python bench/gptq_real.py --gguf ... --no-ppl --keep-denormals  # without flush_denormals (A/B)
 
 Calibration: `--calib` windows of `--seq` tokens of the licence texts in /usr/share/common-licenses
 (all but GPL-3); held out: the first `--held` windows of GPL-3. Weights dequantized to fp32, int4
@@ -61,7 +62,14 @@ def main() -> None:
         action="store_true",
         help="time the calibration forwards and Hessians only (weights kept)",
     )
+    parser.add_argument(
+        "--keep-denormals",
+        action="store_true",
+        help="GPTQ without flushing denormal floats to zero (what suite.models.gptq.flush_denormals changes)",
+    )
     args = parser.parse_args()
+    if args.keep_denormals:  # this process only: flush_denormals' switch does nothing
+        torch.set_flush_denormal = lambda on: True
 
     from suite.compress.methods import grid_for, linear_plan
     from suite.config.schema import CompressConfig
@@ -95,7 +103,8 @@ def main() -> None:
         "model": Path(args.gguf).name, "precision": "fp32 (dequantized), int4 g32 gptq",
         "mode": "forwards from the embedding" if args.forwards else "cached block inputs",
         "calib": f"{len(calib)} x {args.seq}", "held_out": f"{len(held)} x {args.seq}",
-        "gptq_seconds": round(seconds, 1), "forwards_only": args.forwards_only, "ppl_before": before, "ppl_after": after,
+        "gptq_seconds": round(seconds, 1), "forwards_only": args.forwards_only,
+        "denormals": "kept" if args.keep_denormals else "flushed", "ppl_before": before, "ppl_after": after,
         "cpu": cpu_name(), "threads": torch.get_num_threads(),
     }))  # fmt: skip
 

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from suite.compress.before_after import measure, save_plain, stored_bytes, table, write_report
 from suite.compress.checks import refuse_quantized
 from suite.compress.importance import Importance, importance
-from suite.compress.quantize import held_out_and_calibration, progress
+from suite.compress.quantize import held_out_and_calibration, progress, source_recipe
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.folders import claim, source_identity, write_record
@@ -267,23 +267,20 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
     p = cfg.prune
     refuse_quantized(cfg.ckpt, "ckpt", "pruning")
     source = ModelSource.parse(cfg.ckpt, "ckpt")
-    if source.saved is None:
-        raise ConfigError(
-            f"{source.named} is an HF folder: pruning calibrates on a suite run's data; prune a suite run"
-        )
-    base = source.run_dir
+    base = source.run_dir if source.run_dir is not None else source.folder
     out = Path(cfg.run.dir).expanduser() if explicit_dir else base.parent / f"{base.name}-pruned"
     if out.resolve() == base.resolve():
         raise ConfigError(f"run.dir='{out}' is the source run; pass a new folder, e.g. run.dir={out}-pruned")
     model_cfg = source.model_config()
     check_prune(cfg, model_cfg)
+    tokenizer = source.tokenizer()
+    recipe = source_recipe(source, tokenizer, cfg)  # an hf:/gguf: source: this command's, in its tokenizer
     made = made_by(cfg, source)  # another model's or plan's output: refused or moved aside
     claim(out, made, "run.dir", cfg.train.overwrite, reads=(source.folder,))
 
     progress(1, f"reading {source.named} ({source.folder}) and calibration data")
     model = source.load_model("cpu")
-    tokenizer = source.tokenizer()
-    evals, calib, task = held_out_and_calibration(source.saved, tokenizer, cfg, tmp)
+    evals, calib, task = held_out_and_calibration(recipe, tokenizer, cfg, tmp)
     prompt = evals[0].tokens[0, :16].tolist()
     task_eval = None
     if task is not None:
@@ -310,11 +307,11 @@ def _prune(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]:
 
     progress(4, f"writing {out}")
     saved = dataclasses.replace(
-        source.saved,
+        recipe,
         model=new_cfg,
         prune=p,
-        run=dataclasses.replace(source.saved.run, dir=str(out)),
-        finetune=dataclasses.replace(source.saved.finetune, method="full"),
+        run=dataclasses.replace(recipe.run, dir=str(out)),
+        finetune=dataclasses.replace(recipe.finetune, method="full"),
         ckpt=None,
     )
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(saved))

@@ -1,8 +1,9 @@
-"""`suite quantize ckpt=<run|checkpoint|hf:dir> compress=<method> run.dir=<out>`: post-training
-quantization with torchao, measured before and after.
+"""`suite quantize ckpt=<run|checkpoint|hf:dir|gguf:file> compress=<method> run.dir=<out>`:
+post-training quantization with torchao, measured before and after.
 
     1. read the model (fp32, one device) and the recipe's held-out data (the run's validation
-       shards, or a finetuning run's held-out rows)
+       shards, or a finetuning run's held-out rows; for an hf:/gguf: source, this command's data.*
+       in the source's own tokenizer: suite.compress.source_data)
     2. measure it: parameters, weights file bytes, held-out perplexity, greedy decode tokens/s
     3. quantize its Linear layers (suite.compress.methods; smoothquant calibrates on
        compress.calib_samples training sequences first); round the blocks' remaining float
@@ -31,6 +32,7 @@ from omegaconf import OmegaConf
 from suite.compress.before_after import measure, save_plain, stored_bytes, table, write_report
 from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
 from suite.compress.methods import linear_plan, quantize_model, usable_scales
+from suite.compress.source_data import source_data
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data import ensure_prepared
@@ -41,7 +43,6 @@ from suite.folders import claim, source_identity, write_record
 from suite.folders import made_by as record
 from suite.model_source import ModelSource
 from suite.models import build_model
-from suite.models.compression import get
 from suite.models.quantized import (
     WEIGHTS_FILE,
     is_quantized,
@@ -102,12 +103,20 @@ def _saved_config(cfg: SuiteConfig, source) -> SuiteConfig:
     )
 
 
-def held_out_and_calibration(saved: SuiteConfig | None, tokenizer: Any, cfg: SuiteConfig, tmp: Path):
-    """(held-out batches, calibration batches, task) from the source run's recipe; (None, None, None)
-    for an HF folder (no recipe to take data from). task: (name, held-out file, chat template) when
-    the run was finetuned on a built-in task, else None."""
-    if saved is None:
-        return None, None, None
+def source_recipe(source: ModelSource, tokenizer: Any, cfg: SuiteConfig) -> SuiteConfig:
+    """The recipe whose data a compression measures and calibrates on: the source run's, or, for a
+    model imported from outside the suite (hf:, gguf:), this command's with its data.* prepared in
+    the source's own tokenizer (suite.compress.source_data) and no finetuning rows."""
+    if source.saved is not None:
+        return source.saved
+    seq = min(cfg.data.seq_len, source.model_config().max_seq_len)
+    data = source_data(replace(cfg.data, seq_len=seq), tokenizer, source.named)
+    return replace(cfg, data=data, finetune=replace(cfg.finetune, data=SuiteConfig().finetune.data))
+
+
+def held_out_and_calibration(saved: SuiteConfig, tokenizer: Any, cfg: SuiteConfig, tmp: Path):
+    """(held-out batches, calibration batches, task) from `saved` (source_recipe). task: (name,
+    held-out file, chat template) when the run was finetuned on a built-in task, else None."""
     c = cfg.compress
     calib_mb = min(8, c.calib_samples)
     calib_steps = math.ceil(c.calib_samples / calib_mb)
@@ -190,26 +199,19 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
     if not targets:
         raise ConfigError(f"compress.skip={list(c.skip)} leaves no Linear layer to quantize")
     check_compress_model(cfg, shape_only, targets, shape_only.cfg.name)
-    method = get(c.method)
-    if method.needs_calibration and source.saved is None:
-        raise ConfigError(
-            f"compress.method={c.method} calibrates on the recipe's data; {source.named} is an HF folder "
-            f"with no recipe: quantize a suite run, or use compress={method.without_calibration}"
-        )
+    tokenizer = source.tokenizer()
+    recipe = source_recipe(
+        source, tokenizer, cfg
+    )  # before the model: a data.path in another tokenizer stops here
     # the last check: another quantization in run.dir is refused, or moved aside with --overwrite
     claim(out, made_by(cfg, source), "run.dir", cfg.train.overwrite, legacy=_legacy, reads=(source.folder,))
 
     # a LoRA run's adapters are merged into the weights by load_model: the merged weights are quantized
     progress(1, f"reading {source.named} ({source.folder}) and its held-out data")
     model = source.load_model("cpu").to(device)
-    tokenizer = source.tokenizer()
     saved = _saved_config(cfg, source)
-    evals, calib, task = held_out_and_calibration(source.saved, tokenizer, cfg, tmp)
-    prompt = (
-        evals[0].tokens[0, :PROMPT_TOKENS].tolist()
-        if evals
-        else tokenizer.encode("The", add_special_tokens=False)
-    )
+    evals, calib, task = held_out_and_calibration(recipe, tokenizer, cfg, tmp)
+    prompt = evals[0].tokens[0, :PROMPT_TOKENS].tolist()
     task_eval = None
     if task is not None:
         task_eval = {"task": task[0], "file": task[1], "template": task[2], "limit": c.task_samples}
@@ -275,9 +277,7 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         "learned_scale_layers": len(learned),
         "weight_types": weight_types,
         "all_quantized": all(is_quantized_tensor(dict(model.named_modules())[t].weight) for t in targets),
-        "held_out": "none (HF folder: no recipe)"
-        if not evals
-        else f"{sum(b.num_targets for b in evals)} tokens",
+        "held_out": f"{sum(b.num_targets for b in evals)} tokens",
         "reload_max_abs_diff": reload_diff,
         "before": before,
         "after": after,

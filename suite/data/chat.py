@@ -102,6 +102,23 @@ def resolve_chat_template(tokenizer: Any, template: str | None = "auto") -> str:
     )
 
 
+def checkpoint_chat_template(tokenizer: Any, key: str, ckpt: str) -> str:
+    """The checkpoint's own chat template, for chatting with it (generate.chat, `suite chat`).
+
+    No fallback: a model that was never taught a chat format would answer a made-up one in noise,
+    and a silent default hides that its template was lost on the way (e.g. by an export)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: the default one
+        own = own.get("default")
+    if own:
+        return own
+    raise ConfigError(
+        f"{key} but ckpt='{ckpt}' carries no chat template (no chat_template.jinja or tokenizer_config "
+        "chat_template, no GGUF tokenizer.chat_template); give a chat model (a finetuned run, an HF folder "
+        "or GGUF file with a template), or drop generate.chat for plain continuation"
+    )
+
+
 def use_chat_template(tokenizer: Any, template: str | None = "auto") -> str:
     """Resolve `template` and store it on the tokenizer, so `save_pretrained` exports it."""
     text = resolve_chat_template(tokenizer, template)

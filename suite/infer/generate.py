@@ -10,7 +10,7 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import GenerateConfig
-from suite.data.chat import prompt_ids, resolve_chat_template
+from suite.data.chat import checkpoint_chat_template, prompt_ids
 from suite.model_source import ModelSource
 from suite.models import KVCache, Transformer
 from suite.models.quantized import is_quantized, load_quantized_model
@@ -126,11 +126,12 @@ def read_prompts(value: str) -> list[str]:
     return prompts
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    """The prompt's ids: as typed, or (generate.chat) as a user turn under the model's chat template
-    (the tokenizer's own, else the one finetuning uses by default), ready for the assistant's reply."""
+def encode_prompt(tokenizer, text: str, chat: bool, ckpt: str = "") -> list[int]:
+    """The prompt's ids: as typed, or (generate.chat) as a user turn under the checkpoint's own chat
+    template (refused in one line when it has none), ready for the assistant's reply."""
     if chat:
-        return prompt_ids(tokenizer, [{"role": "user", "content": text}], resolve_chat_template(tokenizer))
+        template = checkpoint_chat_template(tokenizer, "generate.chat=true", ckpt)
+        return prompt_ids(tokenizer, [{"role": "user", "content": text}], template)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -94,7 +94,6 @@ class CompressionMethod(ABC):
     # float activations: gradients reach a layer's input (LoRA over it trains what lies below: QLoRA)
     weight_only: ClassVar[bool] = True
     group_wise: ClassVar[bool] = False  # compress.group_size must tile every quantized input width
-    without_calibration: ClassVar[str | None] = None  # the method on the same grid that needs no data
     formats: ClassVar[tuple[str, ...]] = (HF,)  # export formats that hold its tensors as they are
     training_name: ClassVar[str | None] = None  # compress=<this> on pretrain/finetune trains for it
 
@@ -347,7 +346,6 @@ class SmoothQuant(CompressionMethod):
     options = SmoothQuantOptions
     needs_calibration = True
     weight_only = False
-    without_calibration = "w8a8"
 
     def torchao_config(self, compress: CompressConfig, device: torch.device) -> Any:
         return W8A8().torchao_config(compress, device)
@@ -401,7 +399,6 @@ class Gptq(_Gptq):
     summary = "int4's grid, GPTQ error compensation on compress.calib_samples sequences"
     options = GptqOptions
     group_wise = True
-    without_calibration = "int4"
 
     def grid(self, compress: CompressConfig) -> Grid:
         return int4_grid(self.settings(compress).group_size)
@@ -412,7 +409,6 @@ class GptqInt8(_Gptq):
     name = "gptq-int8"
     summary = "int8's grid, GPTQ error compensation"
     options = GptqInt8Options
-    without_calibration = "int8"
 
     def grid(self, compress: CompressConfig) -> Grid:
         return int8_grid()

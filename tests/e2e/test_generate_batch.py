@@ -45,6 +45,13 @@ def runs(tmp_path_factory, tiny_data):
             timeout=300,
         )
         out[family] = run
+    # the gpt run carries a chat template the way a finetuned run does (tokenizer_config.json and
+    # chat_template.jinja beside tokenizer.json); the llama run, pretrained only, has none
+    from suite.data.chat import CHAT_TEMPLATES
+
+    tokenizer = ModelSource.parse(str(out["gpt"])).tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATES["chatml"]
+    tokenizer.save_pretrained(out["gpt"])
     return out
 
 
@@ -101,18 +108,22 @@ def test_prompts_file_stream_chat_and_an_export_folder(runs, tmp_path):
     from_onnx = run_suite("generate", f"ckpt={out}", f"generate.prompts_file={lines}", *common, check=True)
     assert json.loads(from_onnx.stdout)["results"] == results
     assert "onnx export (fp32)" in from_onnx.stderr
-    # the chat template: the prompt goes in as a user turn
-    engine, tokenizer, _ = load_engine(str(run))
-    from suite.data.chat import prompt_ids, resolve_chat_template
+    # the chat template: the prompt goes in as a user turn, in the checkpoint's own template ...
+    engine, tokenizer, _ = load_engine(str(runs["gpt"]))
+    from suite.data.chat import CHAT_TEMPLATES, prompt_ids
 
-    turn = prompt_ids(tokenizer, [{"role": "user", "content": PROMPTS[0]}], resolve_chat_template(tokenizer))
+    turn = prompt_ids(tokenizer, [{"role": "user", "content": PROMPTS[0]}], CHAT_TEMPLATES["chatml"])
     want = generate_texts(
         engine, tokenizer, [turn], GenerateConfig(**{**GREEDY.__dict__, "max_new_tokens": 10})
     )
     chat = run_suite(
-        "generate", f"ckpt={run}", f"prompt={PROMPTS[0]}", "generate.chat=true", *common, check=True
+        "generate", f"ckpt={runs['gpt']}", f"prompt={PROMPTS[0]}", "generate.chat=true", *common, check=True
     )
     assert json.loads(chat.stdout)["text"] == want[0]
+    # ... and a model without one is refused in one line (no default template in its place)
+    refused = run_suite("generate", f"ckpt={run}", f"prompt={PROMPTS[0]}", "generate.chat=true", *common)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "generate.chat=true" in refused.stderr and "carries no chat template" in refused.stderr
 
 
 def test_suite_chat_reads_turns_until_end_of_input(runs):

@@ -256,19 +256,25 @@ def test_finetuned_run_reports_task_accuracy_and_evals(base_run, capsys):
     assert result["task"] == "reverse-3" and result["total"] == 8
 
 
-def test_hf_folder_quantizes_without_held_out_data(base_run, capsys):
+def test_hf_folder_calibrates_on_data_in_its_own_tokenizer(base_run, quantized, tiny_data, capsys):
+    """An hf: source has no recipe: data.path (in its tokenizer) gives SmoothQuant/GPTQ their
+    calibration and every report its perplexity. The export holds the run's weights and the same
+    windows are read, so GPTQ from it measures what GPTQ from the run does; pruning starts from it too."""
     from suite.cli import main
 
     hf = base_run.parent / "base-hf"
     assert main(["export", f"ckpt={base_run}", f"out={hf}"]) == 0
-    out = base_run.parent / "hf-w8a8"
-    assert main(["quantize", f"ckpt=hf:{hf}", "compress=w8a8", f"run.dir={out}", *FAST_REPORT]) == 0
+    same = [f"data.path={tiny_data}", "data.seq_len=32", "parallel.micro_batch_size=8", *FAST_REPORT]
+    out = base_run.parent / "hf-gptq"
+    assert main(["quantize", f"ckpt=hf:{hf}", "compress=gptq", f"run.dir={out}", *same]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["before"]["perplexity"] is None and report["all_quantized"]
+    from_run = json.loads((quantized["gptq"] / "report.json").read_text())
+    assert report["all_quantized"]
+    for side in ("before", "after"):
+        assert report[side]["perplexity"] == pytest.approx(from_run[side]["perplexity"], rel=1e-4)
     capsys.readouterr()
     assert main(["generate", f"ckpt={out}", "prompt=The quick", "generate.max_new_tokens=4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
-    err = _refused(capsys, "quantize", f"ckpt=hf:{hf}", "compress=smoothquant", f"run.dir={out}-sq")
-    assert "compress=w8a8" in err
-    err = _refused(capsys, "quantize", f"ckpt=hf:{hf}", "compress=gptq", f"run.dir={out}-gptq")
-    assert "compress=int4" in err
+    pruned = base_run.parent / "hf-pruned"
+    assert main(["prune", f"ckpt=hf:{hf}", f"run.dir={pruned}", "prune.ffn=0.25", *same]) == 0
+    assert json.loads((pruned / "report.json").read_text())["after"]["perplexity"] is not None

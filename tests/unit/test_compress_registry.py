@@ -126,7 +126,6 @@ def test_every_method_answers_what_the_verbs_ask():
         assert method.name == name and method.summary and method.devices
         assert is_dataclass(method.options) and {f.name for f in fields(method.options)} <= flat
         assert isinstance(method.settings(CompressConfig(method=name)), method.options)
-        assert method.without_calibration is None or not get(method.without_calibration).needs_calibration
     for name in training_names():
         trained = for_training(name)
         assert trained is not None and trained.training_name == name

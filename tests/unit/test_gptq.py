@@ -139,3 +139,25 @@ def test_cached_block_inputs_give_the_same_integers_as_forwards_from_the_embeddi
     for t in targets:
         assert torch.equal(weights[True][t][0], weights[False][t][0]), t
         assert torch.equal(weights[True][t][1], weights[False][t][1]), t
+
+
+@pytest.mark.parametrize("caller", [False, True])
+def test_denormals_are_flushed_inside_gptq_only(caller):
+    """GPTQ runs with denormal floats flushed (their slow path doubled a real weight's column updates)
+    and hands back the caller's own setting, on or off: the switch is thread-global."""
+    from suite.compress.methods import grid_for
+    from suite.models.gptq import flushing_denormals, gptq_quantize
+
+    model = nn.Sequential(nn.Linear(64, 8, bias=False))
+    seen = []
+
+    def calibrate(m):
+        seen.append(flushing_denormals())
+        m(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+
+    torch.set_flush_denormal(caller)
+    try:
+        gptq_quantize(model, ["0"], grid_for("gptq", 32), 0.01, calibrate)
+        assert seen == [True] and flushing_denormals() == caller
+    finally:
+        torch.set_flush_denormal(False)

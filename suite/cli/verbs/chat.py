@@ -22,11 +22,11 @@ def run(overrides: list[str], flags: set[str]) -> int:
     engine, tokenizer, described = load_engine(
         cfg.ckpt, _device(cfg.train.device), compile=cfg.generate.compile
     )
-    _say(f"{described}\nchat: type a message; /exit or Ctrl-D ends")
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.data.chat import prompt_ids, resolve_chat_template
+    from suite.data.chat import checkpoint_chat_template, prompt_ids
 
-    template = resolve_chat_template(tokenizer)
+    template = checkpoint_chat_template(tokenizer, "suite chat", str(cfg.ckpt))
+    _say(f"{described}\nchat: type a message; /exit or Ctrl-D ends")
     history: list[dict[str, str]] = []
     while True:
         try:
@@ -50,11 +50,11 @@ def run(overrides: list[str], flags: set[str]) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
-HELP = """usage: suite chat ckpt=<finetuned run|hf:folder|export folder> [generate.KEY=VALUE ...]
+HELP = """usage: suite chat ckpt=<finetuned run|hf:folder|gguf:file|export folder> [generate.KEY=VALUE ...]
 
 An interactive conversation on the console: each line you type is a user turn, rendered with the
-model's chat template (the tokenizer's own, else the one finetuning used by default) together with the
-conversation so far; the reply streams. /exit or end of input (Ctrl-D) ends. The oldest turns are
+checkpoint's own chat template (refused when it has none: a pretrained-only run, an export that lost it)
+together with the conversation so far; the reply streams. /exit or end of input (Ctrl-D) ends. The oldest turns are
 dropped when the conversation outgrows the model's context. Keys: those of `suite generate`.
 
 Examples:

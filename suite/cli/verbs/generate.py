@@ -28,7 +28,7 @@ def run(overrides: list[str], flags: set[str]) -> int:
     g = cfg.generate
     texts = read_prompts(g.prompts_file) if g.prompts_file else [g.prompt]
     engine, tokenizer, described = load_engine(cfg.ckpt, _device(cfg.train.device), compile=g.compile)
-    prompts = [encode_prompt(tokenizer, text, g.chat) for text in texts]
+    prompts = [encode_prompt(tokenizer, text, g.chat, str(cfg.ckpt)) for text in texts]
     if not all(prompts):
         raise ConfigError('generate.prompt is empty; pass prompt="some text"')
     check_prompts(prompts, g.max_new_tokens, engine.max_seq_len)
@@ -59,8 +59,9 @@ override grammar, no ${...} interpolation; prompt_file=PATH reads one prompt fro
 from stdin. generate.prompts_file=PATH decodes a batch: one prompt per line, or JSONL {"prompt": ...},
 generate.batch_size at a time (left-padded into one static-cache batch; an export folder batches prompts
 of equal length). generate.stop='["\n\n"]' ends a continuation where a stop sequence appears;
-generate.chat=true renders the prompt as a user turn with the model's chat template (`suite chat` is the
-interactive form). A prompt longer than the model's context is refused; generation stops at the context
+generate.chat=true renders the prompt as a user turn with the checkpoint's own chat template (a run's
+chat_template.jinja, an HF folder's, a GGUF file's tokenizer.chat_template; refused when it has none;
+`suite chat` is the interactive form). A prompt longer than the model's context is refused; generation stops at the context
 length (said).
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
       generate.seed  generate.prompts_file  generate.batch_size  generate.stop  generate.chat

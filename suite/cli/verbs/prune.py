@@ -19,7 +19,8 @@ HELP = """usage: suite prune ckpt=<run.dir|checkpoint dir> [prune.ffn=FRACTION] 
        [prune.hidden=FRACTION] [prune.layers=COUNT] [run.dir=OUT] [--json]
 
 Structured pruning into a smaller dense model of the same family (Minitron-style importance from
-activations on compress.calib_samples sequences of the run's data): prune.ffn removes that fraction of
+activations on compress.calib_samples sequences of the run's data; an hf:/gguf: source: data.path,
+data.sources or the embedded corpus, in its own tokenizer): prune.ffn removes that fraction of
 every MLP's channels (least mean |activation| at the down projection's input), prune.heads that
 fraction of every layer's attention heads (scored at the output projection's input; with grouped KV
 heads each group keeps the same number of its query heads, or whole groups go), prune.hidden that fraction of the

@@ -21,11 +21,12 @@ def run(overrides: list[str], flags: set[str]) -> int:
     return _report_compression(report, report["method"], flags)
 
 
-HELP = """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder> compress={compress_names} [run.dir=OUT]
+HELP = """usage: suite quantize ckpt=<run.dir|checkpoint dir|hf:folder|gguf:file> compress={compress_names} [run.dir=OUT]
        [compress.group_size=32] ['compress.skip=[tok_embeddings, pos_embeddings, output]'] [--json]
 
 Post-training quantization of the Linear layers with torchao, measured before and after on the
-recipe's held-out data. compress= picks a recipes/compress option (compress.method):
+recipe's held-out data (an hf:/gguf: source: data.path, data.sources or the embedded corpus, in
+its own tokenizer; SmoothQuant and GPTQ calibrate on the same). compress= picks a recipes/compress option (compress.method):
 {compress_methods}
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
       compress.embedding=int8 (the token embedding and a head tied to it as int8 rows; default none)
