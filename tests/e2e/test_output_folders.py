@@ -240,6 +240,13 @@ def test_another_pipeline_into_a_pipeline_folder_is_refused_then_moved_aside(run
         out, argv, ["run.dir=", "pipeline: one there, two now", "--overwrite"], [*argv, "--overwrite"]
     )
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["logs", "say-two"]
+    # the same pipeline with a stage's command changed: that stage (a result, not a training run) is
+    # rerun from scratch, its old folder moved aside beside it, whole, never deleted
+    before = files(out / "say-two")
+    proc = ok(*argv, "say-two.generate.max_new_tokens=3", "--overwrite")
+    assert "say-two changed since it finished" in proc.stdout and "say-two.old-1" in proc.stdout, proc.stdout
+    assert files(out / "say-two.old-1") == before
+    assert files(out / "say-two") != before and (out / "say-two" / "result.json").is_file()
 
 
 def test_readers_read_latest_not_the_highest_step(runs, tmp_path):
