@@ -108,7 +108,7 @@ VERB = register(
         help=HELP,
         run=run,
         unused=("ckpt", "generate", "export", "prune", "distill", "eval"),
-        hints={"ckpt": "finetuning starts from model.init_from={value}"},
+        hints={"ckpt": "finetuning starts from model.init_from: drop ckpt= and pass model.init_from={value}"},
         section="train",
         flags=("--print-launch", OVERWRITE),
         default_recipe="sft-tiny",
