@@ -72,9 +72,18 @@ def _legacy(folder: Path) -> dict[str, Any] | None:
 
 
 class Run:
-    def __init__(self, pipeline: Pipeline, start: str | None, only: str | None, overwrite: bool = False):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        start: str | None,
+        only: str | None,
+        overwrite: bool = False,
+        overrides: list[str] | None = None,
+    ):
         self.p = pipeline
         self.overwrite = overwrite
+        # the command line's pipeline=, run.dir= and stage overrides, as typed: a suggested command repeats them
+        self.overrides = overrides if overrides is not None else [f"pipeline={pipeline.recipe}"]
         self.logs = pipeline.dir / "logs"
         names = [s.name for s in pipeline.stages]
         if start and only:
@@ -364,9 +373,10 @@ class Run:
                 if marker is not None:
                     self.finished(stage, marker, "kept")
                 elif any(stage.name in s.needs for s in self.p.stages if s.name in self.selected):
+                    again = shlex.join(["suite", "run", *self.overrides, "--from", stage.name])
                     raise ConfigError(
                         f"stage '{stage.name}' has not finished ({why}) and a stage you asked for reads it; "
-                        f"run `suite run pipeline={self.p.name} --from {stage.name}`"
+                        f"run it first with `{again}`"
                     )
             else:
                 code = self.run_stage(stage)
