@@ -11,8 +11,9 @@ every other folder (quantize, prune, export, report, pipeline) in `made_by.json`
 `runs/a` and `./runs/a` are one source, and a source retrained in place is another one); `settings`
 the keys that define the artefact (not how it is measured or where it runs). Before a verb writes,
 `claim` compares the folder's record with the command's: the same, or a new or empty folder, goes on;
-anything else is refused naming the difference and the two ways on: a new folder, or the verb's
-overwrite switch, which moves the old content aside to `<folder>.old-<N>` (never deleting it).
+anything else is refused naming the difference and the two ways on, each as something to type (the
+first free `<folder>-<N>`, the switch): a new folder, or the verb's overwrite switch, which moves the
+old content aside to `<folder>.old-<N>` (never deleting it).
 """
 
 from __future__ import annotations
@@ -132,15 +133,25 @@ def claim(
         if inside:
             raise ConfigError(
                 f"{key}={folder} holds {inside[0]}, which this command reads and {switch} would move aside "
-                f"first; pass a new {key}=..."
+                f"first; pass a new folder, e.g. {key}={new_folder(folder)}"
             )
         moved = move_aside(folder, key, switch)
         print(f"{switch}: moved the previous content of {folder} to {moved}", flush=True)
         return moved
     raise ConfigError(
-        f"{key}={folder} holds something else ({'; '.join(changed)}); pass a new {key}=... to keep it, "
-        f"or {switch} to move it aside ({folder}.old-N) and write this one"
+        f"{key}={folder} holds something else ({'; '.join(changed)}); pass {key}={new_folder(folder)} (a "
+        f"new folder) to keep it, or {switch} to move it aside ({folder}.old-N) and write this one"
     )
+
+
+def new_folder(folder: Path) -> Path:
+    """The folder a refusal suggests instead of `folder`: the first free `<folder>-<N>` beside it (N
+    from 2), a value to type as printed, not a placeholder."""
+    folder = Path(folder)
+    n = 2
+    while (other := folder.with_name(f"{folder.name}-{n}")).exists():
+        n += 1
+    return other
 
 
 def move_aside(folder: Path, key: str = "run.dir", switch: str = "train.overwrite=true") -> Path:

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from suite.config.errors import ConfigError
+from suite.folders import new_folder
 
 
 def _try_write(folder: Path) -> str | None:
@@ -79,7 +80,8 @@ def check_output_folder(
 
 def check_run_dir(run_dir: str, max_steps: int | None = None, resume: bool = True) -> Path:
     """run.dir: a folder that can hold the run (created by the trainer, not here); a run resumed
-    there must not have gone past train.max_steps already."""
+    there must not have gone past train.max_steps already (`resume`: false with train.resume=false,
+    which the run folder's own check refuses, or with train.overwrite=true, which starts clean)."""
     fix = "give a new or earlier run's folder, e.g. run.dir=runs/my-run"
     path = check_output_folder("run.dir", run_dir, fix)
     latest = path / "checkpoints" / "latest"
@@ -89,7 +91,9 @@ def check_run_dir(run_dir: str, max_steps: int | None = None, resume: bool = Tru
         if step is not None and step > max_steps:
             raise ConfigError(
                 f"train.max_steps={max_steps} is below step {step}, which run.dir='{run_dir}' already "
-                f"reached; pass train.max_steps above {step} to train on, or a new run.dir to start over"
+                f"reached; pass a larger train.max_steps (e.g. train.max_steps={2 * step}) to train on, or "
+                f"run.dir={new_folder(path)} (a new folder) to start over, or train.overwrite=true to move that run "
+                f"aside ({path}.old-N) and start over"
             )
     return path
 

@@ -41,7 +41,7 @@ def validate(
     check_no_compress(cfg)
     check_device(cfg.train.device)
     if writes_run and world is None:
-        check_run_dir(cfg.run.dir, cfg.train.max_steps, cfg.train.resume)
+        check_run_dir(cfg.run.dir, cfg.train.max_steps, cfg.train.resume and not cfg.train.overwrite)
     check_model(cfg.model)
     check_data(cfg, needs_data)
     check_recompute(cfg.recompute, cfg.model.num_layers)

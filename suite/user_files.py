@@ -76,7 +76,8 @@ def binary_reason(head: bytes) -> str | None:
 
 
 def _utf8_fix(path: Path, sample: bytes) -> str:
-    """The iconv command that re-encodes `path` (cp1252 where its bytes say Windows, else Latin-1)."""
+    """The iconv command that re-encodes `path` (cp1252 where its bytes say Windows, else Latin-1), in
+    backticks as every command a refusal suggests: runnable as printed (tests/suggested_fix.py)."""
     source = "latin1"
     if any(0x80 <= b <= 0x9F for b in sample):
         try:
@@ -88,8 +89,10 @@ def _utf8_fix(path: Path, sample: bytes) -> str:
     stem = path.name[: -len(suffixes)] if suffixes else path.name
     name, target = shlex.quote(str(path)), shlex.quote(str(path.with_name(f"{stem}.utf8{suffixes}")))
     if path.name.endswith(".gz"):
-        return f"re-encode it as UTF-8 (zcat {name} | iconv -f {source} -t utf-8 | gzip > {target})"
-    return f"re-encode it as UTF-8 (iconv -f {source} -t utf-8 {name} > {target})"
+        command = f"zcat {name} | iconv -f {source} -t utf-8 | gzip > {target}"
+    else:
+        command = f"iconv -f {source} -t utf-8 {name} > {target}"
+    return f"re-encode it as UTF-8 with `{command}` and give {target} in its place"
 
 
 def not_utf8(

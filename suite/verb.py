@@ -106,7 +106,7 @@ def check_keys(verb: Verb, overrides: list[str]) -> None:
         hint = verb.hints.get(key)
         readers = [v.name for v in VERBS.values() if v.unused and section not in v.unused]
         read_by = f" (read by suite {', suite '.join(readers)})" if readers else ""
-        fix = hint.format(value=value) if hint else "drop it"
+        fix = hint.format(value=value) if hint else f"drop {key}="
         raise ConfigError(f"{key}={value}: suite {verb.name} does not read {section}{read_by}; {fix}")
 
 

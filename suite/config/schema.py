@@ -164,7 +164,8 @@ class CompressConfig:
 
 @dataclass
 class DataSourceConfig:
-    """One text source: local files (glob) or a `datasets` name, blended by weight."""
+    """One text source, blended by weight: local .txt/.jsonl/.jsonl.gz/.parquet files (a file, folder
+    or glob), a `datasets` save_to_disk folder, or a `datasets` name."""
 
     path: str = MISSING
     weight: float = 1.0
@@ -360,7 +361,8 @@ class LoRAConfig:
 
 @dataclass
 class SFTSourceConfig:
-    """Chat rows: a local .jsonl/.json/.parquet file, folder or glob, or a `datasets` name."""
+    """Chat rows: a local .jsonl/.jsonl.gz/.json/.parquet file, folder or glob, a `datasets`
+    save_to_disk folder, or a `datasets` name."""
 
     path: str = MISSING
     split: str = "train"

@@ -79,7 +79,7 @@ def _local_sft_files(pattern: str) -> list[Path] | None:
         found = f"matches '{bad[0]}', which is not" if bad else "matches no"
         raise ConfigError(
             f"SFT source '{pattern}' {found} {'/'.join(SFT_SUFFIXES)} files; give a file, folder or glob of "
-            "chat rows, or a `datasets` name"
+            "chat rows, a folder `datasets` saved (save_to_disk), or a `datasets` name"
         )
     return files
 
@@ -156,7 +156,8 @@ def _iter_datasets(path: str, split: str, name: str | None) -> Iterator[tuple[st
         reason = (str(err).splitlines() or [type(err).__name__])[0][:200]
         raise ConfigError(
             f"SFT source '{path}' is neither a local file nor a loadable `datasets` dataset ({reason}); "
-            "check the name, split and config name, or give a local .jsonl/.parquet path"
+            f"check the name, split and config name, or give a local {'/'.join(SFT_SUFFIXES)} path or a "
+            "save_to_disk folder"
         ) from err
     for i, record in enumerate(ds, 1):
         yield f"{path}[{split}] row {i}", record

@@ -62,7 +62,8 @@ def local_files(pattern: str, key: str) -> list[Path] | None:
     if not matches:
         raise ConfigError(
             f"{key}.path='{pattern}' matches no files; give a {'/'.join(SUPPORTED)} file, folder or glob "
-            "(e.g. /data/*.txt), or a `datasets` name such as roneneldan/TinyStories"
+            "(e.g. /data/*.txt), a folder `datasets` saved (save_to_disk), or a `datasets` name such as "
+            "roneneldan/TinyStories"
         )
     for path in matches:
         if not path.name.endswith(SUPPORTED):

@@ -9,8 +9,9 @@ that command and of the outputs it read, the fingerprint of its own outputs, its
 a stage is skipped when its marker's digest is the one it would run with now and its outputs still
 verify; a stage without a marker runs again with the same command, so a training stage resumes from
 its newest checkpoint (its own train.resume) and any other stage starts its folder clean. `--from`
-and `--only` rerun stages from scratch (the old folder of a training stage is moved aside to
-<folder>.old-<N>). Quality gates are checked as soon as their stages have finished.
+and `--only` rerun stages from scratch. A stage that starts clean or from scratch has its old folder
+moved aside to <folder>.old-<N> (suite.folders' rule for every folder), never deleted. Quality gates
+are checked as soon as their stages have finished.
 """
 
 from __future__ import annotations
@@ -71,9 +72,18 @@ def _legacy(folder: Path) -> dict[str, Any] | None:
 
 
 class Run:
-    def __init__(self, pipeline: Pipeline, start: str | None, only: str | None, overwrite: bool = False):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        start: str | None,
+        only: str | None,
+        overwrite: bool = False,
+        overrides: list[str] | None = None,
+    ):
         self.p = pipeline
         self.overwrite = overwrite
+        # the command line's pipeline=, run.dir= and stage overrides, as typed: a suggested command repeats them
+        self.overrides = overrides if overrides is not None else [f"pipeline={pipeline.recipe}"]
         self.logs = pipeline.dir / "logs"
         names = [s.name for s in pipeline.stages]
         if start and only:
@@ -163,20 +173,17 @@ class Run:
         print(f"==> [{index}/{len(self.p.stages)}] {stage.name}: {text}", flush=True)
 
     def clear(self, stage: Stage) -> None:
-        """Start a stage from scratch: its marker goes; a training folder is moved aside, other
-        folders (derived outputs) are removed."""
+        """Start a stage from scratch: its marker goes; its folder, whatever the stage's verb (a run, a
+        quantized checkpoint, an export, an eval's result), is moved aside to <folder>.old-<N> as
+        every folder the suite replaces is (suite.folders.move_aside), never deleted."""
         self.marker_path(stage).unlink(missing_ok=True)
         folder = stage.folder
-        if not folder.exists():
+        if not folder.is_dir() or not any(folder.iterdir()):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # nothing in it to keep
             return
-        if stage.output == "run":
-            n = 1
-            while folder.with_name(f"{folder.name}.old-{n}").exists():
-                n += 1
-            folder.rename(folder.with_name(f"{folder.name}.old-{n}"))
-            print(f"    moved the earlier {folder} aside to {folder.name}.old-{n}", flush=True)
-        else:
-            shutil.rmtree(folder)
+        moved = folders.move_aside(folder, "run.dir", "--from/--only")
+        print(f"    moved the earlier {folder} aside to {moved.name}", flush=True)
 
     def run_stage(self, stage: Stage) -> int:
         forced = stage.name in self.forced
@@ -366,9 +373,10 @@ class Run:
                 if marker is not None:
                     self.finished(stage, marker, "kept")
                 elif any(stage.name in s.needs for s in self.p.stages if s.name in self.selected):
+                    again = shlex.join(["suite", "run", *self.overrides, "--from", stage.name])
                     raise ConfigError(
                         f"stage '{stage.name}' has not finished ({why}) and a stage you asked for reads it; "
-                        f"run `suite run pipeline={self.p.name} --from {stage.name}`"
+                        f"run it first with `{again}`"
                     )
             else:
                 code = self.run_stage(stage)

@@ -152,13 +152,14 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     or moves the old run aside (train.overwrite=true), or returns with nothing to do."""
     run_dir = Path(cfg.run.dir).expanduser()
     named = f"run.dir={cfg.run.dir}"
+    other = f"run.dir={folders.new_folder(run_dir)}"  # a new run folder, as the refusals print it
     if cfg.train.overwrite:
         source = str(cfg.model.init_from or "")
         init = (folders.imported_path(source) or Path(source)).expanduser().resolve() if source else None
         if init is not None and run_dir.resolve() in (init, *init.parents):
             raise ConfigError(
                 f"model.init_from={cfg.model.init_from} is inside {named}, which train.overwrite=true would "
-                "move aside before its weights are read; pass a new run.dir=..."
+                f"move aside before its weights are read; pass a new folder, e.g. {other}"
             )
         if cfg.launch.node_rank == 0 and run_dir.is_dir() and any(run_dir.iterdir()):
             moved = move_aside(run_dir)
@@ -173,7 +174,7 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
         raise ConfigError(
             f"{named} already holds checkpoints ({steps}) and train.resume=false would mix a new run "
             f"into them; pass train.overwrite=true to move that run aside ({run_dir}.old-N) and start "
-            f"clean, or a new run.dir=..."
+            f"clean, or {other} (a new folder)"
         )
     broken: list[str] = []
     newest = ckpt.latest_checkpoint(run_dir, log=broken.append)
@@ -181,7 +182,7 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
         more = f"; and {len(broken) - 3} more" if len(broken) > 3 else ""
         raise ConfigError(
             f"{named} holds checkpoints and none verifies ({'; '.join(broken[:3])}{more}); pass "
-            f"train.overwrite=true to move that run aside ({run_dir}.old-N) and start clean, or a new run.dir=..."
+            f"train.overwrite=true to move that run aside ({run_dir}.old-N) and start clean, or {other} (a new folder)"
         )
     saved = saved_fingerprint(newest)
     if saved is None:
@@ -189,14 +190,20 @@ def check_run_folder(cfg: SuiteConfig, verb: str, data_dir: Path | None = None) 
     changed = differences(saved, of_run(cfg, verb, data_dir))
     qat = any(line.startswith("compress.qat:") for line in changed)
     architecture = any(not line.startswith(SOURCE_KEYS) for line in changed)
+    # the model keys that differ: typed with model.init_from they would conflict with its architecture
+    drops = "".join(
+        f"drop {line.split(':', 1)[0]}= and "
+        for line in changed
+        if line.startswith("model.") and not line.startswith(SOURCE_KEYS)
+    )
     if changed:
         raise ConfigError(
             f"{named} holds a run that this config cannot resume ({'; '.join(changed)}) at {newest}; "
-            f"pass a new run.dir=... to start another run, or train.overwrite=true to move it aside "
+            f"pass {other} (a new folder) to start another run, or train.overwrite=true to move it aside "
             f"({run_dir}.old-N) and start clean"
             + (
-                f", or model.init_from={cfg.run.dir} with a new run.dir=... to start from those weights "
-                "(their architecture)"
+                f", or {drops}pass model.init_from={cfg.run.dir} with {other} to start from those "
+                "weights (their architecture)"
                 if architecture
                 else ""
             )
@@ -211,8 +218,8 @@ def _refuse_other_outputs(cfg: SuiteConfig, run_dir: Path) -> None:
             verb = verb or (folders.read_record(run_dir) or {}).get("verb", "another verb")
             raise ConfigError(
                 f"run.dir={cfg.run.dir} holds the output of suite {verb} ({record}), not a training run; "
-                f"pass a new run.dir=..., or train.overwrite=true to move it aside ({run_dir}.old-N) and "
-                "start clean"
+                f"pass run.dir={folders.new_folder(run_dir)} (a new folder), or train.overwrite=true to move it "
+                f"aside ({run_dir}.old-N) and start clean"
             )
 
 

@@ -16,6 +16,9 @@ Data files as careless users hand them over (DATA_CASES, in the working director
 Latin-1 text .jsonl, {latin1_chat} a Latin-1 chat .jsonl, {fake_parquet} and {fake_chat_parquet}
 text and JSON lines named .parquet, {junk} 20 KB of random bytes named .txt, {bad_pipeline} a
 pipeline recipe with a YAML syntax error (a list left open on line 3).
+
+And what the lines suggest works (FIXES): every way on a refusal offers, read by tests/suggested_fix.py
+(the one reader of every refusal's advice) and applied to the refused command, runs to exit 0.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -31,6 +34,7 @@ import pytest
 
 from tests.forked_cli import ForkedCLI
 from tests.helpers import TINY_MODEL, run_suite, suite_env
+from tests.suggested_fix import ways_on
 
 PRE = ["pretrain", "run.dir={cwd}/run", "data.path={data}", *TINY_MODEL]  # pretrain that would train
 GEN = ["generate", "ckpt={run}"]
@@ -56,6 +60,8 @@ CASES: list[tuple[list[str], str]] = [
     (["pretrain", "train.resume=maybe"], "train.resume"),
     (["pretrain", "model.num_layers=[1,2]"], "model.num_layers"),
     (["pretrain", "run.dir=${oops}"], "run.dir"),
+    (["config", "show", "model.name=a b,c"], "single quotes inside double quotes"),
+    (["finetune", "ckpt={run}", "run.dir={cwd}/ft"], "suite finetune does not read ckpt"),
     # --- recipe files
     (["pretrain", "recipe=./missing.yaml"], "recipe='./missing.yaml': no such file"),
     (["pretrain", "recipe={bad_yaml}"], "bad.yaml, line 3"),
@@ -227,19 +233,22 @@ def forked(tmp_path_factory):
     cli.close()
 
 
+SHARED_TRAIN = [  # how the shared run trained (and how a suggested fix goes on training it)
+    "train.save_every=2",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "parallel.micro_batch_size=2",
+    "parallel.global_batch_size=2",
+]
+
+
 @pytest.fixture(scope="module")
 def shared(forked, tmp_path_factory, tiny_data):
     """A trained tiny run (2 steps), trained through the forked CLI, and its snapshot."""
     root = tmp_path_factory.mktemp("careless")
     run = root / "run"
     args = ["pretrain", *TINY_MODEL, f"data.path={tiny_data}", f"run.dir={run}", "train.max_steps=2"]
-    args += [
-        "train.save_every=2",
-        "train.eval_every=2",
-        "train.eval_batches=1",
-        "parallel.micro_batch_size=2",
-    ]
-    args += ["parallel.global_batch_size=2"]
+    args += SHARED_TRAIN
     proc = forked.run(args, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr
     chat = root / "chat.jsonl"
@@ -450,15 +459,37 @@ def test_careless_data_files_answer_in_one_line(forked, shared, tmp_path, argv, 
     assert _snapshot(shared["run"]) == shared["snapshot"], "the run folder changed"
 
 
-def test_the_suggested_re_encoding_makes_prepare_work(forked, shared, tmp_path):
-    """The iconv command the Latin-1 refusal prints, run as printed, gives a file prepare takes."""
-    argv = [*PREP, "data.sources=[{path: {latin1}}]"]
-    proc, _, _ = run_case(forked, shared, tmp_path, argv)
-    found = re.search(r"\((iconv [^)]*)\)", proc.stderr)
-    assert found, proc.stderr
-    subprocess.run(found.group(1), shell=True, check=True, cwd=tmp_path / "cwd")
-    fixed = tmp_path / "cwd" / "notes.utf8.jsonl"
-    argv = [a.replace("{latin1}", str(fixed)).replace("{cwd}", str(tmp_path / "cwd")) for a in argv]
-    again = forked.run(argv, cwd=tmp_path / "cwd", out=tmp_path / "out2", timeout=120)
-    assert again.returncode == 0, again.stderr
-    assert (tmp_path / "cwd" / "prepared" / "meta.json").is_file()
+# Each suggested fix runs: for these refusals (from CASES and DATA_CASES), every way on that the one
+# line offers, read by tests/suggested_fix.py as for any refusal (a command in backticks, key=value,
+# --flag, drop key=) and applied to the refused command as a user would type it, runs to exit 0.
+# The second list is what both commands carry so the fixed one stops early where the refusal is a
+# check of its own: a printed launch, a few tokens, the shared run's batch. {run} is a copy here.
+FIXES: list[tuple[list[str], list[str]]] = [
+    # train on, a new run.dir, or train.overwrite=true (which was refused here too)
+    ([*PRE, "run.dir={run}", "train.max_steps=1"], SHARED_TRAIN),
+    ([*GEN, "generate.top_p=2"], ["generate.max_new_tokens=2"]),  # a value to type
+    (["config", "show", "model.name=a b,c"], []),  # the quoting form
+    (["finetune", "ckpt={run}", "run.dir={cwd}/ft"], ["--print-launch"]),  # drop ckpt=, model.init_from=
+    ([*PREP, "data.sources=[{path: {latin1}}]"], []),  # the iconv command, then its file
+]
+
+
+@pytest.mark.parametrize(("argv", "carried"), FIXES, ids=[_case_id(a) for a, _ in FIXES])
+def test_each_suggested_fix_runs(forked, shared, tmp_path, argv, carried):
+    assert argv in [a for a, _ in CASES] + [a for a, _, _ in DATA_CASES]
+    cwd = tmp_path / "cwd"
+    values = {**_prepare_cwd(cwd), "run": str(tmp_path / "run"), "data": str(shared["data"])}
+    shutil.copytree(shared["run"], tmp_path / "run")
+    refused = [_fill(a, values) for a in [*argv, *carried]]
+    proc = forked.run(refused, cwd=cwd, out=tmp_path / "out", timeout=120)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and line.startswith("error: "), proc.stderr
+    ways = ways_on(line)
+    assert ways, f"no way on to run in: {line}"
+    for index, way in enumerate(ways):
+        for command in way.commands:
+            subprocess.run(command, shell=True, check=True, cwd=cwd, timeout=60)
+        fixed = way.apply(refused)
+        proc = forked.run(fixed, cwd=cwd, out=tmp_path / f"out{index}", timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (line, way, proc.stderr[-2000:])
+        assert not [e for e in proc.stderr.splitlines() if e.startswith("error:")], proc.stderr

@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.test_run_folders import assert_one_line, snapshot
 from tests.helpers import TINY_MODEL, run_config, run_suite
+from tests.suggested_fix import ways_on
 
 TRAIN = [
     "train.max_steps=2",
@@ -54,14 +55,22 @@ def files(folder: Path) -> dict[str, tuple[str, int, int]]:
     return {k: v for k, v in snapshot(folder).items() if k != "."}
 
 
-def refused_then_moved(folder: Path, refused: list[str], expected: list[str], overwrite: list[str]) -> Path:
-    """`refused` is one line naming `expected`, the folder untouched; `overwrite` (the same command
-    with its switch) moves the whole old content to <folder>.old-1. Returns that folder."""
+def refused_then_moved(folder: Path, refused: list[str], expected: list[str], new: bool = False) -> Path:
+    """`refused` is one line naming `expected`, the folder untouched, and the two ways on, each as
+    something to type (tests/suggested_fix.py reads them as a user would): a new folder (run too
+    with `new`: the old folder stays as it is) and the overwrite switch, which, run as printed, moves
+    the whole old content to <folder>.old-1. Returns that folder."""
     before = snapshot(folder)
     line = assert_one_line(run_suite(*refused, timeout=300), 2, *expected)
-    assert "=..." in line, line  # a new folder, the first way on
     assert snapshot(folder) == before  # byte for byte, mtimes included
-    proc = ok(*overwrite)
+    elsewhere, overwrite = ways_on(line)
+    (value,) = [a.split("=", 1)[1] for a in elsewhere.args]
+    assert Path(value).parent == folder.parent and not Path(value).exists(), line
+    if new:
+        ok(*elsewhere.apply(refused))
+        assert snapshot(folder) == before and Path(value).is_dir()
+    assert overwrite.flags == ["--overwrite"] or overwrite.args == ["train.overwrite=true"], line
+    proc = ok(*overwrite.apply(refused))
     moved = folder.with_name(f"{folder.name}.old-1")
     assert "moved the previous" in proc.stdout and str(moved) in proc.stdout, proc.stdout
     assert files(moved) == {k: v for k, v in before.items() if k != "."}  # the old content, whole
@@ -91,10 +100,7 @@ def test_quantize_of_another_model_is_refused_then_moved_aside(runs, tmp_path):
     ok("quantize", f"ckpt={runs['a']}", "compress=int8", f"run.dir={q}", *REPORT)  # the same again: continues
     argv = ["quantize", f"ckpt={runs['b']}", "compress=int4", f"run.dir={q}", *REPORT]
     moved = refused_then_moved(
-        q,
-        argv,
-        ["run.dir=", "compress.method: int8 there, int4 now", "source:", "--overwrite"],
-        [*argv, "--overwrite"],
+        q, argv, ["run.dir=", "compress.method: int8 there, int4 now", "source:", "--overwrite"]
     )
     assert [p.name for p in (q / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_2"]
     assert json.loads((q / "made_by.json").read_text())["settings"]["compress.method"] == "int4"
@@ -146,12 +152,7 @@ def test_prune_with_another_plan_is_refused_then_moved_aside(runs, tmp_path):
     p = tmp_path / "p"
     base = ["prune", f"ckpt={runs['a']}", f"run.dir={p}", *REPORT]
     ok(*base, "prune.ffn=0.25")
-    refused_then_moved(
-        p,
-        [*base, "prune.ffn=0.5"],
-        ["prune.ffn: 0.25 there, 0.5 now", "--overwrite"],
-        [*base, "prune.ffn=0.5", "--overwrite"],
-    )
+    refused_then_moved(p, [*base, "prune.ffn=0.5"], ["prune.ffn: 0.25 there, 0.5 now", "--overwrite"])
     assert json.loads((p / "made_by.json").read_text())["settings"]["prune.ffn"] == 0.5
 
 
@@ -160,9 +161,7 @@ def test_distill_resumed_with_another_teacher_is_refused_then_moved_aside(runs, 
     argv = ["distill", *TINY_MODEL, *TRAIN, f"data.path={tiny_data}", f"run.dir={d}", "train.max_steps=1"]
     ok(*argv, f"distill.teacher={runs['a']}")
     again = [*argv, f"distill.teacher={runs['b']}", "train.max_steps=2"]
-    refused_then_moved(
-        d, again, ["distill.teacher:", "train.overwrite=true", "run.dir="], [*again, "--overwrite"]
-    )
+    refused_then_moved(d, again, ["distill.teacher:", "train.overwrite=true", "run.dir="])
     assert run_config(d).distill.teacher == str(runs["b"])
 
 
@@ -184,9 +183,7 @@ def test_finetune_resumed_from_another_base_is_refused_then_moved_aside(runs, tm
         "train.max_steps=2",
         "train.save_every=1",
     ]
-    refused_then_moved(
-        f, again, ["model.init_from:", "train.overwrite=true", "run.dir="], [*again, "train.overwrite=true"]
-    )
+    refused_then_moved(f, again, ["model.init_from:", "train.overwrite=true", "run.dir="])
     assert run_config(f).model.init_from == str(runs["b"])
 
 
@@ -201,7 +198,7 @@ def test_export_into_another_format_or_source_is_refused_then_moved_aside(runs, 
         assert_one_line(run_suite(*argv), 2, "export.out=", named, "--overwrite")
         assert snapshot(e) == before
     argv = ["export", f"ckpt={runs['a']}", "format=hf", f"out={e}"]
-    refused_then_moved(e, argv, ["export.format: gguf there, hf now"], [*argv, "--overwrite"])
+    refused_then_moved(e, argv, ["export.format: gguf there, hf now"])
     assert not list(e.glob("*.gguf"))
     assert not any(
         name.endswith(".gguf") for name in json.loads((e / "export_manifest.json").read_text())["files"]
@@ -212,7 +209,7 @@ def test_report_into_another_run_is_refused_then_moved_aside(runs, tmp_path):
     other = tmp_path / "other-run"
     shutil.copytree(runs["b"], other)
     argv = ["report", str(runs["a"]), f"out={other}"]
-    refused_then_moved(other, argv, ["out=", "report", "--overwrite"], [*argv, "--overwrite"])
+    refused_then_moved(other, argv, ["out=", "report", "--overwrite"], new=True)
     assert (other / "report.md").is_file()
     r = tmp_path / "r"
     ok("report", str(runs["a"]), f"out={r}")
@@ -236,10 +233,15 @@ def test_another_pipeline_into_a_pipeline_folder_is_refused_then_moved_aside(run
     out = tmp_path / "pipe"
     ok("run", f"pipeline={_pipeline(tmp_path / 'recipes', 'one', runs['a'])}", f"run.dir={out}")
     argv = ["run", f"pipeline={_pipeline(tmp_path / 'recipes', 'two', runs['b'])}", f"run.dir={out}"]
-    refused_then_moved(
-        out, argv, ["run.dir=", "pipeline: one there, two now", "--overwrite"], [*argv, "--overwrite"]
-    )
+    refused_then_moved(out, argv, ["run.dir=", "pipeline: one there, two now", "--overwrite"])
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["logs", "say-two"]
+    # the same pipeline with a stage's command changed: that stage (a result, not a training run) is
+    # rerun from scratch, its old folder moved aside beside it, whole, never deleted
+    before = files(out / "say-two")
+    proc = ok(*argv, "say-two.generate.max_new_tokens=3", "--overwrite")
+    assert "say-two changed since it finished" in proc.stdout and "say-two.old-1" in proc.stdout, proc.stdout
+    assert files(out / "say-two.old-1") == before
+    assert files(out / "say-two") != before and (out / "say-two" / "result.json").is_file()
 
 
 def test_readers_read_latest_not_the_highest_step(runs, tmp_path):

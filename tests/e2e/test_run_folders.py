@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_suite
+from tests.suggested_fix import ways_on
 
 # gpt-tiny as the recipe has it (4 layers), shrunk in data and steps only
 FAST = [
@@ -73,11 +74,28 @@ def test_checkpoints_record_what_must_match(base_run):
 
 def test_resume_with_a_changed_model_refuses_and_writes_nothing(base_run, tiny_data):
     before = snapshot(base_run)
-    proc = pretrain(base_run, tiny_data, "model.num_layers=2", "train.max_steps=4")
+    refused = ["pretrain", f"data.path={tiny_data}", f"run.dir={base_run}", *FAST, "model.num_layers=2"]
+    refused.append("train.max_steps=4")
+    proc = run_suite(*refused)
     expected = "model.num_layers: checkpoint 4, now 2"
     line = assert_one_line(proc, 2, expected, "run.dir=", f"model.init_from={base_run}")
     assert "resumed" not in proc.stdout, line
     assert snapshot(base_run) == before  # byte for byte, mtimes included: nothing new, nothing rewritten
+
+    # the way on that starts from those weights, run as printed (tests/suggested_fix.py): a new folder,
+    # their architecture (model.num_layers=2 dropped: typed with model.init_from it conflicts)
+    *_, from_weights = ways_on(line)
+    assert from_weights.drops == ["model.num_layers"], line
+    proc = run_suite(*from_weights.apply(refused))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"model.init_from='{base_run}': step 2 (" in proc.stdout and "resumed" not in proc.stdout
+    (new,) = [Path(a.split("=", 1)[1]) for a in from_weights.args if a.startswith("run.dir=")]
+    latest = new / "checkpoints" / (new / "checkpoints" / "latest").read_text().strip()
+    assert (
+        latest.name == "step_4"
+        and json.loads((latest / "fingerprint.json").read_text())["model.num_layers"] == 4
+    )
+    assert snapshot(base_run) == before
 
 
 def test_resume_with_another_tokenizer_refuses(base_run, tmp_path):
@@ -326,15 +344,8 @@ def test_a_node_waiting_for_its_peers_says_so(tmp_path, tiny_data):
     assert "launch.node_rank=<n>" in line and "start node(s) 1" in line, line
 
 
-def test_the_suggested_init_from_starts_a_new_run_from_those_weights(base_run, tiny_data, tmp_path):
-    new = tmp_path / "continued"
-    proc = pretrain(new, tiny_data, f"model.init_from={base_run}", "train.max_steps=1")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"model.init_from='{base_run}': step 2 (" in proc.stdout and "resumed" not in proc.stdout
-    assert (
-        json.loads((new / "checkpoints" / "step_1" / "fingerprint.json").read_text())["model.num_layers"] == 4
-    )
-
+def test_an_architecture_key_typed_with_init_from_conflicts(base_run, tiny_data, tmp_path):
+    """Why the refusal above says to drop model.num_layers= when it suggests model.init_from."""
     proc = pretrain(tmp_path / "other", tiny_data, f"model.init_from={base_run}", "model.num_layers=2")
     assert_one_line(proc, 2, "model.num_layers=2 conflicts with model.init_from=", "is 4")
     assert not (tmp_path / "other").exists()

@@ -8,6 +8,7 @@ from suite.config.compose import SHIPPED_RECIPES, compose_config, known_options,
 from suite.config.errors import ConfigError
 from suite.preflight import validate
 from suite.runtime import resolve_auto
+from tests.suggested_fix import ways_on
 
 GROUPS = sorted(p.name for p in SHIPPED_RECIPES.iterdir() if p.is_dir() and not p.name.startswith("_"))
 EVERY_OPTION = [(g, p.stem) for g in GROUPS for p in sorted((SHIPPED_RECIPES / g).glob("*.yaml"))]
@@ -274,8 +275,8 @@ def test_an_unreadable_value_says_how_to_quote_it_and_the_quoted_form_works(type
     is a sweep Hydra rejects with "Ambiguous value" and the quote case a lexer error, no suggestion."""
     with pytest.raises(ConfigError, match="single quotes inside double quotes") as info:
         compose_config([typed])
-    suggested = str(info.value).rsplit('"', 2)[1]  # what the shell passes for "key='...'"
-    assert compose_config([suggested]).model.name == meant
+    (way,) = ways_on(str(info.value))  # what the shell passes for "key='...'" (tests/suggested_fix.py)
+    assert compose_config(way.apply([typed])).model.name == meant
 
 
 def test_an_unfinished_list_is_refused_saying_to_write_it_whole():

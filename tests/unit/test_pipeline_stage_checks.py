@@ -7,6 +7,8 @@ touched)."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from suite.cli import main
@@ -42,3 +44,30 @@ def test_an_existing_pipeline_folder_is_left_as_it_was(tmp_path, capsys):
     )
     assert "unknown key 'eval.num_sample'" in capsys.readouterr().err
     assert sorted(p.name for p in folder.rglob("*")) == before
+
+
+def test_the_command_suggested_for_an_unfinished_stage_is_the_same_pipeline_from_it(tmp_path, capsys):
+    """`--only two` when `two` reads `one`, which has not run: the refusal's command (read by
+    tests/suggested_fix.py) names the recipe file, run.dir and the stage override as typed (it used
+    to say `pipeline=<name>`, which names no file, and dropped run.dir), and composes to the same
+    stages, run from `one`."""
+    from suite.pipeline.recipe import load_pipeline
+    from suite.pipeline.runner import Run
+    from tests.suggested_fix import ways_on
+
+    recipe = tmp_path / "my pipe.yaml"
+    recipe.write_text(
+        "stages:\n"
+        "  one: {verb: generate, args: [ckpt=/nowhere, prompt=hi]}\n"
+        "  two: {verb: generate, args: [ckpt=/nowhere, 'prompt=${stage:one}']}\n"
+    )
+    typed = [f"pipeline={recipe}", f"run.dir={tmp_path / 'out'}", "two.generate.max_new_tokens=2"]
+    assert main(["run", *typed, "--only", "two"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    (way,) = ways_on(line)
+    (command,) = way.commands
+    argv = shlex.split(command)
+    assert argv[:2] == ["suite", "run"] and argv[-2:] == ["--from", "one"], line
+    suggested, original = load_pipeline(argv[2:-2]), load_pipeline(typed)
+    assert [s.argv() for s in suggested.stages] == [s.argv() for s in original.stages]
+    assert Run(suggested, start="one", only=None).selected == {"one", "two"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import re
 import subprocess
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from suite.config.schema import DataSourceConfig
 from suite.data.sft import iter_sft_rows
 from suite.data.streams import read_source
 from suite.output_paths import check_output_folder, check_replaceable
+from tests.suggested_fix import ways_on
 
 ROWS = [{"text": "café au lait"}, {"text": "naïve résumé"}, {"text": "plain"}]
 
@@ -34,9 +34,10 @@ def _latin1_jsonl(path: Path) -> Path:
 
 
 def _run_fix(message: str) -> None:
-    """Run the shell command a message suggests in parentheses (iconv ...), as a user would."""
-    command = re.search(r"\(((?:zcat|iconv) [^)]*)\)", message).group(1)
-    subprocess.run(command, shell=True, check=True)
+    """Run the shell command a message suggests (`iconv ...`), as a user would (tests/suggested_fix.py)."""
+    (way,) = ways_on(message)
+    for command in way.commands:
+        subprocess.run(command, shell=True, check=True)
 
 
 # ---- encodings ---------------------------------------------------------------------------------------

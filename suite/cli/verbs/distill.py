@@ -80,7 +80,8 @@ VERB = register(
         run=run,
         unused=("ckpt", "generate", "export", "prune", "eval"),
         hints={
-            "ckpt": "the teacher is distill.teacher={value}; a student that starts from a checkpoint is model.init_from={value}"
+            "ckpt": "drop ckpt= and pass distill.teacher={value} (the teacher), or drop ckpt= and pass "
+            "model.init_from={value} (a student that starts from that checkpoint)"
         },
         section="train",
         flags=("--print-launch", OVERWRITE),

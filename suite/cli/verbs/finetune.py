@@ -85,7 +85,9 @@ Common keys:
   finetune.method=full|lora  finetune.lora.rank=N  finetune.lora.alpha=X  finetune.lora.dropout=X
   'finetune.lora.target_modules=[wq,wk,wv,wo,w1,w2,w3]'  finetune.epochs=X (sets train.max_steps)
   finetune.data.task=reverse-6|sort-6|addition-3  finetune.data.num_train=N  finetune.data.num_eval=N
-  finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' (the recipe sets a task)
+  finetune.data.task=null 'finetune.data.sources=[{path: data/chat.jsonl}]' (the recipe sets a task;
+    a source: .jsonl/.jsonl.gz/.json/.parquet files, a folder or glob of them, a `datasets`
+    save_to_disk folder, or a `datasets` name)
   'finetune.data.eval_sources=[{path: ...}]'
   finetune.data.template=auto|chatml|plain|FILE.jinja  finetune.data.packing=true|false
   finetune.data.truncation=truncate|skip  finetune.data.on_error=skip|fail  finetune.eval_samples=N
@@ -108,7 +110,7 @@ VERB = register(
         help=HELP,
         run=run,
         unused=("ckpt", "generate", "export", "prune", "distill", "eval"),
-        hints={"ckpt": "finetuning starts from model.init_from={value}"},
+        hints={"ckpt": "finetuning starts from model.init_from: drop ckpt= and pass model.init_from={value}"},
         section="train",
         flags=("--print-launch", OVERWRITE),
         default_recipe="sft-tiny",

@@ -33,8 +33,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
 HELP = """usage: suite prepare [data=OPTION] [data.path=OUT] ['data.sources=[{path: GLOB_OR_DATASET, weight: W}]']
 
 Trains a byte-level BPE tokenizer (data.vocab_size) and writes packed, memory-mapped token shards
-(train/val split by data.val_fraction) into data.path. Sources are local .txt/.jsonl/.parquet globs
-or `datasets` names, blended by weight. With no sources: the embedded corpus (no network).
+(train/val split by data.val_fraction) into data.path. Sources are local .txt/.jsonl/.jsonl.gz/.parquet
+files, folders or globs, folders `datasets` wrote (save_to_disk), or `datasets` names, blended by
+weight. With no sources: the embedded corpus (no network).
 
 Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir
 A prepared folder trains with data.path=<it>, model.vocab_size at least its vocabulary and

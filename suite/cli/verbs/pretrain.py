@@ -138,7 +138,9 @@ VERB = register(
         help=HELP,
         run=run,
         unused=("ckpt", "generate", "export", "prune", "finetune", "distill", "eval"),
-        hints={"ckpt": "continued pretraining starts from model.init_from={value}"},
+        hints={
+            "ckpt": "continued pretraining starts from model.init_from: drop ckpt= and pass model.init_from={value}"
+        },
         section="train",
         flags=("--dry-run", "--print-launch", OVERWRITE),
         valued_flags={"--rank": "--rank 0 (or --rank worst)"},

@@ -15,7 +15,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
         return next((f.split("=", 1)[1] for f in flags if f.startswith(f"{name}=")), None)
 
     pipeline = load_pipeline(overrides)
-    return Run(pipeline, start=flag("--from"), only=flag("--only"), overwrite=OVERWRITE in flags).run()
+    return Run(
+        pipeline, start=flag("--from"), only=flag("--only"), overwrite=OVERWRITE in flags, overrides=overrides
+    ).run()
 
 
 HELP = """usage: suite run pipeline=<name|PATH.yaml> [run.dir=DIR] [<stage>.<key>=<value> ...] [--from STAGE | --only STAGE]
