@@ -43,6 +43,7 @@ def test_write_manifest_records_source_files_and_verification(tmp_path):
         "path": str(source.folder),
         "step": None,
         "hugging_face_folder": True,
+        "gguf_file": False,  # a gguf:<file> source (suite/gguf_file.py) says so here
     }
     assert manifest["config_sha256"] == config_hash(source.model_config())
     assert manifest["model"]["family"] == "llama" and manifest["verification"]["max_abs_logits_error"] == 1e-5
