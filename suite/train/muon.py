@@ -4,9 +4,12 @@ optimizer so that the lr schedule, checkpoints (DCP) and the wrappers (fp32 mast
 single torch optimizer.
 
 The update is torch.optim.Muon's (torch 2.13, single device), written out so that it also runs on
-DTensor parameters: a sharded matrix (FSDP2, ZeRO-1) is gathered whole, orthogonalised on every rank
-of its group (the same input, the same result) and each rank keeps its own rows, which is exactly
-the one-process update at the cost of an all-gather per matrix and redundant Newton-Schulz work.
+DTensor parameters. A matrix sharded by rows over one mesh axis (FSDP2's Shard(0), ZeRO-1's row
+slices) is orthogonalised whole, once, on one rank of that axis: the matrices of a step are dealt
+round-robin over its ranks (largest first), each owner gathers its matrices' rows (`dist.gather`),
+runs Newton-Schulz and scatters the rows back (`dist.scatter`); `MuonWithAdamW.comm` counts the work
+and the bytes for summary.json. Replicated matrices (dp, cp) are orthogonalised on every rank from the
+same averaged gradient (no communication); any other placement is gathered whole on every rank.
 Tensor, expert and pipeline parallelism are refused (`check_muon_layout`).
 """
 
@@ -15,8 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
@@ -65,12 +69,104 @@ def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
 
 
 def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
-    """Newton-Schulz of the whole matrix; a DTensor is gathered whole and every rank keeps its part."""
+    """Newton-Schulz of the whole matrix; a DTensor is gathered whole and every rank keeps its part
+    (the fallback for placements `row_shard_axis` does not take)."""
     if not isinstance(update, DTensor):
         return newton_schulz(update, steps, dtype)
     whole = newton_schulz(update.full_tensor(), steps, dtype)
     # every rank computed the same whole result: keep this rank's part without communication
     return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def row_shard_axis(t: Tensor) -> int | None:
+    """The mesh axis a DTensor is split by rows over (plain Shard(0); every other axis Replicate), or
+    None: a plain tensor, a replicated one, or a placement the round-robin scheme does not take."""
+    if not isinstance(t, DTensor):
+        return None
+    sharded = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if len(sharded) != 1 or type(t.placements[sharded[0]]) is not Shard or t.placements[sharded[0]].dim != 0:
+        return None
+    return sharded[0] if t.device_mesh.size(sharded[0]) > 1 else None
+
+
+class _Owned:
+    """One row-sharded matrix on its way through gather -> Newton-Schulz (on its owner) -> scatter."""
+
+    def __init__(self, update: DTensor, axis: int):
+        self.update, self.axis = update, axis
+        self.group = update.device_mesh.get_group(axis)
+        self.parts = update.device_mesh.size(axis)
+        self.index = update.device_mesh.get_local_rank(axis)
+        self.local = update._local_tensor
+        self.chunk = math.ceil(update.shape[0] / self.parts)  # torch.chunk's split, as Shard(0) has it
+
+    def rows(self, index: int) -> int:
+        return max(0, min(self.chunk, self.update.shape[0] - index * self.chunk))
+
+    def padded(self, t: Tensor) -> Tensor:
+        out = t.new_zeros(self.chunk, *self.update.shape[1:])
+        out[: t.shape[0]].copy_(t)
+        return out
+
+
+def orthogonalise_round_robin(
+    updates: list[Tensor], steps: int, dtype: torch.dtype, comm: dict
+) -> list[Tensor]:
+    """Each update's Newton-Schulz result, computed once per matrix: row-sharded matrices are dealt
+    round-robin (largest first) over the ranks of their shard axis, gathered whole on their owner and
+    scattered back; the rest as `orthogonalise`. Adds this rank's work and bytes to `comm`."""
+    results: list[Tensor | None] = [None] * len(updates)
+    sharded: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        axis = row_shard_axis(u)
+        if axis is None:
+            results[i] = orthogonalise(u, steps, dtype)
+            comm["orthogonalised"] += 1
+        else:
+            sharded.setdefault((id(u.device_mesh.get_group(axis)), axis), []).append(i)
+    for (_, axis), indices in sharded.items():
+        jobs = [_Owned(updates[i], axis) for i in indices]
+        order = sorted(range(len(jobs)), key=lambda j: -jobs[j].update.numel())  # the same on every rank
+        owner = {j: k % jobs[0].parts for k, j in enumerate(order)}
+        gathered, waits = {}, []
+        for j, job in enumerate(jobs):  # every rank issues the same collectives in the same order
+            mine = owner[j] == job.index
+            gathered[j] = [job.padded(job.local) for _ in range(job.parts)] if mine else None
+            waits.append(
+                dist.gather(
+                    job.padded(job.local), gathered[j], group=job.group, group_dst=owner[j], async_op=True
+                )
+            )
+        for w in waits:
+            w.wait()
+        scatter_from: dict[int, list[Tensor] | None] = {}
+        for j, job in enumerate(jobs):
+            if owner[j] != job.index:
+                scatter_from[j] = None
+                continue
+            whole = torch.cat(gathered[j])[: job.update.shape[0]]
+            ortho = newton_schulz(whole, steps, dtype)
+            comm["orthogonalised"] += 1
+            moved = (job.update.shape[0] - job.local.shape[0]) * math.prod(job.update.shape[1:])
+            comm["gathered_bytes"] += moved * job.local.element_size()
+            comm["scattered_bytes"] += moved * ortho.element_size()
+            scatter_from[j] = [job.padded(part) for part in ortho.split(job.chunk)]
+            scatter_from[j] += [job.padded(ortho[:0])] * (job.parts - len(scatter_from[j]))
+        received, waits = {}, []
+        for j, job in enumerate(jobs):
+            received[j] = torch.empty(job.chunk, *job.update.shape[1:], dtype=dtype, device=job.local.device)
+            waits.append(
+                dist.scatter(received[j], scatter_from[j], group=job.group, group_src=owner[j], async_op=True)
+            )
+        for w in waits:
+            w.wait()
+        for i, (j, job) in zip(indices, enumerate(jobs)):
+            mine = received[j][: job.rows(job.index)]
+            u = job.update
+            results[i] = DTensor.from_local(
+                mine, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride()
+            )
+    return results  # type: ignore[return-value]
 
 
 class MuonWithAdamW(torch.optim.AdamW):
@@ -79,7 +175,8 @@ class MuonWithAdamW(torch.optim.AdamW):
     Being an AdamW keeps the trainer's use of it (param_groups, state_dict, DCP) unchanged; the
     Muon groups are never fused, so the step skips non-finite updates on the host
     (suite.train.step: `skips_on_device` needs every group fused). `orthogonalised` counts the
-    Newton-Schulz calls on this rank (one per matrix per step; tests assert it)."""
+    Newton-Schulz calls on this rank over the run; `comm` is the last step's work on this rank
+    (orthogonalisations, bytes gathered and scattered: summary.json `muon`, tests assert it)."""
 
     def __init__(
         self,
@@ -104,6 +201,7 @@ class MuonWithAdamW(torch.optim.AdamW):
         # GradScaler (fp16) must not hand its scale to the fused AdamW part: the Muon part ignores it
         self._step_supports_amp_scaling = False
         self.orthogonalised = 0
+        self.comm = {"orthogonalised": 0, "gathered_bytes": 0, "scattered_bytes": 0}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -111,9 +209,11 @@ class MuonWithAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.comm = dict.fromkeys(self.comm, 0)
         for group in self.param_groups:
             if group.get("muon"):
                 self._muon_step(group)
+        self.orthogonalised += self.comm["orthogonalised"]
         groups = self.param_groups
         self.param_groups = [g for g in groups if not g.get("muon")]
         try:
@@ -124,6 +224,7 @@ class MuonWithAdamW(torch.optim.AdamW):
 
     def _muon_step(self, group: dict) -> None:
         lr, momentum = group["lr"], group["momentum"]
+        params, updates = [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -133,9 +234,10 @@ class MuonWithAdamW(torch.optim.AdamW):
             state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = orthogonalise(update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
-            self.orthogonalised += 1
+            params.append(p)
+            updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        dtype = NS_DTYPES[group["ns_dtype"]]
+        for p, update in zip(params, orthogonalise_round_robin(updates, group["ns_steps"], dtype, self.comm)):
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
 
@@ -149,6 +251,15 @@ class MuonWithAdamW(torch.optim.AdamW):
                 "exp_avg_sq": torch.zeros_like(param.detach()),
             }
         return {"step": torch.tensor(0.0), "momentum_buffer": torch.zeros_like(param.detach())}
+
+
+def muon_of(optimizer) -> MuonWithAdamW | None:
+    """The Muon optimizer inside the wrappers (ZeRO-1, fp32 masters), or None (optim=adamw)."""
+    while not isinstance(optimizer, MuonWithAdamW):
+        optimizer = getattr(optimizer, "inner", None)
+        if optimizer is None:
+            return None
+    return optimizer
 
 
 def check_muon_layout(cfg: SuiteConfig, dims) -> None:

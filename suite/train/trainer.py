@@ -39,6 +39,7 @@ from suite.train.grad_dump import save_gradients
 from suite.train.host_memory import apply_host_memory_setting
 from suite.train.loggers import MetricsLogger, scrub_secrets, scrub_yaml
 from suite.train.loss_scale import loss_scaler
+from suite.train.muon import muon_of
 from suite.train.optim import optimizer_for
 from suite.train.peak_flops import Ceiling, memory_gb, memory_metrics
 from suite.train.profile import StepProfiler
@@ -388,6 +389,10 @@ class Trainer:
         summary["state_bytes"] = self.runner.state_bytes()  # params + grads + optimizer state, max over ranks
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         summary |= peak_summary(self)  # train.tensor_memory: the last step's live tensor bytes
+        if (muon := muon_of(self.optimizer)) is not None:  # optim=muon: the last step's work, rank order
+            summary["muon_per_step"] = {
+                k: [int(v) for v in self._gather_floats(n)] for k, n in muon.comm.items()
+            }
         summary["layout"] = self._layout()  # what each rank held (collective)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))

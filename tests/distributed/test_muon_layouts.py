@@ -4,10 +4,13 @@ parameter (tests/helpers.py: assert_equivalent), and the layout that ran is the 
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.distributed.conftest import pretrain
-from tests.helpers import assert_equivalent, assert_layout
+from tests.helpers import assert_equivalent, assert_layout, summary
 
 # loading a checkpoint into a plain model in this (non-distributed) test process is the intent
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -33,8 +36,38 @@ def muon_single(tiny_data, tmp_path_factory):
 def test_muon_layout_matches_single_process(muon_single, tiny_data, tmp_path, name):
     """Fails if a rank orthogonalised its own shard instead of the whole matrix (ZeRO-1 slices, FSDP2
     shards: the updates then differ from one process's), if a rank's momentum missed the averaged
-    gradient, or if the Muon/AdamW grouping depended on the layout's parameter names."""
+    gradient, or if the Muon/AdamW grouping depended on the layout's parameter names.
+
+    The work and communication (summary.json `muon_per_step`): under sharding every matrix is
+    orthogonalised once over both ranks, dealt round-robin (the counts differ by at most one), and
+    its owner gathers and scatters the other rank's half of it; fails if every rank gathered and
+    orthogonalised every matrix, or if the owners were chosen differently on the two ranks (a
+    matrix done twice or never: the total would be off, or the collectives would not match up).
+    Under dp every rank orthogonalises every matrix, with no communication."""
     run = pretrain(tmp_path / name, tiny_data, 2, *MUON, *LAYOUTS[name], steps=STEPS)
     assert_layout(run, 2, LAYOUTS[name])
     assert_equivalent(muon_single, run, to_step=1)  # step-1 gradients and updates within 1e-4
     assert_equivalent(muon_single, run, grad_step=None)  # every step's loss and norm, the final updates
+    shapes = _muon_matrices(muon_single)
+    work = summary(run)["muon_per_step"]
+    assert summary(muon_single)["muon_per_step"]["orthogonalised"] == [len(shapes)]
+    if name == "dp2":
+        assert work == {
+            "orthogonalised": [len(shapes)] * 2,
+            "gathered_bytes": [0, 0],
+            "scattered_bytes": [0, 0],
+        }
+        return
+    done = work["orthogonalised"]
+    assert sum(done) == len(shapes) and max(done) - min(done) <= 1, (done, len(shapes))
+    half = sum(4 * math.prod(s) for s in shapes) // 2  # fp32 rows of the other rank (even row counts)
+    assert sum(work["gathered_bytes"]) == half and sum(work["scattered_bytes"]) == half, work
+    assert min(work["gathered_bytes"]) > 0, work  # both ranks own matrices
+
+
+def _muon_matrices(run) -> list[tuple[int, ...]]:
+    """The shapes of the Muon matrices (one momentum buffer each) in the run's step-1 checkpoint."""
+    meta = dcp.FileSystemReader(str(run / "checkpoints" / "step_1")).read_metadata().state_dict_metadata
+    shapes = [tuple(m.size) for k, m in meta.items() if k.endswith("momentum_buffer")]
+    assert shapes and all(s[0] % 2 == 0 for s in shapes), shapes
+    return shapes
