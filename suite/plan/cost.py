@@ -12,7 +12,8 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
     pp p2p    2 (m v + p - 1) t_send          (activations forward, gradients back, on the critical path)
     data      data-parallel / sharding collectives not hidden under compute
     optimizer AdamW's bytes over memory bandwidth (offload: on the host, over the node's CPU memory
-              bandwidth shared by its ranks)
+              bandwidth shared by its ranks); optim=muon adds Newton-Schulz and its gather/scatter
+              (suite.plan.muon)
     offload   the host link's transfers of offload not hidden under compute: each micro-batch's
               parameter shards up before FSDP gathers them (forward, and backward at stage 3) and
               reduced gradient shards down (FSDP2's CPUOffloadPolicy), in the gather's and the
@@ -40,6 +41,7 @@ from suite.plan.activations import rank_activations
 from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
 from suite.plan.layout import Job, Layout, with_
 from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, foreach_adamw, state_bytes
+from suite.plan.muon import muon_time
 from suite.plan.params import pp_rank_params, rank_layers
 
 GIB = 2**30
@@ -417,7 +419,7 @@ def evaluate(job: Job, layout: Layout) -> Cost:
     # collectives hide under the device's work, not under the host's (overlap windows exclude `host`)
     windows = (t_forward, worst_t - worst_host - t_forward) if c.comm_overlap else (0.0, 0.0)
     data, offload = _data_comm(job, layout, full, sharded, *windows, m)
-    optimizer = _optimizer_time(job, layout, full, sharded)
+    optimizer = _optimizer_time(job, layout, full, sharded) + muon_time(job, layout, params.pp_rank)
     host_time = host + _host_per_step(job, layout)
     time = Time(compute, tp, cp, ep, bubble, pp_time, data, optimizer, host_time, offload)
     model_flops, hardware_flops = step_flops(model, job.seq_len, job.global_batch, layout.recompute)

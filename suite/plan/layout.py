@@ -16,10 +16,20 @@ from suite.models.moe import expert_ffn_size
 from suite.models.transformer import ffn_size
 from suite.parallel.dims import ParallelDims, check_pipeline
 from suite.runtime import auto_attention, auto_precision
+from suite.train.muon import check_muon_dims
 
 RECOMPUTE_NAMES = {"none": "", "core_attn": "sel", "full_attn": "attn", "full": "full"}
 SCHEDULE_NAMES = {"1f1b": "", "gpipe": "gpipe", "interleaved_1f1b": "", "zero_bubble": "zb"}
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MuonJob:
+    """optim=muon's keys the planner prices (Job.muon; suite.plan.muon)."""
+
+    exclude: tuple[str, ...]
+    ns_steps: int
+    ns_dtype: str  # fp32 | bf16
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class Job:
     reduce_bytes: int = 4  # bytes per gradient element in data-parallel reductions (suite: fp32)
     loss_chunk_tokens: int = 1024  # head + cross-entropy in chunks of this many tokens (0: all at once)
     fused_adamw: bool | None = None  # optim.fused (None: as the trainer decides per device and layout)
+    muon: MuonJob | None = None  # optim=muon (None: AdamW on every parameter)
 
     @property
     def world(self) -> int:
@@ -69,7 +80,13 @@ class Job:
             reduce_bytes=4,  # suite.runtime.resolve_precision: reduce_dtype is always fp32
             loss_chunk_tokens=cfg.train.loss_chunk_tokens,
             fused_adamw=cfg.optim.fused,
+            muon=_muon_job(cfg),
         )
+
+
+def _muon_job(cfg: SuiteConfig) -> MuonJob | None:
+    o = cfg.optim
+    return MuonJob(tuple(o.muon_exclude), o.muon_ns_steps, o.muon_ns_dtype) if o.name == "muon" else None
 
 
 @dataclass(frozen=True)
@@ -196,7 +213,7 @@ def parse_layout(text: str) -> Layout:
 def check_layout(job: Job, layout: Layout) -> None:
     """ConfigError (one line) when the trainer would refuse `layout` for `job`: the degrees against
     the model and batch (ParallelDims.validate), the pipeline schedule (check_pipeline), the sequence
-    splits of sp and cp, and the MoE / expert-parallel rules."""
+    splits of sp and cp, the MoE / expert-parallel rules, and the layouts optim=muon refuses."""
     if layout.world != job.world:
         raise ConfigError(
             f"layout {layout.name} uses {layout.world} devices but the cluster has {job.world} "
@@ -213,6 +230,8 @@ def check_layout(job: Job, layout: Layout) -> None:
         world_size=layout.world,
     )
     dims.validate(pcfg, job.model)
+    if job.muon is not None:
+        check_muon_dims(dims, layout.offload)
     _check_model_splits(job, layout)
     check_pipeline(pcfg, dims, False)
 

@@ -19,6 +19,8 @@ parameters:
     offload              weights, gradients and optimizer state at rest live in host memory
     autocast             low-precision compute over fp32 parameters without FSDP keeps a compute
                          copy of every weight for backward: P c
+    optim=muon           the Muon weights hold one fp32 momentum buffer, not two moments: 4 bytes
+                         fewer each, sharded as above (suite.plan.muon)
     foreach AdamW        (CPU with DTensor parameters, or optim.fused=false) allocates the update's
                          denominator sqrt(v) for every updated parameter at once: 4 bytes each, in
                          the optimizer step only (suite.train.optim.build_optimizer decides fused)
@@ -29,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from suite.plan.layout import Job, Layout
+from suite.plan.muon import muon_state_saved
 from suite.plan.params import RankParams, layer_specs, local_shape, worst_rank_params
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
@@ -68,6 +71,7 @@ def state_bytes(job: Job, layout: Layout, params: RankParams | None = None) -> S
     weights = (sharded if stage >= 2 else full) * p
     gradients = (sharded if stage >= 2 else full) * p
     optimizer = (sharded if stage >= 1 else full) * per_opt
+    optimizer -= muon_state_saved(job, layout, params.pp_rank)
     low = c < p
     if stage == 2:
         copies = full * c

@@ -19,7 +19,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from suite.config.errors import ConfigError
@@ -30,12 +30,13 @@ NS_EPS = 1e-7
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def is_muon_param(name: str, param: nn.Parameter, exclude: list[str]) -> bool:
+def is_muon_param(name: str, ndim: int, exclude: list[str]) -> bool:
     """The role by name and shape: 2-D matrices inside the transformer blocks (attention and MLP
     projections; 3-D stacked expert weights, one matrix per expert). Embeddings, the output head,
     norms and biases live outside `layers.` or are 1-D; `exclude` (optim.muon_exclude) keeps
-    matching names (the router and LoRA adapters by default) on AdamW."""
-    return name.startswith("layers.") and param.ndim in (2, 3) and not any(part in name for part in exclude)
+    matching names (the router and LoRA adapters by default) on AdamW. The planner asks it too
+    (suite.plan.muon), with the shapes it counts."""
+    return name.startswith("layers.") and ndim in (2, 3) and not any(part in name for part in exclude)
 
 
 def newton_schulz(
@@ -265,15 +266,19 @@ def muon_of(optimizer) -> MuonWithAdamW | None:
 def check_muon_layout(cfg: SuiteConfig, dims) -> None:
     """optim=muon runs on one process, data parallelism (dp, cp) and sharding (ZeRO-1, FSDP2), where
     each matrix is orthogonalised whole; tp, ep and pp split or place matrices in ways not built yet."""
-    if cfg.optim.name != "muon":
-        return
+    if cfg.optim.name == "muon":
+        check_muon_dims(dims, cfg.parallel.offload)
+
+
+def check_muon_dims(dims, offload: bool) -> None:
+    """The layouts optim=muon refuses (the trainer's preflight and the planner's check_layout)."""
     for key in ("tp", "ep", "pp"):
         if getattr(dims, key) > 1:
             raise ConfigError(
                 f"optim.name=muon with parallel.{key}={getattr(dims, key)} is not supported yet (Muon "
                 "orthogonalises whole matrices); use parallel.dp / parallel.sharding, or optim=adamw"
             )
-    if cfg.parallel.offload:
+    if offload:
         raise ConfigError(
             "optim.name=muon with parallel.offload=true is not supported yet; turn offload off, or use optim=adamw"
         )

@@ -39,7 +39,7 @@ def muon_groups(model: nn.Module, groups: list[dict], exclude: list[str]) -> lis
     """The decayed group split in two: the hidden matrices (a `muon` group) and the rest (AdamW)."""
     names = {id(p): name for name, p in model.named_parameters()}
     decay, *rest = groups
-    muon = [p for p in decay["params"] if is_muon_param(names[id(p)], p, exclude)]
+    muon = [p for p in decay["params"] if is_muon_param(names[id(p)], p.ndim, exclude)]
     chosen = {id(p) for p in muon}
     adamw = [p for p in decay["params"] if id(p) not in chosen]
     return [{**decay, "params": adamw}, *rest, {**decay, "params": muon, "muon": True}]

@@ -1,0 +1,73 @@
+"""optim=muon in the planner: which tensors are Muon's (suite.train.muon.is_muon_param, by name and
+shape), the state they hold, and the work and communication of their orthogonalisation.
+
+- state: one fp32 momentum buffer per Muon weight instead of AdamW's two moments (4 bytes less per
+  weight), sharded like the rest of the optimizer state.
+- Newton-Schulz: per iteration 4 m^2 n + 2 m^3 FLOPs for an m x n matrix (m <= n: the Gram matrix,
+  its square, the product with the matrix), `optim.muon_ns_steps` iterations, per expert for stacked
+  experts, at the `optim.muon_ns_dtype` peak. Under sharding each matrix is orthogonalised once in
+  its sharding group (round-robin), so a rank does 1/N of them; replicated, every rank does all.
+- communication (sharding only): each owner gathers the other ranks' rows of its matrices (fp32) and
+  scatters the result back (ns dtype). Per rank that is an all-to-all of its rows of the Muon weights,
+  each way; each matrix is its own gather and scatter, so the latency is paid per matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+from suite.plan import comm
+from suite.plan.layout import BYTES, Job, Layout
+from suite.plan.params import ParamSpec, local_shape, rank_numel, stage_specs
+from suite.train.muon import is_muon_param
+
+MOMENTUM_BYTES = 4  # Muon's fp32 momentum buffer, where AdamW holds two moments (8 bytes)
+
+
+def muon_specs(job: Job, layout: Layout, pp_rank: int) -> list[ParamSpec]:
+    """The Muon tensors of pipeline rank `pp_rank` (none under AdamW)."""
+    if job.muon is None:
+        return []
+    specs = stage_specs(job.model, layout.pp, layout.vpp)[pp_rank]
+    return [s for s in specs if is_muon_param(s.name, len(s.shape), list(job.muon.exclude))]
+
+
+def muon_state_saved(job: Job, layout: Layout, pp_rank: int) -> int:
+    """Bytes of optimizer state the rank does not hold because Muon keeps one buffer, not two."""
+    specs = muon_specs(job, layout, pp_rank)
+    shards = layout.sharding if layout.sharding > 1 else 1
+    held = (
+        rank_numel(specs, layout.tp, layout.ep, shards, 0)
+        if shards > 1
+        else rank_numel(specs, layout.tp, layout.ep)
+    )
+    return held * (8 - MOMENTUM_BYTES)
+
+
+def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
+    """FLOPs of one orthogonalisation (module docstring); a 3-D stack is one matrix per expert."""
+    stack = math.prod(shape[:-2])
+    m, n = sorted(shape[-2:])
+    return stack * steps * (4 * m * m * n + 2 * m**3)
+
+
+def muon_time(job: Job, layout: Layout, pp_rank: int) -> float:
+    """Seconds per step of the worst rank's Newton-Schulz share and its gather/scatter (sharding)."""
+    specs = muon_specs(job, layout, pp_rank)
+    if not specs:
+        return 0.0
+    assert job.muon is not None
+    c = job.cluster
+    flops = sum(newton_schulz_flops(local_shape(s, layout.tp, layout.ep), job.muon.ns_steps) for s in specs)
+    shards = layout.sharding if layout.sharding > 1 else 1
+    # round-robin, largest first: a rank's share is at most its ceil(count / N) largest matrices' worth
+    share = flops / shards if shards > 1 else flops
+    seconds = share / (c.peak_flops[job.muon.ns_dtype] * c.compute_efficiency)
+    if shards == 1:
+        return seconds
+    link = comm.group_link(c, layout, "sharding")
+    rows = rank_numel(specs, layout.tp, layout.ep, shards, 0)
+    for nbytes in (4, BYTES[job.muon.ns_dtype]):  # gather the fp32 update, scatter the result
+        seconds += comm.all_to_all(link, rows * nbytes)
+        seconds += (len(specs) - 1) * (shards - 1) * link.latency  # one collective per matrix
+    return seconds
