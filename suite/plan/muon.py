@@ -5,11 +5,12 @@ shape), the state they hold, and the work and communication of their orthogonali
   weight), sharded like the rest of the optimizer state.
 - Newton-Schulz: per iteration 4 m^2 n + 2 m^3 FLOPs for an m x n matrix (m <= n: the Gram matrix,
   its square, the product with the matrix), `optim.muon_ns_steps` iterations, per expert for stacked
-  experts, at the `optim.muon_ns_dtype` peak. Under sharding each matrix is orthogonalised once in
-  its sharding group (round-robin), so a rank does 1/N of them; replicated, every rank does all.
-- communication (sharding only): each owner gathers the other ranks' rows of its matrices (fp32) and
-  scatters the result back (ns dtype). Per rank that is an all-to-all of its rows of the Muon weights,
-  each way; each matrix is its own gather and scatter, so the latency is paid per matrix.
+  experts, at the `optim.muon_ns_dtype` peak. Under sharding (or tp) each matrix is orthogonalised
+  whole, once in its sharding (tp) group (round-robin), so a rank does 1/N of them; replicated
+  (dp), every rank does all.
+- communication (sharding or tp): each owner gathers the other ranks' parts of its matrices (fp32)
+  and scatters the result back (ns dtype). Per rank that is an all-to-all of its parts of the Muon
+  weights, each way; each matrix is its own gather and scatter, so the latency is paid per matrix.
 """
 
 from __future__ import annotations
@@ -52,22 +53,22 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
 
 
 def muon_time(job: Job, layout: Layout, pp_rank: int) -> float:
-    """Seconds per step of the worst rank's Newton-Schulz share and its gather/scatter (sharding)."""
+    """Seconds per step of the worst rank's Newton-Schulz share and its gather/scatter (sharding or
+    tp: the axis its matrices are split over; Muon refuses the two together)."""
     specs = muon_specs(job, layout, pp_rank)
     if not specs:
         return 0.0
     assert job.muon is not None
     c = job.cluster
-    flops = sum(newton_schulz_flops(local_shape(s, layout.tp, layout.ep), job.muon.ns_steps) for s in specs)
-    shards = layout.sharding if layout.sharding > 1 else 1
-    # round-robin, largest first: a rank's share is at most its ceil(count / N) largest matrices' worth
-    share = flops / shards if shards > 1 else flops
-    seconds = share / (c.peak_flops[job.muon.ns_dtype] * c.compute_efficiency)
-    if shards == 1:
+    # whole matrices (a tp-split one is gathered whole); expert stacks: this rank's experts
+    flops = sum(newton_schulz_flops(local_shape(s, 1, layout.ep), job.muon.ns_steps) for s in specs)
+    axis, ranks = ("sharding", layout.sharding) if layout.sharding > 1 else ("tp", layout.tp)
+    seconds = flops / ranks / (c.peak_flops[job.muon.ns_dtype] * c.compute_efficiency)  # round-robin
+    if ranks == 1:
         return seconds
-    link = comm.group_link(c, layout, "sharding")
-    rows = rank_numel(specs, layout.tp, layout.ep, shards, 0)
+    link = comm.group_link(c, layout, axis)
+    held = rank_numel(specs, layout.tp, layout.ep, layout.sharding, 0)  # this rank's parts of them
     for nbytes in (4, BYTES[job.muon.ns_dtype]):  # gather the fp32 update, scatter the result
-        seconds += comm.all_to_all(link, rows * nbytes)
-        seconds += (len(specs) - 1) * (shards - 1) * link.latency  # one collective per matrix
+        seconds += comm.all_to_all(link, held * nbytes)
+        seconds += (len(specs) - 1) * (ranks - 1) * link.latency  # one collective per matrix
     return seconds

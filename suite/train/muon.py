@@ -10,7 +10,8 @@ round-robin over its ranks (largest first), each owner gathers its matrices' row
 runs Newton-Schulz and scatters the rows back (`dist.scatter`); `MuonWithAdamW.comm` counts the work
 and the bytes for summary.json. Replicated matrices (dp, cp) are orthogonalised on every rank from the
 same averaged gradient (no communication); any other placement is gathered whole on every rank.
-Tensor, expert and pipeline parallelism are refused (`check_muon_layout`).
+A tensor-parallel matrix (rows or columns over tp) is dealt round-robin over the tp ranks the same way.
+tp with sharding, expert and pipeline parallelism are refused (`check_muon_layout`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
 
 def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     """Newton-Schulz of the whole matrix; a DTensor is gathered whole and every rank keeps its part
-    (the fallback for placements `row_shard_axis` does not take)."""
+    (the fallback for placements `shard_axis` does not take)."""
     if not isinstance(update, DTensor):
         return newton_schulz(update, steps, dtype)
     whole = newton_schulz(update.full_tensor(), steps, dtype)
@@ -79,47 +80,55 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
     return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
 
 
-def row_shard_axis(t: Tensor) -> int | None:
-    """The mesh axis a DTensor is split by rows over (plain Shard(0); every other axis Replicate), or
-    None: a plain tensor, a replicated one, or a placement the round-robin scheme does not take."""
+def shard_axis(t: Tensor) -> int | None:
+    """The one mesh axis a DTensor is split over (a plain Shard: FSDP2's and ZeRO-1's rows, tensor
+    parallelism's rows or columns; every other axis Replicate), or None: a plain tensor, a replicated
+    one, or a placement the round-robin scheme does not take (tp combined with sharding)."""
     if not isinstance(t, DTensor):
         return None
-    sharded = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
-    if len(sharded) != 1 or type(t.placements[sharded[0]]) is not Shard or t.placements[sharded[0]].dim != 0:
-        return None
-    return sharded[0] if t.device_mesh.size(sharded[0]) > 1 else None
+    mesh = t.device_mesh  # a one-rank axis (replicate's shard group) splits nothing
+    sharded = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate) and mesh.size(i) > 1]
+    return sharded[0] if len(sharded) == 1 and type(t.placements[sharded[0]]) is Shard else None
 
 
 class _Owned:
-    """One row-sharded matrix on its way through gather -> Newton-Schulz (on its owner) -> scatter."""
+    """One sharded matrix on its way through gather -> Newton-Schulz (on its owner) -> scatter."""
 
     def __init__(self, update: DTensor, axis: int):
         self.update, self.axis = update, axis
+        self.dim = update.placements[axis].dim  # type: ignore[union-attr]
         self.group = update.device_mesh.get_group(axis)
         self.parts = update.device_mesh.size(axis)
         self.index = update.device_mesh.get_local_rank(axis)
         self.local = update._local_tensor
-        self.chunk = math.ceil(update.shape[0] / self.parts)  # torch.chunk's split, as Shard(0) has it
+        self.size = update.shape[self.dim]
+        self.chunk = math.ceil(self.size / self.parts)  # torch.chunk's split, as Shard has it
 
-    def rows(self, index: int) -> int:
-        return max(0, min(self.chunk, self.update.shape[0] - index * self.chunk))
+    def length(self, index: int) -> int:
+        return max(0, min(self.chunk, self.size - index * self.chunk))
+
+    def empty(self, dtype: torch.dtype) -> Tensor:
+        """A rank's padded part (`chunk` along the shard dim), uninitialised."""
+        shape = list(self.update.shape)
+        shape[self.dim] = self.chunk
+        return self.local.new_empty(shape, dtype=dtype)
 
     def padded(self, t: Tensor) -> Tensor:
-        out = t.new_zeros(self.chunk, *self.update.shape[1:])
-        out[: t.shape[0]].copy_(t)
+        out = self.empty(t.dtype).zero_()
+        out.narrow(self.dim, 0, t.shape[self.dim]).copy_(t)
         return out
 
 
 def orthogonalise_round_robin(
     updates: list[Tensor], steps: int, dtype: torch.dtype, comm: dict
 ) -> list[Tensor]:
-    """Each update's Newton-Schulz result, computed once per matrix: row-sharded matrices are dealt
+    """Each update's Newton-Schulz result, computed once per matrix: sharded matrices are dealt
     round-robin (largest first) over the ranks of their shard axis, gathered whole on their owner and
     scattered back; the rest as `orthogonalise`. Adds this rank's work and bytes to `comm`."""
     results: list[Tensor | None] = [None] * len(updates)
     sharded: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
-        axis = row_shard_axis(u)
+        axis = shard_axis(u)
         if axis is None:
             results[i] = orthogonalise(u, steps, dtype)
             comm["orthogonalised"] += 1
@@ -145,24 +154,24 @@ def orthogonalise_round_robin(
             if owner[j] != job.index:
                 scatter_from[j] = None
                 continue
-            whole = torch.cat(gathered[j])[: job.update.shape[0]]
+            whole = torch.cat(gathered[j], dim=job.dim).narrow(job.dim, 0, job.size)
             ortho = newton_schulz(whole, steps, dtype)
             comm["orthogonalised"] += 1
-            moved = (job.update.shape[0] - job.local.shape[0]) * math.prod(job.update.shape[1:])
+            moved = job.update.numel() - job.local.numel()  # the other ranks' parts
             comm["gathered_bytes"] += moved * job.local.element_size()
             comm["scattered_bytes"] += moved * ortho.element_size()
-            scatter_from[j] = [job.padded(part) for part in ortho.split(job.chunk)]
-            scatter_from[j] += [job.padded(ortho[:0])] * (job.parts - len(scatter_from[j]))
+            parts = [job.padded(part) for part in ortho.split(job.chunk, dim=job.dim)]
+            scatter_from[j] = parts + [job.padded(ortho.narrow(job.dim, 0, 0))] * (job.parts - len(parts))
         received, waits = {}, []
         for j, job in enumerate(jobs):
-            received[j] = torch.empty(job.chunk, *job.update.shape[1:], dtype=dtype, device=job.local.device)
+            received[j] = job.empty(dtype)
             waits.append(
                 dist.scatter(received[j], scatter_from[j], group=job.group, group_src=owner[j], async_op=True)
             )
         for w in waits:
             w.wait()
         for i, (j, job) in zip(indices, enumerate(jobs)):
-            mine = received[j][: job.rows(job.index)]
+            mine = received[j].narrow(job.dim, 0, job.length(job.index)).contiguous()
             u = job.update
             results[i] = DTensor.from_local(
                 mine, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride()
@@ -264,15 +273,21 @@ def muon_of(optimizer) -> MuonWithAdamW | None:
 
 
 def check_muon_layout(cfg: SuiteConfig, dims) -> None:
-    """optim=muon runs on one process, data parallelism (dp, cp) and sharding (ZeRO-1, FSDP2), where
-    each matrix is orthogonalised whole; tp, ep and pp split or place matrices in ways not built yet."""
+    """optim=muon runs on one process, data parallelism (dp, cp), sharding (ZeRO-1, FSDP2) and tensor
+    parallelism (with dp), where each matrix is orthogonalised whole; tp with sharding (strided
+    shards), ep and pp are not built yet."""
     if cfg.optim.name == "muon":
         check_muon_dims(dims, cfg.parallel.offload)
 
 
 def check_muon_dims(dims, offload: bool) -> None:
     """The layouts optim=muon refuses (the trainer's preflight and the planner's check_layout)."""
-    for key in ("tp", "ep", "pp"):
+    if dims.tp > 1 and dims.sharding > 1:
+        raise ConfigError(
+            f"optim.name=muon with parallel.tp={dims.tp} and parallel.sharding={dims.sharding} is not "
+            "supported yet; use parallel.tp with parallel.dp, or parallel.sharding without tp, or optim=adamw"
+        )
+    for key in ("ep", "pp"):
         if getattr(dims, key) > 1:
             raise ConfigError(
                 f"optim.name=muon with parallel.{key}={getattr(dims, key)} is not supported yet (Muon "

@@ -1,6 +1,6 @@
-"""optim=muon under data parallelism and sharding trains like one process (fp32, gloo, real processes):
-the same loss and gradient norm at every step, the same step-1 gradients and the same updates of every
-parameter (tests/helpers.py: assert_equivalent), and the layout that ran is the one asked for."""
+"""optim=muon under data parallelism, sharding and tensor parallelism trains like one process (fp32,
+gloo, real processes): the same loss and gradient norm at every step, the same step-1 gradients and the
+same updates of every parameter (tests/helpers.py: assert_equivalent), and the layout that ran is the one asked for."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ LAYOUTS = {
     "dp2": ["parallel.dp=2"],
     "sharding2-stage1": ["parallel.sharding=2", "parallel.sharding_stage=1"],
     "sharding2-stage3": ["parallel.sharding=2", "parallel.sharding_stage=3"],
+    # column- (Shard(0)) and row-parallel (Shard(1)) matrices, gathered whole from the tp ranks
+    "tp2": ["parallel.tp=2"],
 }
 
 
@@ -38,7 +40,7 @@ def test_muon_layout_matches_single_process(muon_single, tiny_data, tmp_path, na
     shards: the updates then differ from one process's), if a rank's momentum missed the averaged
     gradient, or if the Muon/AdamW grouping depended on the layout's parameter names.
 
-    The work and communication (summary.json `muon_per_step`): under sharding every matrix is
+    The work and communication (summary.json `muon_per_step`): under sharding and tp every matrix is
     orthogonalised once over both ranks, dealt round-robin (the counts differ by at most one), and
     its owner gathers and scatters the other rank's half of it; fails if every rank gathered and
     orthogonalised every matrix, or if the owners were chosen differently on the two ranks (a

@@ -49,10 +49,10 @@ def test_muon_kill_and_resume_is_bitwise(tmp_path, tiny_data):
     assert buffers and all(".layers." in k or "layers." in k for k in buffers), buffers
 
 
-def test_muon_refuses_tensor_parallelism_in_one_line(tmp_path, tiny_data):
-    """Fails if optim=muon under tensor parallelism started (and orthogonalised each rank's slice of a
-    matrix, silently wrong) instead of exiting 2 in one line (the other layouts: tests/unit/test_muon.py)."""
-    layout = "parallel.tp=2"
+def test_muon_refuses_pipeline_parallelism_in_one_line(tmp_path, tiny_data):
+    """Fails if optim=muon under pipeline parallelism (not built) started instead of exiting 2 in one
+    line before any rank starts (the other layouts: tests/unit/test_muon.py)."""
+    layout = "parallel.pp=2"
     proc = run_suite(*_args(tmp_path / "run", tiny_data, layout, "launch.nproc_per_node=2"))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr

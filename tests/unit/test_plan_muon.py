@@ -78,12 +78,19 @@ def test_muon_gather_scatter_is_priced_with_the_bytes_the_trainer_reports():
     expected = flops / 2 / 1e12 + (98_304 + 49_152) / bandwidth
     assert muon_time(job, sharded, 0) == pytest.approx(expected)
     assert muon_time(_job(None), sharded, 0) == 0.0
+    tp = Layout(tp=2)  # the same split over the tp ranks: whole matrices, half of them each
+    link = comm.group_link(job.cluster, tp, "tp").bandwidth_of("all_to_all")
+    assert muon_time(job, tp, 0) == pytest.approx(flops / 2 / 1e12 + (98_304 + 49_152) / link)
 
 
 def test_the_planner_refuses_the_layouts_muon_refuses():
-    """Fails if the planner could propose tp, ep, pp or offload for optim=muon (the trainer refuses them)."""
-    job = dataclasses.replace(_job(MUON), cluster=ClusterConfig(devices_per_node=2))
-    with pytest.raises(ConfigError, match="parallel.tp=2"):
-        check_layout(job, Layout(tp=2))
-    check_layout(job, Layout(sharding=2, stage=1))
-    check_layout(dataclasses.replace(job, muon=None), Layout(tp=2))
+    """Fails if the planner could propose tp with sharding, or pp, for optim=muon (the trainer refuses
+    them), or refused tp alone (which Muon runs, round-robin over the tp ranks)."""
+    job = dataclasses.replace(_job(MUON), cluster=ClusterConfig(devices_per_node=4))
+    with pytest.raises(ConfigError, match="parallel.tp=2 and parallel.sharding=2"):
+        check_layout(job, Layout(tp=2, sharding=2, stage=3))
+    with pytest.raises(ConfigError, match="parallel.pp=2"):
+        check_layout(job, Layout(pp=2, dp=2))
+    check_layout(job, Layout(tp=2, dp=2))
+    check_layout(job, Layout(sharding=4, stage=1))
+    check_layout(dataclasses.replace(job, muon=None), Layout(tp=2, sharding=2, stage=3))
