@@ -209,3 +209,66 @@ def test_seen_hashes_and_txt_blocks_match_their_in_memory_forms(
         blocks = list(_txt_blocks(tmp_path / "t.txt", "k", Reading(), block))
         assert blocks == text.split("\n\n")
     assert list(pack_blocks(blocks, 30)) == split_text(text, 30)
+
+
+class Killed(BaseException):
+    """A kill injected in process: like SIGKILL, nothing catches it and no cleanup of the work runs."""
+
+
+def test_a_prepare_killed_while_sampling_training_or_assembling_resumes_there(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed in the tokenizer-sample pass, in tokenizer training, then in the shard assembly: each
+    rerun reads no unit and gathers no document already done, and the end matches an unkilled run.
+    One unit of text a part here (data.part_mb), so "two parts kept" means two units not read again."""
+    import suite.data.parts as parts
+
+    prep = sys.modules["suite.data.prepare"]  # (suite.data.prepare is also the function's name)
+
+    calls: dict = {"scan_unit": 0, "encode_unit": 0, "begins": []}
+
+    def count(name: str):
+        real = getattr(parts, name)
+        return lambda *a: calls.__setitem__(name, calls[name] + 1) or real(*a)
+
+    monkeypatch.setattr(parts, "scan_unit", count("scan_unit"))
+    monkeypatch.setattr(parts, "encode_unit", count("encode_unit"))
+    gather = parts._documents
+    monkeypatch.setattr(parts, "_documents", lambda *a: calls["begins"].append(a[-1]) or gather(*a))
+
+    def taken() -> tuple[int, int, list[int]]:
+        seen = (calls["scan_unit"], calls["encode_unit"], calls["begins"])
+        calls.update(scan_unit=0, encode_unit=0, begins=[])
+        return seen
+
+    def killed_at(target: object, name: str, n: int) -> None:
+        """Run prepare with target.name raising Killed on its n-th call; put it back after."""
+        real, seen = getattr(target, name), [0]
+
+        def wrapped(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] == n:
+                raise Killed
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, wrapped)
+        with pytest.raises(Killed):
+            prepare(cfg_for(corpus), out, progress=False)
+        monkeypatch.setattr(target, name, real)
+        assert not out.exists()  # the final folder appears only when complete
+
+    whole = prepare(cfg_for(corpus), tmp_path / "whole", progress=False)
+    scans, encodes, _ = taken()
+    out = tmp_path / "killed"
+    killed_at(parts._Record, "save", 3)  # two records of the sample pass saved, killed in the third
+    assert taken()[0] == 3
+    killed_at(prep, "train_tokenizer", 1)  # the sample pass finished, the tokenizer not
+    assert taken()[0] == scans - 2
+    killed_at(parts, "_durable", 3)  # training's split: two checkpoints made, killed at the third
+    assert taken()[:2] == (0, encodes)  # the finished sample is replayed, not read again
+    resumed = prepare(cfg_for(corpus), out, progress=False)
+    scanned, encoded, begins = taken()
+    assert (scanned, encoded) == (0, 0) and begins[0] > 0  # train.bin continues after its checkpoint
+    same_shards(whole, resumed)
+    assert read_meta(whole) == read_meta(resumed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["killed", "whole"]  # no work folders left
