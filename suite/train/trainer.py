@@ -389,6 +389,9 @@ class Trainer:
         summary["mem_gb_per_rank"] = self._gather_floats(memory_gb(self.device))  # peak memory, rank order
         summary |= peak_summary(self)  # train.tensor_memory: the last step's live tensor bytes
         summary["layout"] = self._layout()  # what each rank held (collective)
+        drawn = self.loader.tokens_by_source()
+        if drawn is not None:  # a mixture: the training tokens drawn from each data.sources[i]
+            summary["tokens_by_source"] = drawn
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
             print(

@@ -174,14 +174,28 @@ def test_a_mixture_draws_exact_token_shares_and_reports_upsampling(corpus: Path,
     big, little = meta["sources"]
     assert little["epochs"] > 1 > big["epochs"]  # the small source is upsampled, and says so
     loader = TokenBatches(out, "train", 16, 4, 8, seed=1)
+    tally, batch = np.zeros(2, dtype=np.int64), loader.source.batch
+
+    def counted(indices: np.ndarray):  # the source of every sample the loader draws, counted here
+        tally[:] += np.bincount(loader.source.starts_of(indices)[0], minlength=2) * 16
+        return batch(indices)
+
+    loader.source.batch = counted
     steps = 60
     for _ in range(steps):
         loader.next_step()
-    counts = loader.source.tokens_by_source
-    assert sum(counts) == steps * 8 * 16
+    counts = loader.tokens_by_source()  # what summary.json records (from the state, not a count)
+    assert counts == tally.tolist() and sum(counts) == steps * 8 * 16
     assert abs(counts[0] / sum(counts) - 0.7) < 0.005 and abs(counts[1] / sum(counts) - 0.3) < 0.005
     resumed = TokenBatches(out, "train", 16, 4, 8, seed=1)
     resumed.load_state_dict(loader.state_dict())
+    assert resumed.tokens_by_source() == counts  # over the run, not since the resume
+    loader.epoch, loader.position = 3, 2  # epochs drop their samples short of a step: counted by brute force
+    n, used = loader.num_samples, loader.steps_per_epoch * 8
+    drawn = np.concatenate([e * n + np.arange(used) for e in range(3)] + [3 * n + np.arange(2 * 8)])
+    slots = loader.source.owner[drawn % 4096]
+    assert loader.tokens_by_source() == (np.bincount(slots, minlength=2) * 16).tolist()
+    loader.load_state_dict(resumed.state_dict())
     a, b = loader.next_step(), resumed.next_step()
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     sources[0].weight, sources[1].weight = 1.0, 3.0  # weight 3 on a tenth of the data: 7.5 epochs a pass
