@@ -46,7 +46,7 @@ from suite.data.shards import IndexedTokens, dtype_for
 from suite.data.sources import local_files, source_fields
 from suite.data.streams import Reading, Unit, known_size, no_text, source_units
 from suite.data.tokenizer import load_tokenizer, train_tokenizer
-from suite.data.workers import Pool, available_cores
+from suite.data.workers import Pool, available_cores, refuse_unguarded_main
 from suite.output_paths import check_replaceable
 
 try:
@@ -78,6 +78,7 @@ def prepare(
 
     Work happens in `.<name>.partial-<key>` beside `out_dir` (the key: the config and the sources' sizes
     and times), renamed into place when complete; a killed run, run again, continues there."""
+    refuse_unguarded_main()  # first: a worker re-running the caller's script must not wait on the lock
     out_dir = Path(out_dir).expanduser()
     _check_config(cfg)
     _check_target(out_dir)
@@ -433,6 +434,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def ensure_prepared(cfg: Any, progress: bool = True, summary: bool = True) -> Path:
     """The prepared folder training reads: `cfg.path` (checked), or the cached default, built once."""
+    refuse_unguarded_main()
     if cfg.path:
         folder = Path(str(cfg.path)).expanduser()
         if not (folder / META_FILE).is_file():

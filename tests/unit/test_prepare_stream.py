@@ -102,6 +102,44 @@ def test_a_prepare_killed_from_outside_resumes_to_the_same_bytes(corpus: Path, t
     assert read_meta(out)["sources"][0]["duplicates"] == 30
 
 
+SCRIPT = """
+import sys
+from pathlib import Path
+from suite.cli import main
+from suite.config.errors import ConfigError
+from suite.config.schema import DataConfig, DataSourceConfig
+from suite.data import prepare
+
+ARGS = ["prepare", "data.sources=[{{path: '{corpus}'}}]", "data.vocab_size=300", "data.path={out}/one"]
+if __name__ == "__main__":
+    assert main([*ARGS, "data.workers=1"]) == 0
+    print("torch imported:", "torch" in sys.modules)
+try:  # unguarded: every worker re-runs this line
+    cfg = DataConfig(sources=[DataSourceConfig(path="{corpus}")], workers=2, part_mb=0.001, vocab_size=300)
+    prepare(cfg, Path("{out}/two"))
+except ConfigError as err:
+    sys.exit(f"error: {{err}}")
+"""
+
+
+def test_prepare_needs_no_torch_and_an_unguarded_script_gets_one_line(corpus: Path, tmp_path: Path) -> None:
+    """`suite prepare` runs without importing torch (seconds at every start); a script that calls it
+    with workers at import, under the spawn start method, ends in one line naming the guard to add
+    (it hung: each worker re-ran the script and waited on the parent's lock)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT.format(corpus=corpus / "part-0.jsonl", out=tmp_path))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), *sys.path])}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "torch imported: False" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith(f"error: {script} calls suite's prepare at import")
+        and '`if __name__ == "__main__":`' in last
+    )
+    assert "Traceback" not in proc.stderr and not (tmp_path / "two").exists()
+
+
 def test_compressed_parquet_saved_streamed_and_dotted_sources_prepare_alike(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
