@@ -13,6 +13,7 @@ line, reads it too; the records are filled in by suite.cli.verbs, which every en
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,18 @@ from suite.config.errors import ConfigError
 #   result      no folder of its own: its --json result, about the stage it measures (eval, generate)
 STAGE_OUTPUTS = ("run", "checkpoint", "files", "result")
 SECTIONS = ("train", "compress", "use", "tools")  # how `suite --help` groups the verbs
+
+
+def deferred(target: str) -> Callable[..., Any]:
+    """`module:function`, imported at the first call: a verb record names its engine's checks without
+    importing the engine (the command line imports every verb module to list them)."""
+    module, name = target.split(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from suite.config.compose import compose_config, expand_shortcuts, to_object
 from suite.config.errors import ConfigError
-from suite.runtime import resolve_auto
 
 _expand = expand_shortcuts  # the verbs' name for it
 
 
-def _compose(overrides: list[str]):
-    raw = resolve_auto(compose_config(_expand(overrides)))
+def _compose(overrides: list[str], machine: bool = True):
+    """(the composed config, its typed object). `machine`: settle the `auto` values that depend on the
+    machine (suite.runtime: imports torch, seconds); a verb that runs no model (prepare) passes False."""
+    raw = compose_config(_expand(overrides))
+    if machine:
+        from suite.runtime import resolve_auto  # deferred: torch
+
+        resolve_auto(raw)
     return raw, to_object(raw)
 
 
@@ -60,4 +63,6 @@ def _explicit_dir(overrides: list[str]) -> bool:
 
 
 def _device(device: str) -> str:
+    import torch  # deferred: seconds to import, and `suite prepare` never needs it
+
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device

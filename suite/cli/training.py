@@ -15,7 +15,6 @@ from suite.cli.common import _compose, _expand, _report_compression, _say
 from suite.config.compose import to_object
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
-from suite.models.compression import qat_target
 from suite.verb import VERBS
 
 
@@ -110,6 +109,8 @@ def refuse_auto(cfg, verb: str, unplanned: str) -> None:
 def convert_qat(cfg, code: int, flags: set[str]) -> int:
     """compress=qat-*: once training has ended, its final checkpoint converted to the real quantized
     model in <run.dir>-<method> with `suite quantize`'s code and report (suite.models.qat)."""
+    from suite.models.compression import qat_target  # deferred: imports torch (the verb modules stay light)
+
     method = qat_target(cfg.compress.method)  # the method a training option converts to; None: no QAT
     if code != 0 or method is None:
         return code

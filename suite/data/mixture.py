@@ -68,7 +68,6 @@ class MixtureWindows:
                 "lower data.seq_len, add text to it, or drop the source"
             )
         self.owner, self.rank, self.per_cycle = schedule(np.asarray(shares, dtype=np.float64))
-        self.tokens_by_source = [0] * len(ranges)  # drawn so far by batch(): the realised shares
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._window = np.arange(seq_len + 1, dtype=np.int64)
 
@@ -94,10 +93,21 @@ class MixtureWindows:
         window = np.asarray([self._perm(int(s), int(e))[int(w)] for s, e, w in zip(source, epoch, within)])
         return source, self.starts[source] + window.astype(np.int64) * self.seq_len
 
+    def samples_below(self, n: int) -> np.ndarray:
+        """How many of the samples 0..n-1 each source gives (the schedule's whole cycles, then the
+        slots of the last one): the realised shares of any run, exact without counting batches."""
+        cycles, rest = divmod(int(n), CYCLE)
+        return cycles * self.per_cycle + np.bincount(self.owner[:rest], minlength=len(self.per_cycle))
+
+    def drawn(self, spans: list[tuple[int, int]]) -> list[int]:
+        """Tokens drawn from each source by the samples in the [start, end) `spans` (all ranks)."""
+        samples = sum(
+            (self.samples_below(b) - self.samples_below(a) for a, b in spans), np.zeros(1, np.int64)
+        )
+        return [int(n) * self.seq_len for n in samples]
+
     def batch(self, indices: np.ndarray) -> Batch:
-        source, starts = self.starts_of(indices)
-        for s in source.tolist():
-            self.tokens_by_source[s] += self.seq_len
+        _, starts = self.starts_of(indices)
         rows = self.data.tokens[starts[:, None] + self._window]
         return Batch.from_windows(torch.from_numpy(np.asarray(rows, dtype=np.int64)), self.eos_id)
 

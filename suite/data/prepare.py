@@ -46,7 +46,7 @@ from suite.data.shards import IndexedTokens, dtype_for
 from suite.data.sources import local_files, source_fields
 from suite.data.streams import Reading, Unit, known_size, no_text, source_units
 from suite.data.tokenizer import load_tokenizer, train_tokenizer
-from suite.data.workers import Pool, available_cores
+from suite.data.workers import Pool, available_cores, refuse_unguarded_main
 from suite.output_paths import check_replaceable
 
 try:
@@ -59,6 +59,7 @@ META_FILE = "meta.json"
 SPLITS = ("train", "val")
 CHECKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json")
 BATCH_MB = 1.0  # text per work unit sent to a tokenization worker
+SAMPLE = "sample"  # the tokenizer-sample pass's records (suite.data.parts.sample_pass): a rerun replays them
 TOKENIZER_DONE = ".tokenizer-done"  # written after the trained tokenizer is saved: a rerun reuses it
 LOCK_FILE = ".lock"  # held while a prepare works in the folder: a second one of the same config waits
 # what to do when the place a prepared folder goes cannot be written
@@ -77,6 +78,7 @@ def prepare(
 
     Work happens in `.<name>.partial-<key>` beside `out_dir` (the key: the config and the sources' sizes
     and times), renamed into place when complete; a killed run, run again, continues there."""
+    refuse_unguarded_main()  # first: a worker re-running the caller's script must not wait on the lock
     out_dir = Path(out_dir).expanduser()
     _check_config(cfg)
     _check_target(out_dir)
@@ -109,6 +111,8 @@ def _build(
 ) -> dict[str, Any]:
     """Everything up to the rename: tokenizer, parts, shards and meta.json in `work`; returns meta."""
     with _file_lock(work / LOCK_FILE):
+        if (work / META_FILE).is_file():  # killed after the end of the work, before the rename
+            return _finish(work)
         workers = int(cfg.workers or available_cores())
         size = known_size(sources)
         batch = _batch_bytes(cfg)
@@ -142,8 +146,9 @@ def _build(
             bad_files = sorted(set(bad_files) | set(reading.bad_files))
         _check_text(cfg, sources, totals.counts)
         vocab = len(tokenizer)
-        counts = assemble(work / "parts", num_parts, work, vocab, float(cfg.val_fraction), len(sources))
-        shutil.rmtree(work / "parts")
+        chunk = int(float(cfg.part_mb) * 1_000_000)
+        args = (float(cfg.val_fraction), len(sources), chunk)
+        counts = assemble(work / "parts", num_parts, work, vocab, *args)
         mixture = describe_sources(sources_meta, totals.counts, counts["train"]["ranges"])
         meta = {
             "format_version": FORMAT_VERSION,
@@ -163,10 +168,18 @@ def _build(
         }
         if len(sources) > 1:  # the loader draws each source's windows from its range, by weight
             meta["train_ranges"] = counts["train"]["ranges"]
-        for name in (TOKENIZER_DONE, LOCK_FILE):
-            (work / name).unlink(missing_ok=True)
-        (work / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        return meta
+        tmp = work / f".{META_FILE}.tmp"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, work / META_FILE)
+        return _finish(work)
+
+
+def _finish(work: Path) -> dict[str, Any]:
+    """Drop the work's leftovers (meta.json, written last, says the folder is complete); its meta."""
+    shutil.rmtree(work / "parts", ignore_errors=True)
+    for name in (TOKENIZER_DONE, LOCK_FILE):
+        (work / name).unlink(missing_ok=True)
+    return json.loads((work / META_FILE).read_text(encoding="utf-8"))
 
 
 def _check_text(cfg: Any, sources: list[Any], counts: np.ndarray) -> None:
@@ -283,10 +296,16 @@ def _tokenizer(
         tokenizer.save_pretrained(str(work))
         return tokenizer
     if (work / TOKENIZER_DONE).is_file():
+        shutil.rmtree(work / SAMPLE, ignore_errors=True)
         return load_tokenizer(work)
+    done = complete_parts(work / SAMPLE)
+    if done:
+        console.print(f"resuming: {done} part(s) of the tokenizer sample already read in {work}")
     bar.start("sampling")
     budget = int(float(cfg.tokenizer_sample_mb) * 1_000_000)
-    totals, sample = sample_pass(units(), pool, budget, len(paths), bar.tick)
+    totals, sample = sample_pass(
+        units(), pool, budget, len(paths), bar.tick, work / SAMPLE, _units_per_part(cfg)
+    )
     _check_text(cfg, [SimpleNamespace(path=p) for p in paths], totals.counts)
     check_documents(len(totals.owners))
     train_ids, _ = split_documents(len(totals.owners), float(cfg.val_fraction))
@@ -300,6 +319,7 @@ def _tokenizer(
     )
     train_tokenizer(texts, int(cfg.vocab_size), work)
     (work / TOKENIZER_DONE).write_text("done\n")
+    shutil.rmtree(work / SAMPLE, ignore_errors=True)
     return load_tokenizer(work)
 
 
@@ -414,6 +434,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def ensure_prepared(cfg: Any, progress: bool = True, summary: bool = True) -> Path:
     """The prepared folder training reads: `cfg.path` (checked), or the cached default, built once."""
+    refuse_unguarded_main()
     if cfg.path:
         folder = Path(str(cfg.path)).expanduser()
         if not (folder / META_FILE).is_file():

@@ -171,6 +171,22 @@ class GlobalBatches:
         self.position = int(state["position"])
         self._prefetched = None  # keyed by (epoch, position) anyway; drop the stale one now
 
+    def tokens_by_source(self) -> list[int] | None:
+        """Tokens every rank together drew from each source of a mixture over the run so far (resumed
+        runs included: from the state, not a count of batches), or None for a single stream."""
+        drawn = getattr(self.source, "drawn", None)
+        if drawn is None:
+            return None
+        used = self.steps_per_epoch * self.global_batch_size  # an epoch's samples that fill a step
+        spans = [(e * self.num_samples, e * self.num_samples + used) for e in range(self.epoch)]
+        spans.append(
+            (
+                self.epoch * self.num_samples,
+                self.epoch * self.num_samples + self.position * self.global_batch_size,
+            )
+        )
+        return drawn(spans)
+
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len

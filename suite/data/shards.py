@@ -35,6 +35,14 @@ def _paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
 
 
+def write_index(path: Path, dtype: np.dtype, offsets: np.ndarray) -> None:
+    """Write `<prefix>.idx` for documents at `offsets` (int64, from 0) of tokens of `dtype`."""
+    code = next(c for c, d in DTYPES.items() if d == dtype)
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(MAGIC, VERSION, code, len(offsets) - 1, int(offsets[-1])))
+        np.asarray(offsets, dtype=np.int64).astype("<i8", copy=False).tofile(f)
+
+
 class ShardWriter:
     """Appends documents to `<prefix>.bin/.idx`; nothing appears under the final names until close()."""
 
@@ -77,10 +85,7 @@ class ShardWriter:
         if self._file.closed:
             return
         self._file.close()
-        code = next(c for c, d in DTYPES.items() if d == self.dtype)
-        with open(self._tmp_idx, "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, code, self.num_docs, self.num_tokens))
-            np.frombuffer(self._offsets, dtype=np.int64).astype("<i8", copy=False).tofile(f)
+        write_index(self._tmp_idx, self.dtype, np.frombuffer(self._offsets, dtype=np.int64))
         os.replace(self._tmp_bin, self.bin_path)
         os.replace(self._tmp_idx, self.idx_path)
 

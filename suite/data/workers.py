@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -24,9 +26,12 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from suite.config.errors import ConfigError
 from suite.data.streams import Unit, unit_texts
 
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
+# set while a Pool lives: where a worker that finds itself re-running the caller's script says so
+_UNGUARDED_FILE = "SUITE_PREPARE_UNGUARDED_FILE"
 _state: dict[str, Any] = {}
 
 
@@ -62,6 +67,28 @@ def doc_hash(text: str) -> int:
     return int.from_bytes(
         hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little"
     )
+
+
+def refuse_unguarded_main() -> None:
+    """In a worker that is starting (spawn re-runs the script that started prepare, as `__mp_main__`),
+    a call of prepare means the script has no `if __name__ == "__main__":` guard: without this check
+    the worker would wait on the parent's lock forever. The worker leaves the reason where the parent
+    looks (`Pool`) and exits; the parent stops with it in one line."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")  # (the script, while it runs)
+    script = getattr(main, "__file__", None) or "the script"
+    message = (
+        f"{script} calls suite's prepare at import, and every worker process (data.workers) imports it "
+        'again: put the call under `if __name__ == "__main__":` (or pass data.workers=1)'
+    )
+    where = os.environ.get(_UNGUARDED_FILE)
+    if where:
+        with open(where, "w", encoding="utf-8") as f:
+            f.write(message)
+    else:
+        print(message, file=sys.stderr)
+    os._exit(2)
 
 
 def available_cores() -> int:
@@ -131,7 +158,12 @@ class Pool:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._pool = None
+        self._unguarded = ""
         if workers > 1:
+            self._unguarded = os.path.join(
+                tempfile.gettempdir(), f"suite-prepare-{os.getpid()}-{id(self)}.unguarded"
+            )
+            os.environ[_UNGUARDED_FILE] = self._unguarded  # the workers inherit it (refuse_unguarded_main)
             context = multiprocessing.get_context("spawn")
             self._pool = context.Pool(workers, initializer=_init, initargs=(os.getpid(),))
 
@@ -157,15 +189,28 @@ class Pool:
         for unit in units:
             pending.append(self._pool.apply_async(fn, (unit, *extra())))
             if len(pending) >= limit:
-                yield pending.popleft().get()
+                yield self._result(pending.popleft())
         while pending:
-            yield pending.popleft().get()
+            yield self._result(pending.popleft())
+
+    def _result(self, pending: Any) -> Any:
+        """The result, or one line when the workers cannot start (refuse_unguarded_main)."""
+        while True:
+            try:
+                return pending.get(timeout=0.2)
+            except multiprocessing.TimeoutError:
+                if os.path.exists(self._unguarded):
+                    with open(self._unguarded, encoding="utf-8") as f:
+                        raise ConfigError(f.read()) from None
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+            os.environ.pop(_UNGUARDED_FILE, None)
+            if os.path.exists(self._unguarded):
+                os.unlink(self._unguarded)
 
     def __enter__(self) -> Pool:
         return self

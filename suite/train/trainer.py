@@ -394,6 +394,9 @@ class Trainer:
                 k: [int(v) for v in self._gather_floats(n)] for k, n in muon.comm.items()
             }
         summary["layout"] = self._layout()  # what each rank held (collective)
+        drawn = self.loader.tokens_by_source()
+        if drawn is not None:  # a mixture: the training tokens drawn from each data.sources[i]
+            summary["tokens_by_source"] = drawn
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(scrub_secrets(summary), indent=1))
             print(

@@ -102,6 +102,46 @@ def test_a_prepare_killed_from_outside_resumes_to_the_same_bytes(corpus: Path, t
     assert read_meta(out)["sources"][0]["duplicates"] == 30
 
 
+SCRIPT = """
+import sys
+from pathlib import Path
+from suite.cli import main
+from suite.config.errors import ConfigError
+from suite.config.schema import DataConfig, DataSourceConfig
+from suite.data import prepare
+
+ARGS = ["prepare", "data.sources=[{{path: '{corpus}'}}]", "data.vocab_size=300", "data.path={out}/one"]
+if __name__ == "__main__":
+    assert main([*ARGS, "data.workers=1"]) == 0
+    print("torch imported:", "torch" in sys.modules)
+try:  # unguarded: every worker re-runs this line
+    cfg = DataConfig(sources=[DataSourceConfig(path="{corpus}")], workers=2, part_mb=0.001, vocab_size=300)
+    prepare(cfg, Path("{out}/two"))
+except ConfigError as err:
+    sys.exit(f"error: {{err}}")
+"""
+
+
+def test_prepare_needs_no_torch_and_an_unguarded_script_gets_one_line(corpus: Path, tmp_path: Path) -> None:
+    """`suite prepare` runs without importing torch (seconds at every start); a script that calls it
+    with workers at import, under the spawn start method, ends in one line naming the guard to add
+    (it hung: each worker re-ran the script and waited on the parent's lock)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT.format(corpus=corpus / "part-0.jsonl", out=tmp_path))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )  # it hung: fails by timeout
+    assert "torch imported: False" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith(f"error: {script} calls suite's prepare at import")
+        and '`if __name__ == "__main__":`' in last
+    )
+    assert "Traceback" not in proc.stderr and not (tmp_path / "two").exists()
+
+
 def test_compressed_parquet_saved_streamed_and_dotted_sources_prepare_alike(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,14 +214,28 @@ def test_a_mixture_draws_exact_token_shares_and_reports_upsampling(corpus: Path,
     big, little = meta["sources"]
     assert little["epochs"] > 1 > big["epochs"]  # the small source is upsampled, and says so
     loader = TokenBatches(out, "train", 16, 4, 8, seed=1)
+    tally, batch = np.zeros(2, dtype=np.int64), loader.source.batch
+
+    def counted(indices: np.ndarray):  # the source of every sample the loader draws, counted here
+        tally[:] += np.bincount(loader.source.starts_of(indices)[0], minlength=2) * 16
+        return batch(indices)
+
+    loader.source.batch = counted
     steps = 60
     for _ in range(steps):
         loader.next_step()
-    counts = loader.source.tokens_by_source
-    assert sum(counts) == steps * 8 * 16
+    counts = loader.tokens_by_source()  # what summary.json records (from the state, not a count)
+    assert counts == tally.tolist() and sum(counts) == steps * 8 * 16
     assert abs(counts[0] / sum(counts) - 0.7) < 0.005 and abs(counts[1] / sum(counts) - 0.3) < 0.005
     resumed = TokenBatches(out, "train", 16, 4, 8, seed=1)
     resumed.load_state_dict(loader.state_dict())
+    assert resumed.tokens_by_source() == counts  # over the run, not since the resume
+    loader.epoch, loader.position = 3, 2  # epochs drop their samples short of a step: counted by brute force
+    n, used = loader.num_samples, loader.steps_per_epoch * 8
+    drawn = np.concatenate([e * n + np.arange(used) for e in range(3)] + [3 * n + np.arange(2 * 8)])
+    slots = loader.source.owner[drawn % 4096]
+    assert loader.tokens_by_source() == (np.bincount(slots, minlength=2) * 16).tolist()
+    loader.load_state_dict(resumed.state_dict())
     a, b = loader.next_step(), resumed.next_step()
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     sources[0].weight, sources[1].weight = 1.0, 3.0  # weight 3 on a tenth of the data: 7.5 epochs a pass
@@ -209,3 +263,66 @@ def test_seen_hashes_and_txt_blocks_match_their_in_memory_forms(
         blocks = list(_txt_blocks(tmp_path / "t.txt", "k", Reading(), block))
         assert blocks == text.split("\n\n")
     assert list(pack_blocks(blocks, 30)) == split_text(text, 30)
+
+
+class Killed(BaseException):
+    """A kill injected in process: like SIGKILL, nothing catches it and no cleanup of the work runs."""
+
+
+def test_a_prepare_killed_while_sampling_training_or_assembling_resumes_there(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed in the tokenizer-sample pass, in tokenizer training, then in the shard assembly: each
+    rerun reads no unit and gathers no document already done, and the end matches an unkilled run.
+    One unit of text a part here (data.part_mb), so "two parts kept" means two units not read again."""
+    import suite.data.parts as parts
+
+    prep = sys.modules["suite.data.prepare"]  # (suite.data.prepare is also the function's name)
+
+    calls: dict = {"scan_unit": 0, "encode_unit": 0, "begins": []}
+
+    def count(name: str):
+        real = getattr(parts, name)
+        return lambda *a: calls.__setitem__(name, calls[name] + 1) or real(*a)
+
+    monkeypatch.setattr(parts, "scan_unit", count("scan_unit"))
+    monkeypatch.setattr(parts, "encode_unit", count("encode_unit"))
+    gather = parts._documents
+    monkeypatch.setattr(parts, "_documents", lambda *a: calls["begins"].append(a[-1]) or gather(*a))
+
+    def taken() -> tuple[int, int, list[int]]:
+        seen = (calls["scan_unit"], calls["encode_unit"], calls["begins"])
+        calls.update(scan_unit=0, encode_unit=0, begins=[])
+        return seen
+
+    def killed_at(target: object, name: str, n: int) -> None:
+        """Run prepare with target.name raising Killed on its n-th call; put it back after."""
+        real, seen = getattr(target, name), [0]
+
+        def wrapped(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] == n:
+                raise Killed
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, wrapped)
+        with pytest.raises(Killed):
+            prepare(cfg_for(corpus), out, progress=False)
+        monkeypatch.setattr(target, name, real)
+        assert not out.exists()  # the final folder appears only when complete
+
+    whole = prepare(cfg_for(corpus), tmp_path / "whole", progress=False)
+    scans, encodes, _ = taken()
+    out = tmp_path / "killed"
+    killed_at(parts._Record, "save", 3)  # two records of the sample pass saved, killed in the third
+    assert taken()[0] == 3
+    killed_at(prep, "train_tokenizer", 1)  # the sample pass finished, the tokenizer not
+    assert taken()[0] == scans - 2
+    killed_at(parts, "_durable", 3)  # training's split: two checkpoints made, killed at the third
+    assert taken()[:2] == (0, encodes)  # the finished sample is replayed, not read again
+    resumed = prepare(cfg_for(corpus), out, progress=False)
+    scanned, encoded, begins = taken()
+    assert (scanned, encoded) == (0, 0) and begins[0] > 0  # train.bin continues after its checkpoint
+    same_shards(whole, resumed)
+    assert read_meta(whole) == read_meta(resumed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["killed", "whole"]  # no work folders left

@@ -12,7 +12,6 @@ from suite.cli.common import _expand
 from suite.config.compose import GROUP_NAMES, compose_config, known_options, recipe_search_dirs
 from suite.config.errors import ConfigError
 from suite.output_paths import check_new_file
-from suite.runtime import resolve_auto
 from suite.verb import Verb, register
 
 
@@ -21,6 +20,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
         raise ConfigError("config needs a subcommand: show, list or cp (see `suite config --help`)")
     sub, rest = overrides[0], overrides[1:]
     if sub == "show":
+        # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+        from suite.runtime import resolve_auto
+
         raw = resolve_auto(compose_config(_expand(rest)))
         if "--json" in flags:
             print(json.dumps(OmegaConf.to_container(raw), indent=1))

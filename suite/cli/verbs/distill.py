@@ -9,13 +9,15 @@ from omegaconf import OmegaConf
 
 from suite.cli.common import _compose
 from suite.cli.training import refuse_auto, run_method, train, with_base_model, with_default_recipe
-from suite.distill.checks import check_distill, check_distill_layout
 from suite.folders import OVERWRITE
-from suite.preflight import validate
-from suite.verb import RunIdentity, Verb, register
+from suite.verb import RunIdentity, Verb, deferred, register
 
 
 def run(overrides: list[str], flags: set[str]) -> int:
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.distill.checks import check_distill
+    from suite.preflight import validate
+
     overrides = with_default_recipe("distill", overrides)
     raw, cfg = _compose(overrides)
     refuse_auto(cfg, "distill", "a teacher")
@@ -88,7 +90,7 @@ VERB = register(
         default_recipe="distill-gpt-tiny",
         composes=True,
         in_rank=in_rank,
-        layout_checks=(check_distill_layout,),
+        layout_checks=(deferred("suite.distill.checks:check_distill_layout"),),
         rank_imports=("suite.distill.method",),
         run_identity=RunIdentity(sources=sources),
         stage_output="run",

@@ -15,7 +15,6 @@ from suite.cli.common import _compose, _compose_with_ckpt, _report
 from suite.config.errors import ConfigError
 from suite.config.validate import world_size
 from suite.infer.parallel_eval import RESULT
-from suite.preflight import validate
 from suite.verb import Verb, register
 
 
@@ -64,6 +63,7 @@ def _launch_perplexity(raw: Any, source: Any) -> dict[str, Any]:
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.config.compose import to_object
     from suite.launch.launcher import launch
+    from suite.preflight import validate
 
     cfg = to_object(raw)
     e = cfg.eval

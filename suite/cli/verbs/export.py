@@ -6,14 +6,16 @@ from pathlib import Path
 
 from suite.cli.common import _compose_with_ckpt, _report, _say
 from suite.config.errors import ConfigError
-from suite.export.checks import record_export
 from suite.folders import OVERWRITE
-from suite.preflight import validate
-from suite.runtime import DTYPES
 from suite.verb import Verb, register
 
 
 def run(overrides: list[str], flags: set[str]) -> int:
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.export.checks import record_export
+    from suite.preflight import validate
+    from suite.runtime import DTYPES
+
     cfg, source = _compose_with_ckpt(overrides, "runs/gpt-tiny")
     fmt = cfg.export.format
     validate(cfg, needs_data=False, writes_run=False)
@@ -71,7 +73,7 @@ def run(overrides: list[str], flags: set[str]) -> int:
 def _export_graphs(cfg, source, flags: set[str]) -> int:
     """format=torch_export|onnx: prefill + decode graphs with an explicit KV cache (suite.export.programs)."""
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.export.checks import export_out
+    from suite.export.checks import export_out, record_export
     from suite.export.programs import check_graph_export, export_graphs
 
     fmt = cfg.export.format

@@ -17,13 +17,15 @@ from suite.cli.training import (
     with_base_model,
     with_default_recipe,
 )
-from suite.finetune.checks import check_finetune, check_finetune_layout
 from suite.folders import OVERWRITE
-from suite.preflight import validate
-from suite.verb import RunIdentity, Verb, register
+from suite.verb import RunIdentity, Verb, deferred, register
 
 
 def run(overrides: list[str], flags: set[str]) -> int:
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.finetune.checks import check_finetune
+    from suite.preflight import validate
+
     overrides = with_default_recipe("finetune", overrides)
     raw, cfg = _compose(overrides)
     refuse_auto(cfg, "finetune", "a finetuning method")
@@ -116,7 +118,7 @@ VERB = register(
         default_recipe="sft-tiny",
         composes=True,
         in_rank=in_rank,
-        layout_checks=(check_finetune_layout,),
+        layout_checks=(deferred("suite.finetune.checks:check_finetune_layout"),),
         rank_imports=("suite.finetune.method",),
         run_identity=RunIdentity(keys=identity_keys, tokenizer=base_tokenizer),
         stage_output="run",

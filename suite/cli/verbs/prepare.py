@@ -10,7 +10,7 @@ from suite.verb import Verb, register
 
 
 def run(overrides: list[str], flags: set[str]) -> int:
-    _, cfg = _compose(overrides)
+    _, cfg = _compose(overrides, machine=False)  # no model runs: torch stays unimported (seconds)
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.data import ensure_prepared, prepare
     from suite.data.checks import check_prepare

@@ -9,13 +9,15 @@ from suite.cli.common import _compose, _expand, _report, _say
 from suite.cli.training import convert_qat, run_method, train, with_base_model
 from suite.config.errors import ConfigError
 from suite.folders import OVERWRITE
-from suite.preflight import validate
 from suite.verb import RunIdentity, Verb, register
 
 BIG_MODEL = 100e6  # parameters: pretraining such a model on the embedded corpus gets a note
 
 
 def run(overrides: list[str], flags: set[str]) -> int:
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.preflight import validate
+
     raw, cfg = _compose(overrides)
     if cfg.model.init_from:  # continued pretraining: the architecture and weights of a checkpoint
         raw, cfg = with_base_model(raw, overrides)
@@ -56,9 +58,11 @@ def run(overrides: list[str], flags: set[str]) -> int:
 def _dry_run(cfg, flags: set[str]) -> int:
     """`--dry-run [--rank N|worst]`: one rank of the full job placed on the meta device under a fake
     process group (suite.plan.dryrun); no data, no run folder, no memory check: a laptop can do it."""
-    dims = validate(cfg, needs_data=False, writes_run=False)
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.plan.dryrun import dry_run, report, worst_rank
+    from suite.preflight import validate
+
+    dims = validate(cfg, needs_data=False, writes_run=False)
 
     which = next((f.split("=", 1)[1] for f in flags if f.startswith("--rank=")), "worst")
     if which == "worst":

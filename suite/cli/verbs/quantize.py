@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from suite.cli.common import _compose_with_ckpt, _explicit_dir, _report_compression
 from suite.folders import OVERWRITE
-from suite.models.compression import help_lines, names
 from suite.verb import Verb, register
 
 
@@ -52,7 +51,7 @@ VERB = register(
     Verb(
         name="quantize",
         summary="post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8",
-        help=HELP.replace("{compress_methods}", help_lines()).replace("{compress_names}", "|".join(names())),
+        help=HELP,  # {compress_methods} and {compress_names} filled in when shown (suite.cli.help)
         run=run,
         unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval"),
         section="compress",
