@@ -105,7 +105,8 @@ def pair_messages(record: Any, where: str) -> tuple[list[dict], list[dict], list
         raise ConfigError(
             f"{where}: the row is a {type(record).__name__}, not an object with {', '.join(FIELDS)}"
         )
-    explicit = record.get("prompt") is not None
+    # without a prompt, chosen and rejected are whole conversations (lists): strings need the prompt
+    explicit = record.get("prompt") is not None or not isinstance(record.get("chosen"), list)
     for field in FIELDS if explicit else FIELDS[1:]:
         if record.get(field) is None:
             raise ConfigError(
