@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -264,6 +265,11 @@ def check_preference(cfg: SuiteConfig) -> None:
         raise ConfigError(
             f"align.data is missing; align.method={a.method} learns from preference pairs: "
             "align.data=data/pairs.jsonl (rows of prompt, chosen, rejected)"
+        )
+    if not Path(a.data).expanduser().exists():
+        raise ConfigError(
+            f"align.data={a.data} does not exist; give a .jsonl/.json/.parquet file of pairs, a folder of "
+            "them, or a folder `datasets` saved (save_to_disk)"
         )
     if not 0.0 <= a.label_smoothing < 0.5:
         raise ConfigError(f"align.label_smoothing={a.label_smoothing} must be in [0, 0.5); e.g. 0.1")
