@@ -199,8 +199,19 @@ def build_pairs(rows: Iterable[tuple[str, Any]], tokenizer: Any, template: str, 
     return PairDataset(tokens, labels, seq_len)
 
 
-def read_pairs(path: str, tokenizer: Any, template: str, seq_len: int) -> PairDataset:
-    """align.data's pairs (a path: a file, a folder of files, or a save_to_disk folder)."""
+TASK_PREFIX = "task:"
+
+
+def read_pairs(
+    path: str, tokenizer: Any, template: str, seq_len: int, num_pairs: int = 0, seed: int = 0
+) -> PairDataset:
+    """align.data's pairs (a path: a file, a folder of files, or a save_to_disk folder; or
+    task:<name>, `num_pairs` pairs of a built-in task drawn with `seed`)."""
+    if path.startswith(TASK_PREFIX):
+        rows = task_pairs(path[len(TASK_PREFIX) :], num_pairs, seed)
+        return build_pairs(
+            ((f"{path} pair {i}", row) for i, row in enumerate(rows, 1)), tokenizer, template, seq_len
+        )
     local = Path(path).expanduser()
     if not local.exists():
         raise ConfigError(
