@@ -203,12 +203,18 @@ TASK_PREFIX = "task:"
 
 
 def read_pairs(
-    path: str, tokenizer: Any, template: str, seq_len: int, num_pairs: int = 0, seed: int = 0
+    path: str,
+    tokenizer: Any,
+    template: str,
+    seq_len: int,
+    num_pairs: int = 0,
+    seed: int = 0,
+    held_out: int = 0,
 ) -> PairDataset:
     """align.data's pairs (a path: a file, a folder of files, or a save_to_disk folder; or
-    task:<name>, `num_pairs` pairs of a built-in task drawn with `seed`)."""
+    task:<name>, `num_pairs` pairs of a built-in task's training questions: `task_pairs`)."""
     if path.startswith(TASK_PREFIX):
-        rows = task_pairs(path[len(TASK_PREFIX) :], num_pairs, seed)
+        rows = task_pairs(path[len(TASK_PREFIX) :], num_pairs, seed, held_out)
         return build_pairs(
             ((f"{path} pair {i}", row) for i, row in enumerate(rows, 1)), tokenizer, template, seq_len
         )
@@ -242,10 +248,12 @@ def corrupt(answer: str) -> str:
     return answer[:-1] + ("1" if last != "1" else "2")
 
 
-def task_pairs(name: str, num: int, seed: int = 0) -> list[dict[str, str]]:
+def task_pairs(name: str, num: int, seed: int = 0, held_out: int = 0) -> list[dict[str, str]]:
     """`num` pairs {prompt, chosen, rejected} of a built-in task (suite.data.tasks): its right answer
-    against a corrupted one; for tests, examples and a first look at the method."""
-    rows, _ = generate_task(name, num, 0, seed)
+    against a corrupted one; for tests, examples and a first look at the method. The questions are
+    the task's training questions for `held_out` held-out ones (finetune.data.num_eval, task_seed
+    `seed`), so `suite eval` of the result measures questions it never saw."""
+    rows, _ = generate_task(name, num, held_out, seed)
     return [
         {"prompt": m[0]["content"], "chosen": m[1]["content"], "rejected": corrupt(m[1]["content"])}
         for m in rows

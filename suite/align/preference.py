@@ -221,6 +221,7 @@ class PairData(Data):
             cfg.data.seq_len,
             a.num_pairs,
             cfg.finetune.data.task_seed,
+            cfg.finetune.data.num_eval,  # task:<name>: never the SFT run's held-out questions
         )
         held = cfg.align.num_eval
         if len(pairs) <= held:

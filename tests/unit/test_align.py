@@ -212,3 +212,12 @@ def test_task_pairs_are_right_against_wrong():
     pairs = task_pairs("reverse-3", 20)
     assert len(pairs) == 20 and all(p["chosen"] != p["rejected"] for p in pairs)
     assert all(p["chosen"] == p["prompt"].split()[-1].rstrip(".")[::-1] for p in pairs)
+
+
+def test_task_pairs_leave_the_held_out_questions_out():
+    from suite.data.tasks import generate_task
+
+    _, held_out = generate_task("reverse-3", 50, 30, seed=0)
+    asked = {m[0]["content"] for m in held_out}
+    pairs = task_pairs("reverse-3", 50, seed=0, held_out=30)
+    assert len(pairs) == 50 and not asked & {p["prompt"] for p in pairs}
