@@ -37,7 +37,6 @@ from suite import user_files
 from suite.config.errors import ConfigError
 from suite.data.batch import IGNORE_INDEX, Batch
 from suite.data.chat import MalformedRow, encode_conversation, normalize_record, prompt_ids
-from suite.data.sampler import GlobalBatches
 from suite.data.sft import SFT_SUFFIXES, iter_sft_rows
 from suite.data.tasks import generate_task
 
@@ -233,10 +232,6 @@ def read_pairs(
             f"align.data={path} holds no pairs; fill it with rows of prompt, chosen and rejected"
         )
     return pairs
-
-
-class PairBatches(GlobalBatches):
-    """GlobalBatches over a PairDataset: a step's global batch is parallel.global_batch_size pairs."""
 
 
 def corrupt(answer: str) -> str:
