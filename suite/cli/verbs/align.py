@@ -92,7 +92,7 @@ rewards/accuracy; val_loss), checkpoints/step_<N>/ (+ lora/), tokenizer files, l
 
 Examples:
   suite align model.init_from=runs/sft-tiny align.data=data/pairs.jsonl
-  suite align model.init_from=runs/sft-tiny align.data=task:reverse-3 align.num_pairs=200 align.method=simpo align.lora=true run.dir=runs/simpo-lora"""
+  suite config show recipe=dpo-tiny align.method=simpo align.lora=true     # what a SimPO run with adapters would use"""
 
 
 VERB = register(
