@@ -20,7 +20,8 @@ align.method=dpo and align.method=simpo.
                        rewards: simpo_beta pc / |c|, simpo_beta pr / |r|
               averaged over the global batch's pairs (the step weighs a PairBatch by its pairs)
     logged    rewards/chosen, rewards/rejected, rewards/margin (their mean difference) and
-              rewards/accuracy (the share of pairs whose chosen reward is higher), over the logging window
+              rewards/accuracy (the share of pairs whose chosen reward is higher), over the logging window;
+              at each evaluation val_rewards/accuracy and val_rewards/margin of the held-out pairs
 """
 
 from __future__ import annotations
@@ -162,8 +163,9 @@ class PreferenceLoss:
 class Preference(Component):
     """The objective's loss in every training step (with the reference it needs) and its metrics."""
 
-    def __init__(self, objective: Objective):
+    def __init__(self, objective: Objective, data: PairData | None = None):
         self.objective = objective
+        self.data = data  # its held-out pairs give val_rewards/* at each evaluation
         self.loss: PreferenceLoss | None = None
 
     def step_loss(self, trainer: Trainer) -> PreferenceLoss:
@@ -175,6 +177,43 @@ class Preference(Component):
 
     def log_metrics(self, trainer: Trainer, window_steps: int) -> dict:
         return self.loss.window_metrics(trainer.placement.data_sum) if self.loss is not None else {}
+
+    @torch.no_grad()
+    def eval_metrics(self, trainer: Trainer) -> dict:
+        """The held-out pairs' rewards: val_rewards/accuracy and val_rewards/margin over the same pairs
+        as val_loss (train.eval_batches x micro_batch_size of them, in every layout)."""
+        loss, data = self.loss, self.data
+        if loss is None or data is None or data.held_out_pairs is None:
+            return {}
+        rows = trainer.cfg.train.eval_batches * trainer.cfg.parallel.micro_batch_size
+        device = trainer.placement.input_device()
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        model = trainer.model
+        model.eval()
+        for batch in data.held_out_pairs.eval_rows(rows):
+            tokens, labels = batch.tokens.to(device), batch.labels.to(device)
+            with trainer.autocast():
+                reference = None if loss.reference is None else loss.reference.token_logps(tokens, {})
+                head = partial(_scored, loss, labels, reference)
+                policy, lengths, ref = model(tokens, head=head)
+            _, chosen, rejected = loss.objective(policy, lengths, ref)
+            sums += torch.stack(
+                [
+                    torch.tensor(float(len(chosen)), device=device),
+                    chosen.sum(),
+                    rejected.sum(),
+                    (chosen > rejected).sum(),
+                ]
+            ).to(sums)
+        pairs, chosen, rejected, right = (float(v) for v in trainer.placement.data_sum(sums).tolist())
+        if not pairs:
+            return {}
+        return {"val_rewards/accuracy": right / pairs, "val_rewards/margin": (chosen - rejected) / pairs}
+
+
+def _scored(loss: PreferenceLoss, labels: torch.Tensor, reference, hidden, weight):
+    """A forward's head: the pairs' summed response log-probabilities (PreferenceLoss.sequence_logps)."""
+    return loss.sequence_logps(HeadInput(hidden, weight, 0), labels, reference)
 
 
 # ---- the data ------------------------------------------------------------------------------------
@@ -206,6 +245,7 @@ class PairData(Data):
 
     def __init__(self, source: ModelSource):
         self.source = source
+        self.held_out_pairs: GlobalBatches | None = None
 
     def prepare(self, trainer: Trainer) -> None:
         cfg = trainer.cfg
@@ -253,6 +293,11 @@ class PairData(Data):
             held, min(p.micro_batch_size, eval_global // dp), eval_global, dp_rank, dp, cfg.train.seed,
             split="held-out",
         )  # fmt: skip
+        # the same pairs whole, for their rewards (suite.align.preference.Preference.eval_metrics)
+        self.held_out_pairs = GlobalBatches(
+            self.eval_pairs, held_out.micro_batch_size, eval_global, dp_rank, dp, cfg.train.seed,
+            split="held-out",
+        )  # fmt: skip
         return train, held_out
 
     def write_run_files(self, trainer: Trainer) -> None:
@@ -265,7 +310,8 @@ class PairData(Data):
 def _compose(cfg: SuiteConfig, objective: Objective) -> Method:
     source = base_source(cfg)
     lora = [LoRA()] if cfg.align.lora else []
-    return Method("align", PairData(source), [BaseWeights(source), *lora, Preference(objective)])
+    data = PairData(source)
+    return Method("align", data, [BaseWeights(source), *lora, Preference(objective, data)])
 
 
 def check_preference(cfg: SuiteConfig) -> None:

@@ -86,6 +86,11 @@ def test_dpo_layout_matches_single_process(tmp_path, base, pairs, single, layout
     assert abs(first["loss"] - 0.6931471805599453) < 1e-6
     last = next(r for r in read_metrics(single) if r.get("step") == STEPS)
     assert last["rewards/margin"] != 0.0 and 0.0 <= last["rewards/accuracy"] <= 1.0
+    # the held-out pairs' rewards, over the same pairs in every layout
+    got = next(r for r in read_metrics(run) if r.get("step") == STEPS)
+    assert got["val_rewards/accuracy"] == last["val_rewards/accuracy"]
+    assert abs(got["val_rewards/margin"] - last["val_rewards/margin"]) <= 1e-6
+    assert last["val_rewards/margin"] != 0.0
 
 
 def _trainer(tmp_path: Path, base: Path, pairs: Path, *extra: str):

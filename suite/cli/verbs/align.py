@@ -88,7 +88,7 @@ Common keys:
   run.dir=DIR  train.max_steps=N  optim.lr=X  parallel.dp/sharding=N  launch.nproc_per_node=N
 
 Writes: <run.dir>/config.yaml, metrics.jsonl (loss, rewards/chosen, rewards/rejected, rewards/margin,
-rewards/accuracy; val_loss), checkpoints/step_<N>/ (+ lora/), tokenizer files, lora/ (align.lora=true)
+rewards/accuracy; val_loss, val_rewards/accuracy, val_rewards/margin), checkpoints/step_<N>/ (+ lora/), tokenizer files, lora/ (align.lora=true)
 
 Examples:
   suite align model.init_from=runs/sft-tiny align.data=data/pairs.jsonl
