@@ -53,7 +53,7 @@ VERB = register(
         summary="post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8",
         help=HELP,  # {compress_methods} and {compress_names} filled in when shown (suite.cli.help)
         run=run,
-        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval"),
+        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval", "align"),
         section="compress",
         flags=(OVERWRITE,),
         composes=True,
