@@ -11,30 +11,18 @@ from suite.cli.common import _compose
 from suite.cli.training import refuse_auto, run_method, train, with_base_model, with_default_recipe
 from suite.cli.verbs.finetune import base_tokenizer  # alignment trains with its base's tokenizer
 from suite.folders import OVERWRITE
-from suite.preflight import validate
-from suite.verb import RunIdentity, Verb, register
-
-
-def _checks():
-    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.align.checks import check_align, check_align_layout
-
-    return check_align, check_align_layout
-
-
-def check_layout(cfg, dims) -> None:
-    """The layouts alignment runs in (suite.align.checks), for the parent and an elastic attempt."""
-    _checks()[1](cfg, dims)
+from suite.verb import RunIdentity, Verb, deferred, register
 
 
 def run(overrides: list[str], flags: set[str]) -> int:
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.align import check_method
+    from suite.align.checks import check_align
+    from suite.preflight import validate
+
     overrides = with_default_recipe("align", overrides)
     raw, cfg = _compose(overrides)
     refuse_auto(cfg, "align", "a reference model")
-    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
-    from suite.align import check_method
-
-    check_align, _ = _checks()
     check_method(cfg)  # a registered align.method, and its own keys
     check_align(cfg)  # before the base model is read (model.init_from must be there)
     raw, cfg = with_base_model(raw, overrides)
@@ -109,7 +97,7 @@ VERB = register(
         default_recipe="dpo-tiny",
         composes=True,
         in_rank=in_rank,
-        layout_checks=(check_layout,),
+        layout_checks=(deferred("suite.align.checks:check_align_layout"),),
         rank_imports=("suite.align.preference",),
         run_identity=RunIdentity(keys=identity_keys, tokenizer=base_tokenizer),
         stage_output="run",
