@@ -433,7 +433,7 @@ DATA_CASES: list[tuple[list[str], str, str]] = [
     (
         [*FT_DATA, "finetune.data.sources=[{path: {fake_chat_parquet}}]"],
         "{fake_chat_parquet}",
-        "name it .jsonl",
+        "read as .jsonl",
     ),
     (["run", "pipeline={bad_pipeline}"], "{bad_pipeline}:4:1", "starts at 3:11"),
     (["report", "{run}", "out=/proc/suite-report"], "/proc/suite-report", "cannot be created"),
