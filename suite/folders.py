@@ -102,6 +102,44 @@ def differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
     ]
 
 
+def check_claim(
+    folder: Path,
+    made: dict[str, Any],
+    key: str,
+    overwrite: bool,
+    switch: str = OVERWRITE,
+    legacy: Callable[[Path], dict[str, Any] | None] | None = None,
+    reads: tuple[Path, ...] = (),
+) -> bool:
+    """`claim`'s answer without its move: False to go on into `folder` as it is (new, empty, or made
+    by the same thing), True when `overwrite` will move its content aside; else ConfigError. Writes
+    nothing, so a verb can check everything else before `claim` moves anything."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return False
+    then = read_record(folder)
+    if then is None and legacy is not None:
+        then = legacy(folder)
+    if then is None:
+        changed = [f"files not written by suite {made['verb']} (no {RECORD})"]
+    else:
+        changed = differences(then, made)
+    if not changed:
+        return False
+    if overwrite:
+        inside = [r for r in reads if folder.resolve() in (Path(r).resolve(), *Path(r).resolve().parents)]
+        if inside:
+            raise ConfigError(
+                f"{key}={folder} holds {inside[0]}, which this command reads and {switch} would move aside "
+                f"first; pass a new folder, e.g. {key}={new_folder(folder)}"
+            )
+        return True
+    raise ConfigError(
+        f"{key}={folder} holds something else ({'; '.join(changed)}); pass {key}={new_folder(folder)} (a "
+        f"new folder) to keep it, or {switch} to move it aside ({folder}.old-N) and write this one"
+    )
+
+
 def claim(
     folder: Path,
     made: dict[str, Any],
@@ -117,31 +155,11 @@ def claim(
     before records existed tells of its maker (None: not this verb's, refused). `reads`: what the
     command reads (its source), which the move aside must not carry away."""
     folder = Path(folder).expanduser()
-    if not folder.is_dir() or not any(folder.iterdir()):
+    if not check_claim(folder, made, key, overwrite, switch, legacy, reads):
         return None
-    then = read_record(folder)
-    if then is None and legacy is not None:
-        then = legacy(folder)
-    if then is None:
-        changed = [f"files not written by suite {made['verb']} (no {RECORD})"]
-    else:
-        changed = differences(then, made)
-    if not changed:
-        return None
-    if overwrite:
-        inside = [r for r in reads if folder.resolve() in (Path(r).resolve(), *Path(r).resolve().parents)]
-        if inside:
-            raise ConfigError(
-                f"{key}={folder} holds {inside[0]}, which this command reads and {switch} would move aside "
-                f"first; pass a new folder, e.g. {key}={new_folder(folder)}"
-            )
-        moved = move_aside(folder, key, switch)
-        print(f"{switch}: moved the previous content of {folder} to {moved}", flush=True)
-        return moved
-    raise ConfigError(
-        f"{key}={folder} holds something else ({'; '.join(changed)}); pass {key}={new_folder(folder)} (a "
-        f"new folder) to keep it, or {switch} to move it aside ({folder}.old-N) and write this one"
-    )
+    moved = move_aside(folder, key, switch)
+    print(f"{switch}: moved the previous content of {folder} to {moved}", flush=True)
+    return moved
 
 
 def new_folder(folder: Path) -> Path:

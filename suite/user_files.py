@@ -27,16 +27,17 @@ from omegaconf.errors import OmegaConfBaseException
 from suite.config.errors import ConfigError
 
 SNIFF_BYTES = 8192  # how much of a file's start is looked at to tell text from binary
-# bytes that start a file of a format people mistake for text or JSON lines, and what to do instead
-MAGIC: tuple[tuple[bytes, str], ...] = (
-    (b"PAR1", "a Parquet file; name it .parquet"),
-    (b"\x1f\x8b", "gzip-compressed; name it .jsonl.gz (JSON lines) or decompress it with gunzip"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed; name it .jsonl.zst (JSON lines) or decompress it with unzstd"),
-    (b"PK\x03\x04", "a zip archive; unzip it and give the files inside"),
-    (b"ARROW1", "an Arrow file; convert it to .parquet or .jsonl"),
-    (b"\xff\xfe", "UTF-16 text; re-encode it as UTF-8 (iconv -f utf-16 -t utf-8)"),
-    (b"\xfe\xff", "UTF-16 text; re-encode it as UTF-8 (iconv -f utf-16 -t utf-8)"),
-    (b"%PDF", "a PDF document; extract its text first (e.g. pdftotext)"),
+# bytes that start a file of a format people mistake for text or JSON lines: what it is, and the name
+# it reads under (a copy with that suffix is suggested, runnable as printed) or what to do instead
+MAGIC: tuple[tuple[bytes, str, str], ...] = (
+    (b"PAR1", "a Parquet file", ".parquet"),
+    (b"\x1f\x8b", "gzip-compressed", ".jsonl.gz"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", ".jsonl.zst"),
+    (b"PK\x03\x04", "a zip archive", "unzip it and give the files inside"),
+    (b"ARROW1", "an Arrow file", "convert it to .parquet or .jsonl"),
+    (b"\xff\xfe", "UTF-16 text", "utf-16"),
+    (b"\xfe\xff", "UTF-16 text", "utf-16"),
+    (b"%PDF", "a PDF document", "extract its text first (e.g. pdftotext)"),
 )
 _TEXT_CONTROLS = frozenset(b"\t\n\r\f\v\x1b")  # control bytes that plain text may hold
 
@@ -61,11 +62,32 @@ def read_bytes(path: str | Path, what: str = "") -> bytes:
         raise _os_error(what, path, err) from None
 
 
-def binary_reason(head: bytes) -> str | None:
-    """Why `head` (a file's first bytes) is not text, or None when it may be text."""
-    for magic, reason in MAGIC:
-        if head.startswith(magic):
-            return f"is {reason}"
+def renamed(path: Path, suffix: str) -> str:
+    """The command that gives `path` the name its format is read by (a copy: the file stays), in
+    backticks as every command a refusal suggests, and the copy to give in its place."""
+    path = Path(path)
+    stem = path.name.split(".", 1)[0] or path.name
+    target = path.with_name(f"{stem}{suffix}")
+    n = 2
+    while target.exists():
+        target, n = path.with_name(f"{stem}-{n}{suffix}"), n + 1
+    command = f"cp {shlex.quote(str(path))} {shlex.quote(str(target))}"
+    return f"copy it to that name with `{command}` and give {shlex.quote(str(target))} in its place"
+
+
+def binary_reason(head: bytes, path: Path | None = None) -> str | None:
+    """Why `head` (the first bytes of the file `path`) is not text, or None when it may be text; with
+    `path`, the way on names it (the copy to make, the command to re-encode it)."""
+    for magic, what, fix in MAGIC:
+        if not head.startswith(magic):
+            continue
+        if fix == "utf-16":
+            how = _utf8_fix(Path(path), b"", "utf-16") if path else "re-encode it as UTF-8 with iconv"
+            return f"is {what}; {how}"
+        if fix.startswith("."):
+            how = renamed(Path(path), fix) if path else f"name it {fix}"
+            return f"is {what}; {how}"
+        return f"is {what}; {fix}"
     nul = head.find(b"\x00")
     if nul >= 0:
         return f"holds binary data, not text (a NUL byte at byte {nul})"
@@ -75,11 +97,16 @@ def binary_reason(head: bytes) -> str | None:
     return None
 
 
-def _utf8_fix(path: Path, sample: bytes) -> str:
-    """The iconv command that re-encodes `path` (cp1252 where its bytes say Windows, else Latin-1), in
-    backticks as every command a refusal suggests: runnable as printed (tests/suggested_fix.py)."""
-    source = "latin1"
-    if any(0x80 <= b <= 0x9F for b in sample):
+def with_advice(why: str, advice: str) -> str:
+    """`why` (binary_reason's answer), with `advice` when it gives none of its own."""
+    return why if "; " in why else f"{why}; {advice}"
+
+
+def _utf8_fix(path: Path, sample: bytes, source: str = "latin1") -> str:
+    """The iconv command that re-encodes `path` (`source`; for Latin-1, cp1252 where its bytes say
+    Windows), in backticks as every command a refusal suggests: runnable as printed
+    (tests/suggested_fix.py)."""
+    if source == "latin1" and any(0x80 <= b <= 0x9F for b in sample):
         try:
             sample.decode("cp1252")
             source = "cp1252"
@@ -114,9 +141,9 @@ def read_text(path: str | Path, what: str = "") -> str:
     """A UTF-8 text file's contents; binary junk, another format or another encoding is one line."""
     path = Path(path)
     data = read_bytes(path, what)
-    why = binary_reason(data[:SNIFF_BYTES])
+    why = binary_reason(data[:SNIFF_BYTES], path)
     if why:
-        raise ConfigError(f"{_named(what, path)} {why}; give UTF-8 text")
+        raise ConfigError(f"{_named(what, path)} {with_advice(why, 'give UTF-8 text')}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -146,16 +173,17 @@ def open_lines(path: str | Path, what: str = "") -> tuple[Any, Any]:
         head = handle.peek(SNIFF_BYTES)[:SNIFF_BYTES]
     except (OSError, EOFError, zlib.error, zstandard.ZstdError) as err:
         raw.close()
-        plain = ".jsonl.gz" if kind == "gzip" else ".jsonl.zst"
         raise ConfigError(
-            f"{_named(what, path)} is not a readable {kind} file ({err}); if it is plain JSON lines name it "
-            f".jsonl instead of {plain}"
+            f"{_named(what, path)} is not a readable {kind} file ({err}); if it is plain JSON lines, "
+            f"{renamed(path, '.jsonl')}"
         ) from None
-    why = binary_reason(head)
+    why = binary_reason(head, path)
     if why:
         handle.close()
         raw.close()
-        raise ConfigError(f"{_named(what, path)} {why}; JSON lines are UTF-8 text, one object a line")
+        raise ConfigError(
+            f"{_named(what, path)} {with_advice(why, 'JSON lines are UTF-8 text, one object a line')}"
+        )
     return raw, handle
 
 
@@ -233,9 +261,9 @@ def _not_parquet(what: str, path: Path, err: Exception) -> ConfigError:
     if not head.startswith(b"PAR1"):
         stripped = head.lstrip()
         if stripped.startswith((b"{", b"[")):
-            hint = "it looks like JSON: name it .jsonl (one object a line)"
+            hint = f"it looks like JSON, read as .jsonl (one object a line): {renamed(path, '.jsonl')}"
         elif binary_reason(head) is None:
-            hint = "it looks like text: name it .txt, or convert it to Parquet"
+            hint = f"it looks like text, read as .txt: {renamed(path, '.txt')}"
         else:
             hint = "convert it to Parquet (e.g. pandas: df.to_parquet(path))"
         return ConfigError(f"{_named(what, path)} is not a Parquet file (no Parquet header); {hint}")

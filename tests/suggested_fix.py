@@ -7,8 +7,8 @@ outside brackets, quotes and backticks (in a line without one: its closing ", e.
 brackets); each way is made of
 
 - commands in backticks (`iconv ... > NEW`, `suite prepare ...`), run first, as written, by a shell;
-  a command that writes `> NEW` makes NEW stand in for the file of the command it reads (every
-  argument naming that file names NEW instead);
+  a command that writes `> NEW`, or `cp OLD NEW` / `mv OLD NEW`, makes NEW stand in for the file it
+  reads (every argument naming that file names NEW instead);
 - `key=value` arguments, which replace the command's arguments of that key (a short key such as
   out= stands for export.out=); a value with spaces, commas or quotes comes in the double quotes the
   shell needs ("key='a b,c'") and is taken as the shell would hand it over;
@@ -55,6 +55,9 @@ class Way:
             if ">" in command:  # the file it writes stands in for the file it reads (`tool ... FILE`)
                 new = shlex.split(command.rsplit(">", 1)[1])[0]
                 read = shlex.split(command.split(">")[0].split("|")[0])[-1]
+                out = [a.replace(read, new) for a in out]
+            elif shlex.split(command)[0] in ("cp", "mv"):  # the copy (or new name) stands in for the file
+                read, new = shlex.split(command)[-2:]
                 out = [a.replace(read, new) for a in out]
         out += self.args
         out += [f for f in self.flags if f not in out]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import fields, is_dataclass
@@ -203,16 +204,29 @@ def _check_override(key: str, value: str, extra_dirs: list[Path]) -> None:
         if value not in options:
             close = difflib.get_close_matches(value, options, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{key}='{value}' is not a known {key}{hint}; known: {', '.join(options)}")
+            typed = f"; pass {key}={close[0]}" if close else ""
+            raise ConfigError(
+                f"{key}='{value}' is not a known {key}{hint}; known: {', '.join(options)}{typed}"
+            )
         return
     ok, names = _schema_field(key)
     if not ok:
         leaf = key.split(".")[-1]
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         close = difflib.get_close_matches(leaf, names, n=1)
-        hint = f"did you mean '{(parent + '.') if parent else ''}{close[0]}'?" if close else ""
+        meant = f"{(parent + '.') if parent else ''}{close[0]}" if close else ""
+        hint = f"did you mean '{meant}'? drop {key}= and pass {as_typed(meant, value)}" if close else ""
         valid = f"valid keys here: {', '.join(names)}"
         raise ConfigError(f"unknown key '{key}' (value '{value}'); {hint or valid}")
+
+
+def as_typed(key: str, value: str) -> str:
+    """`key=value` as a user types it in a shell: in single quotes inside double quotes when the value
+    holds spaces, commas, quotes, brackets or '=' (what the override grammar and the shell need)."""
+    if re.fullmatch(r"[^\s,'\"()\[\]{}=`;$<>|&*?]*", value):
+        return f"{key}={value}"
+    quoted = value.replace("\\", "\\\\").replace("'", "\\'")
+    return f"\"{key}='{quoted}'\""
 
 
 def _explain(exc: BaseException) -> str:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from suite import user_files
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
+from suite.output_paths import instead
 
 
 def check_data(cfg: SuiteConfig, needs_data: bool = True) -> None:
@@ -26,19 +28,22 @@ def check_data(cfg: SuiteConfig, needs_data: bool = True) -> None:
     if data_path is not None and not cfg.data.sources:
         folder = Path(data_path).expanduser()
         if folder.is_file():
+            prepared = instead(folder.with_name(f"{folder.stem}-prepared"))
+            sources = shlex.quote(f"data.sources=[{{path: {data_path}}}]")
             raise ConfigError(
-                f"data.path='{data_path}' is a file; data.path is the folder `suite prepare` writes: run "
-                f"`suite prepare data=local 'data.sources=[{{path: {data_path}}}]' data.path=<new folder>` first"
+                f"data.path='{data_path}' is a file, not the folder suite prepare writes; run "
+                f"`suite prepare data=local {sources} data.vocab_size={cfg.model.vocab_size} "
+                f"data.path={prepared}` first and pass data.path={prepared}"
             )
         if not folder.is_dir():
             raise ConfigError(
-                f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path} ...` "
-                "first, or drop data.path to use the embedded corpus"
+                f"data.path='{data_path}' does not exist; run `suite prepare data.path={data_path}` (the "
+                "embedded corpus) first, or drop data.path= to read the embedded corpus"
             )
         if not (folder / "meta.json").is_file():
             raise ConfigError(
-                f"data.path='{data_path}' is not a prepared data folder (no meta.json); run "
-                f"`suite prepare data.path=<new folder> ...` and pass that folder"
+                f"data.path='{data_path}' is not a prepared data folder (no meta.json); drop data.path= "
+                f"to read the embedded corpus, or prepare your files there with `suite prepare` (docs/data.md)"
             )
         meta = user_files.read_json(folder / "meta.json", f"data.path='{data_path}'")
         if not isinstance(meta, dict):

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from suite import user_files
+from suite import folders, user_files
 from suite.config.errors import ConfigError
 from suite.config.schema import DataConfig
 from suite.data.corpus import build_embedded_corpus
@@ -64,8 +64,8 @@ TOKENIZER_DONE = ".tokenizer-done"  # written after the trained tokenizer is sav
 LOCK_FILE = ".lock"  # held while a prepare works in the folder: a second one of the same config waits
 # what to do when the place a prepared folder goes cannot be written
 WRITABLE_FIX = {
-    "data.path": "give a folder you can write, e.g. data.path=data/prepared",
-    "data.cache_dir": "give a cache folder you can write, e.g. data.cache_dir=~/.cache/suite, or data.path=DIR",
+    "data.path": "give a folder you can write, e.g. data.path={folder}",
+    "data.cache_dir": "give a cache folder you can write, e.g. data.cache_dir={folder}",
 }
 
 
@@ -95,7 +95,7 @@ def prepare(
     except ConfigError:  # the input or config is wrong: a fixed rerun has another key anyway
         shutil.rmtree(work, ignore_errors=True)
         raise
-    _install(work, out_dir)
+    _install(work, out_dir, key)
     if summary:
         print_report(console, out_dir, meta, time.monotonic() - started)
     return out_dir
@@ -208,8 +208,8 @@ def _check_target(out_dir: Path) -> None:
     """Refuse to replace a folder that holds something other than prepared data."""
     if out_dir.exists() and not is_prepared(out_dir) and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(
-            f"data.path='{out_dir}' already exists and is not a prepared data folder; "
-            "choose a new or empty folder so nothing of yours is overwritten"
+            f"data.path='{out_dir}' already exists and is not a prepared data folder; pass "
+            f"data.path={folders.new_folder(out_dir)} (a new folder) so nothing of yours is overwritten"
         )
 
 
@@ -323,18 +323,20 @@ def _tokenizer(
     return load_tokenizer(work)
 
 
-def _install(tmp: Path, out_dir: Path) -> None:
-    """Move the finished folder into place, replacing an older prepared folder if there is one."""
+def _install(tmp: Path, out_dir: Path, key: str = "data.path") -> Path | None:
+    """Move the finished folder into place. An older prepared folder there is moved aside to
+    `<out_dir>.old-<N>` (suite.folders' rule for every folder the suite replaces: never deleted, a run
+    may still read it) and the line says where; returns where it went (None: nothing was there)."""
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         out_dir.rmdir()
     if not out_dir.exists():
         os.replace(tmp, out_dir)
-        return
+        return None
     _check_target(out_dir)
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    os.replace(out_dir, old)
+    moved = folders.move_aside(out_dir, key, "suite prepare")
     os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    print(f"moved the earlier prepared data in {out_dir} aside to {moved}", file=sys.stderr, flush=True)
+    return moved
 
 
 def _sha256(path: Path) -> str:

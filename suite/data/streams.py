@@ -214,9 +214,9 @@ def _txt_blocks(path: Path, key: str, reading: Reading, block_bytes: int) -> Ite
         while True:
             data = handle.read(block_bytes)
             if not offset and not pending:
-                why = user_files.binary_reason(data[: user_files.SNIFF_BYTES])
+                why = user_files.binary_reason(data[: user_files.SNIFF_BYTES], Path(path))
                 if why:
-                    raise ConfigError(f"{key}: '{path}' {why}; give UTF-8 text")
+                    raise ConfigError(f"{key}: '{path}' {user_files.with_advice(why, 'give UTF-8 text')}")
             reading.advance(len(data))
             pending += data
             cut = pending.rfind(b"\n") + 1 if data else len(pending)  # never inside a character

@@ -22,18 +22,18 @@ def check_export_out(out: str | None) -> None:
         return
     if not str(out).strip():
         raise ConfigError(
-            "export.out is empty; pass out=<a new folder>, or leave out= away for <run.dir>/export-hf"
+            "export.out is empty; drop out= to write the run folder's export-<format>, or pass a folder"
         )
     check_output_folder(
         "export.out",
         out,
-        f"pass out=<a new or empty folder, or an earlier export> instead of '{out}'",
+        f"pass out={{folder}} (a new folder) instead of '{out}'",
         OWNED,
     )
 
 
 def check_default_out(out: Path) -> None:
-    check_output_folder("export.out", str(out), "pass out=<a new or empty folder>", OWNED)
+    check_output_folder("export.out", str(out), "pass out={folder} (a new folder)", OWNED)
 
 
 def check_hf_exportable(cfg: ModelConfig) -> None:
@@ -64,7 +64,9 @@ def export_out(cfg, source) -> Path:
     if cfg.export.out:
         out = Path(cfg.export.out).expanduser()
     elif source.run_dir is None:
-        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out=<dir> for the exported copy")
+        copy = source.folder.with_name(f"{source.folder.name}-export")
+        copy = folders.new_folder(copy) if copy.exists() else copy
+        raise ConfigError(f"ckpt='{cfg.ckpt}' is an HF folder; pass out={copy} for the exported copy")
     else:
         out = source.run_dir / f"export-{cfg.export.format}"
         check_default_out(out)

@@ -144,7 +144,7 @@ def check_window(seq_len: int | None, stride: int | None, max_seq_len: int | Non
     if stride is not None and seq_len is not None and stride > seq_len:
         raise ConfigError(
             f"eval.stride={stride} is larger than eval.seq_len={seq_len}, which would leave tokens unscored; "
-            f"pass eval.stride<={seq_len} (eval.stride=eval.seq_len: windows without overlap)"
+            f"pass eval.stride={seq_len} (windows without overlap) or less"
         )
 
 

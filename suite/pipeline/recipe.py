@@ -53,6 +53,9 @@ class Stage:
     args: list[str]  # as written, `${stage:...}` resolved
     needs: list[str]  # the stages it reads, in order of mention
     folder: Path
+    overrides: list[str] = field(
+        default_factory=list
+    )  # the command line's <stage>.<key>=<value>, last in args
 
     @property
     def output(self) -> str:
@@ -159,7 +162,7 @@ def load_pipeline(overrides: list[str]) -> Pipeline:
         )
     run = data.get("run") or {}
     folder = Path(values.get("run.dir") or run.get("dir") or f"runs/pipeline-{name}").expanduser()
-    fix = "pass run.dir=<a folder you can write>"
+    fix = "pass run.dir={folder} (a folder you can write)"
     check_output_folder("run.dir", str(folder), fix if values.get("run.dir") else f"{fix} (or edit {path})")
     raw_stages = data.get("stages")
     if not isinstance(raw_stages, dict) or not raw_stages:
@@ -171,28 +174,87 @@ def load_pipeline(overrides: list[str]) -> Pipeline:
     for stage_name, arg in per_stage:
         stage = pipeline.stage(stage_name, f"override {stage_name}.{arg}")
         stage.args.append(_resolve(arg, stage, stages[: stages.index(stage)]))
+        stage.overrides.append(stage.args[-1])
         _check_output_keys(stage, path)
     pipeline.gates = [_gate(g, pipeline, path) for g in data.get("gates") or []]
     for stage in stages:
-        _check_stage_args(stage)
+        _check_stage_args(stage, pipeline)
     return pipeline
 
 
-def _check_stage_args(stage: Stage) -> None:
-    """Each stage's command composed here, before any stage runs or any folder is moved: a key its
-    verb does not read or the config does not have, or a value of the wrong type, stops the whole
-    run in one line naming the stage. (A prompt is taken verbatim by `suite generate`, not parsed.)"""
+def _compose_stage(stage: Stage, args: list[str]) -> None:
+    """`args` as the stage's verb would read them; ConfigError when it would refuse them."""
     verb = VERBS[stage.verb]
-    args = expand_shortcuts(
-        [a for a in stage.args if a.split("=", 1)[0] not in ("prompt", "generate.prompt")]
-    )
+    args = expand_shortcuts([a for a in args if a.split("=", 1)[0] not in ("prompt", "generate.prompt")])
     if verb.default_recipe and not any(a.split("=", 1)[0] == "recipe" for a in args):
         args = [f"recipe={verb.default_recipe}", *args]
+    check_keys(verb, args)
+    to_object(compose_config(args))
+
+
+def _check_stage_args(stage: Stage, pipeline: Pipeline) -> None:
+    """Each stage's command composed here, before any stage runs or any folder is moved: a key its
+    verb does not read or the config does not have, or a value of the wrong type, stops the whole
+    run in one line naming the stage. (A prompt is taken verbatim by `suite generate`, not parsed.)
+    A refused override from the command line is named as typed (`int8.optim.lr=...`), and so is the
+    key its advice gives (`drop int8.optim.lr=`), so the advice can be typed as printed."""
     try:
-        check_keys(verb, args)
-        to_object(compose_config(args))
+        _compose_stage(stage, stage.args)
+        return
     except ConfigError as exc:
-        raise ConfigError(f"stage '{stage.name}' (suite {stage.verb}): {exc}") from None
+        refused = exc
+    base = stage.args[: len(stage.args) - len(stage.overrides)]
+    for index, override in enumerate([None, *stage.overrides]):
+        try:
+            _compose_stage(stage, base + stage.overrides[:index])
+        except ConfigError as exc:
+            if override is None:  # the recipe's own args
+                raise ConfigError(f"stage '{stage.name}' (suite {stage.verb}): {exc}") from None
+            raise _override_error(stage, stage.overrides[index - 1], exc, pipeline) from None
+    raise ConfigError(f"stage '{stage.name}' (suite {stage.verb}): {refused}") from None
+
+
+def _override_error(stage: Stage, override: str, exc: ConfigError, pipeline: Pipeline) -> ConfigError:
+    """The one line for a refused command-line override `<stage>.<override>`: the keys of its advice
+    are the stage's (typed with the stage's name in front); an override of a section the stage's verb
+    does not read (optim on quantize) is pointed at the stage it reads that does read it (the one
+    that trains the model it quantizes), where the setting would take effect."""
+    key, _, value = override.partition("=")
+    key = key.lstrip("+~")
+    section = key.split(".", 1)[0]
+    verb = VERBS[stage.verb]
+    lead = f"stage '{stage.name}' (suite {stage.verb}): "
+    if section in verb.unused and key not in verb.hints:
+        upstream = _reader_upstream(stage, section, pipeline)
+        there = (
+            f", or drop {stage.name}.{key}= and pass {upstream.name}.{override} (stage '{upstream.name}', "
+            f"which '{stage.name}' reads, runs suite {upstream.verb}: the {section} settings take effect there)"
+            if upstream
+            else ""
+        )
+        return ConfigError(
+            f"{lead}{stage.name}.{override}: suite {stage.verb} does not read {section}; "
+            f"drop {stage.name}.{key}={there}"
+        )
+    text = str(exc)
+    what, sep, advice = text.partition("; ")
+    advice = STAGE_KEY.sub(lambda m: f"{m.group(1)}{stage.name}.{m.group(2)}=", advice)
+    return ConfigError(f"{lead}{what}{sep}{advice}")
+
+
+# a key=, in a refusal's advice, that names a key of the stage's command: given the stage's name in front
+STAGE_KEY = re.compile(r"(^|[\s(\"'])([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)*)=")
+
+
+def _reader_upstream(stage: Stage, section: str, pipeline: Pipeline) -> Stage | None:
+    """The nearest stage `stage` reads (directly or through others) whose verb reads `section`."""
+    queue = list(stage.needs)
+    while queue:
+        other = pipeline.stage(queue.pop(0), "needs")
+        if section not in VERBS[other.verb].unused:
+            return other
+        queue += other.needs
+    return None
 
 
 def _stage(name: str, body: Any, folder: Path, earlier: list[Stage], path: Path) -> Stage:

@@ -98,6 +98,7 @@ class Run:
         self.forced = self.selected if (start or only) else set()
         self.server = None  # suite.launch.fork_server.ForkServer, started by the first stage that runs
         self.server_dir: str | None = None
+        self.spawned = False  # whether a stage has run (a refusal before that leaves run.dir as it was)
         self.figures: dict[str, dict[str, Any]] = {}
         self.done: dict[str, dict[str, Any]] = {}  # stage name -> its marker
         self.records: dict[str, dict[str, Any]] = {
@@ -238,6 +239,7 @@ class Run:
         returns the exit code and the last JSON object it printed on stdout."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         command = [sys.executable, "-m", "suite", *stage.argv()]
+        self.spawned = True
         server = self.fork_server(env)
         if server is not None:
             env[SERVER_ENV] = server.address
@@ -351,33 +353,67 @@ class Run:
 
     # ---- the whole run -----------------------------------------------------------------------
     def run(self) -> int:
-        made = made_by(
-            self.p
-        )  # before any stage runs or anything moves: another pipeline's folder is refused
+        # every refusal before anything is written or moved: another pipeline's folder, a stage asked
+        # for that reads one that has not finished; a refused run leaves run.dir as it was (or absent)
+        made = made_by(self.p)
+        moves = folders.check_claim(self.p.dir, made, "run.dir", self.overwrite, legacy=_legacy)
+        self.check_unfinished(fresh=moves)
         folders.claim(self.p.dir, made, "run.dir", self.overwrite, legacy=_legacy)
+        before = {p.name for p in self.p.dir.iterdir()} if self.p.dir.is_dir() else None
         folders.write_record(self.p.dir, made)
         self.logs.mkdir(exist_ok=True)
         print(f"suite run pipeline={self.p.name}: {len(self.p.stages)} stages in {self.p.dir}", flush=True)
+        refused = False
         try:
             return self._run()
+        except ConfigError:
+            refused = not self.spawned  # a refusal before any stage ran (a gate without its figures)
+            raise
         finally:
             self.close()
-            self.save()
-            written = write_report(self.p, self.records, self.figures, self.gates, self.status)
-            print(f"wrote {self.p.dir / RECORD}, {', '.join(str(p) for p in written)}", flush=True)
+            if refused:
+                self.undo(before)
+            else:
+                self.save()
+                written = write_report(self.p, self.records, self.figures, self.gates, self.status)
+                print(f"wrote {self.p.dir / RECORD}, {', '.join(str(p) for p in written)}", flush=True)
+
+    def undo(self, before: set[str] | None) -> None:
+        """After a refusal before any stage ran: take away what this command wrote (its record, an
+        empty logs/), so run.dir is as it was, or absent when it was (`before`: its entries then)."""
+        if before is None:
+            shutil.rmtree(self.p.dir, ignore_errors=True)
+            return
+        for entry in self.p.dir.iterdir():
+            if entry.name in before:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    def check_unfinished(self, fresh: bool) -> None:
+        """Refuse (before anything is written) a stage asked for that reads a stage left out which has
+        not finished. `fresh`: run.dir's content is about to be moved aside, so nothing has finished."""
+        for stage in self.p.stages:
+            if stage.name in self.selected:
+                continue
+            marker, why = (None, "not finished") if fresh else self.valid_marker(stage)
+            if marker is None and any(
+                stage.name in s.needs for s in self.p.stages if s.name in self.selected
+            ):
+                again = shlex.join(["suite", "run", *self.overrides, "--from", stage.name])
+                raise ConfigError(
+                    f"stage '{stage.name}' has not finished ({why}) and a stage you asked for reads it; "
+                    f"run it first with `{again}`"
+                )
 
     def _run(self) -> int:
         for index, stage in enumerate(self.p.stages):
             if stage.name not in self.selected:
-                marker, why = self.valid_marker(stage)
+                marker, _ = self.valid_marker(stage)
                 if marker is not None:
                     self.finished(stage, marker, "kept")
-                elif any(stage.name in s.needs for s in self.p.stages if s.name in self.selected):
-                    again = shlex.join(["suite", "run", *self.overrides, "--from", stage.name])
-                    raise ConfigError(
-                        f"stage '{stage.name}' has not finished ({why}) and a stage you asked for reads it; "
-                        f"run it first with `{again}`"
-                    )
             else:
                 code = self.run_stage(stage)
                 self.save()

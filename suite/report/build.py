@@ -9,7 +9,7 @@ from pathlib import Path
 
 from suite import folders
 from suite.config.errors import ConfigError
-from suite.output_paths import check_output_folder
+from suite.output_paths import check_output_folder, instead
 from suite.report.markdown import compare_markdown, run_markdown
 from suite.report.plots import PANELS, plot_comparison, plot_run
 from suite.report.runs import load_run
@@ -27,8 +27,10 @@ def _out_folder(out: str | Path, runs: list[Path] | None = None, overwrite: bool
     with --overwrite."""
     folder = Path(out).expanduser()
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"suite report: out='{out}' is a file, not a folder; pass out=<a folder>")
-    check_output_folder("suite report: out", str(out), "pass out=<a folder you can write>")
+        raise ConfigError(
+            f"suite report: out='{out}' is a file, not a folder; pass out={instead(folder)} (a new folder)"
+        )
+    check_output_folder("suite report: out", str(out), "pass out={folder} (a folder you can write)")
     if runs is not None:
         made = folders.made_by("report", [str(Path(r).resolve()) for r in runs], {})
         folders.claim(folder, made, "out", overwrite, legacy=_legacy, reads=tuple(runs))

@@ -14,8 +14,9 @@ folder holding an unrelated file, {empty} an empty file, {chat} a chat .jsonl fi
 
 Data files as careless users hand them over (DATA_CASES, in the working directory too): {latin1} a
 Latin-1 text .jsonl, {latin1_chat} a Latin-1 chat .jsonl, {fake_parquet} and {fake_chat_parquet}
-text and JSON lines named .parquet, {junk} 20 KB of random bytes named .txt, {bad_pipeline} a
-pipeline recipe with a YAML syntax error (a list left open on line 3).
+JSON lines named .parquet, {junk} 20 KB of random bytes named .txt, {bad_pipeline} a
+pipeline recipe with a YAML syntax error (a list left open on line 3), {utf16} UTF-16 JSON lines,
+{rows} the same rows as UTF-8.
 
 And what the lines suggest works (FIXES): every way on a refusal offers, read by tests/suggested_fix.py
 (the one reader of every refusal's advice) and applied to the refused command, runs to exit 0.
@@ -268,13 +269,16 @@ CHAT_ROW = {
     "messages": [{"role": "user", "content": "un café ?"}, {"role": "assistant", "content": "oui, très"}]
 }
 TEXTS = [{"text": f"Ligne {i}: le café de la gare ouvre à {i} heures."} for i in range(40)]
+ROWS = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in TEXTS)  # 40 documents as JSON lines
 # placeholder -> (file name, text, encoding); {junk} is random bytes
 DATA_FILES = {
-    "latin1": ("notes.jsonl", "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in TEXTS), "latin-1"),
+    "latin1": ("notes.jsonl", ROWS, "latin-1"),
     "latin1_chat": ("chat_latin1.jsonl", json.dumps(CHAT_ROW, ensure_ascii=False) + "\n", "latin-1"),
-    "fake_parquet": ("corpus.parquet", "plain prose saved under the wrong name\n", "utf-8"),
+    "fake_parquet": ("corpus.parquet", ROWS, "utf-8"),
     "fake_chat_parquet": ("chat.parquet", json.dumps(CHAT_ROW) + "\n", "utf-8"),
     "bad_pipeline": ("pipe.yaml", "stages:\n  pretrain:\n    args: [train.max_steps=2, a\n", "utf-8"),
+    "utf16": ("notes16.jsonl", ROWS, "utf-16"),
+    "rows": ("rows.jsonl", ROWS, "utf-8"),
 }
 
 
@@ -418,7 +422,12 @@ DATA_CASES: list[tuple[list[str], str, str]] = [
     ([*PREP, "data.sources=[{path: {junk}}]"], "{junk}", "holds binary data, not text"),
     ([*PREP, "data.sources=[{path: {empty}}]"], "{empty}", "holds no text"),
     (
-        [*PREP[:2], "data.sources=[{path: {file}}]", "data.path=/proc/suite-data"],
+        [*PREP, "data.sources=[{path: {utf16}}]"],
+        "{utf16}",
+        "is UTF-16 text; re-encode it as UTF-8 with `iconv",
+    ),
+    (
+        [*PREP[:2], "data.sources=[{path: {rows}}]", "data.path=/proc/suite-data"],
         "/proc/suite-data",
         "not writable",
     ),
@@ -430,7 +439,7 @@ DATA_CASES: list[tuple[list[str], str, str]] = [
     (
         [*FT_DATA, "finetune.data.sources=[{path: {fake_chat_parquet}}]"],
         "{fake_chat_parquet}",
-        "name it .jsonl",
+        "read as .jsonl",
     ),
     (["run", "pipeline={bad_pipeline}"], "{bad_pipeline}:4:1", "starts at 3:11"),
     (["report", "{run}", "out=/proc/suite-report"], "/proc/suite-report", "cannot be created"),
@@ -477,6 +486,14 @@ FIXES: list[tuple[list[str], list[str]]] = [
     (["config", "show", "model.name=a b,c"], []),  # the quoting form
     (["finetune", "ckpt={run}", "run.dir={cwd}/ft"], ["--print-launch"]),  # drop ckpt=, model.init_from=
     ([*PREP, "data.sources=[{path: {latin1}}]"], []),  # the iconv command, then its file
+    ([*PREP, "data.sources=[{path: {utf16}}]"], []),  # the same for UTF-16
+    ([*PREP, "data.sources=[{path: {fake_parquet}}]"], []),  # `cp` to the name it reads as (.jsonl)
+    ([*PREP[:2], "data.sources=[{path: {rows}}]", "data.path=/proc/suite-data"], []),  # a folder in cwd
+    (["config", "show", "model.num_layer=3"], []),  # the key meant, with the value typed
+    (
+        ["eval", "ckpt={run}", "metric=perplexity", "eval.seq_len=16", "eval.stride=32"],
+        ["eval.max_tokens=64"],
+    ),
 ]
 
 

@@ -211,12 +211,17 @@ def test_prepare_local_sources_with_weights(sources_dir: Path, tmp_path: Path) -
 
 
 def test_prepare_reuses_a_tokenizer_and_replaces_a_prepared_folder(
-    sources_dir: Path, tok_dir: Path, tmp_path: Path
+    sources_dir: Path, tok_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "p"
     prepare(local_cfg(sources_dir), out, progress=False)
+    first = read_meta(out)
     prepare(local_cfg(sources_dir, tokenizer=str(tok_dir)), out, progress=False)
     assert read_meta(out)["tokenizer"] == str(tok_dir)
+    # the older folder is moved aside whole (never deleted: a run may still read it), and the line says where
+    assert read_meta(tmp_path / "p.old-1") == first
+    assert f"aside to {tmp_path / 'p.old-1'}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p", "p.old-1"]
     reused, original = load_tokenizer(out), load_tokenizer(tok_dir)
     assert reused.get_vocab() == original.get_vocab()
     text = "The data loader shuffles 77 batches."

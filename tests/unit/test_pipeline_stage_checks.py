@@ -21,7 +21,8 @@ from suite.cli import main
         ("sft.train.max_steps=abc", "stage 'sft' (suite finetune): train.max_steps: Value 'abc'"),
         (
             "int8.optim.lr=0.1",
-            "stage 'int8' (suite quantize): optim.lr=0.1: suite quantize does not read optim",
+            "stage 'int8' (suite quantize): int8.optim.lr=0.1: suite quantize does not read optim; "
+            "drop int8.optim.lr=",
         ),
     ],
 )
@@ -63,6 +64,7 @@ def test_the_command_suggested_for_an_unfinished_stage_is_the_same_pipeline_from
     )
     typed = [f"pipeline={recipe}", f"run.dir={tmp_path / 'out'}", "two.generate.max_new_tokens=2"]
     assert main(["run", *typed, "--only", "two"]) == 2
+    assert not (tmp_path / "out").exists()  # a refusal writes nothing (it left pipeline.json, report.md)
     (line,) = capsys.readouterr().err.splitlines()
     (way,) = ways_on(line)
     (command,) = way.commands
@@ -71,3 +73,29 @@ def test_the_command_suggested_for_an_unfinished_stage_is_the_same_pipeline_from
     suggested, original = load_pipeline(argv[2:-2]), load_pipeline(typed)
     assert [s.argv() for s in suggested.stages] == [s.argv() for s in original.stages]
     assert Run(suggested, start="one", only=None).selected == {"one", "two"}
+
+
+def test_an_override_of_a_section_the_stage_does_not_read_names_the_keys_to_type(tmp_path, capsys):
+    """`int8.optim.lr=1e-3` on a quantize stage: the line used to say `drop optim.lr=` (the stage's
+    key, not the one typed: dropping it leaves the override in place). It names the override as typed
+    and, as the other way on, the stage int8 reads, which trains (where a learning rate takes
+    effect); each way, applied as tests/suggested_fix.py reads it, composes."""
+    from suite.pipeline.recipe import load_pipeline
+    from tests.suggested_fix import ways_on
+
+    recipe = tmp_path / "pipe.yaml"
+    recipe.write_text(
+        "stages:\n"
+        "  sft: {verb: finetune, args: [model.init_from=/nowhere]}\n"
+        "  int8: {verb: quantize, args: ['ckpt=${stage:sft}', compress=int8]}\n"
+    )
+    typed = [f"pipeline={recipe}", f"run.dir={tmp_path / 'out'}", "int8.optim.lr=1e-3"]
+    assert main(["run", *typed]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "drop int8.optim.lr=" in line and "sft.optim.lr=1e-3" in line, line
+    dropped, moved = ways_on(line)
+    assert dropped.apply(typed) == typed[:2]
+    pipeline = load_pipeline(moved.apply(typed))
+    assert "optim.lr=1e-3" in pipeline.stage("sft", "test").args
+    assert not any("optim" in a for a in pipeline.stage("int8", "test").args)
+    assert not (tmp_path / "out").exists()

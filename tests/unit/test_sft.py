@@ -372,7 +372,7 @@ def test_a_file_in_another_encoding_is_refused_whatever_the_row_policy(tok, tmp_
     with pytest.raises(ConfigError, match=r"'.*latin1.jsonl' is not UTF-8 text \(line 2, byte \d+: 0xe9\)"):
         SFTDataset.build(str(path), tok, SFTOptions(seq_len=48, on_error="skip"))
     (tmp_path / "rows.parquet").write_text(good)
-    with pytest.raises(ConfigError, match=r"'.*rows.parquet' is not a Parquet file.*name it .jsonl"):
+    with pytest.raises(ConfigError, match=r"'.*rows.parquet' is not a Parquet file.*`cp .*rows.jsonl`"):
         SFTDataset.build(str(tmp_path / "rows.parquet"), tok, SFTOptions(seq_len=48))
 
 

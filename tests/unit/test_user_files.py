@@ -98,9 +98,13 @@ def test_a_leading_bom_is_not_an_invalid_json_line(tmp_path):
     [
         (random.Random(0).randbytes(20_000), "junk.txt", "holds binary data, not text"),
         (b"\x00" * 100, "zeros.txt", "a NUL byte at byte 0"),
-        (b"PAR1\x15\x04\x15\x10", "table.txt", "is a Parquet file; name it .parquet"),
-        (gzip.compress(b'{"text": "a"}\n', mtime=0), "rows.jsonl", "gzip-compressed; name it .jsonl.gz"),
-        ("text".encode("utf-16"), "wide.txt", "UTF-16 text"),
+        (b"PAR1\x15\x04\x15\x10", "table.txt", "is a Parquet file; copy it to that name with `cp"),
+        (
+            gzip.compress(b'{"text": "a"}\n', mtime=0),
+            "rows.jsonl",
+            "gzip-compressed; copy it to that name with `cp",
+        ),
+        ("text".encode("utf-16"), "wide.txt", "UTF-16 text; re-encode it as UTF-8 with `iconv -f utf-16"),
         (b"PK\x03\x04rest", "archive.jsonl", "a zip archive"),
     ],
     ids=["random-bytes", "nul-bytes", "parquet", "gzip", "utf-16", "zip"],  # the same on every xdist worker
@@ -119,7 +123,7 @@ def test_binary_and_other_formats_are_named(tmp_path, content, name, expected):
     ("content", "expected"),
     [
         (b"just some text\n", "is not a Parquet file (no Parquet header); it looks like text"),
-        (b'{"text": "a"}\n', "it looks like JSON: name it .jsonl"),
+        (b'{"text": "a"}\n', "it looks like JSON, read as .jsonl"),
         (b"", "is empty (0 bytes)"),
         (b"\x00\x01\x02\x03" * 64, "convert it to Parquet"),
     ],
@@ -229,5 +233,5 @@ def test_a_cut_or_false_gzip_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"'.*cut.jsonl.gz' is cut short or corrupt after line \d+"):
         list(user_files.json_lines(tmp_path / "cut.jsonl.gz"))
     (tmp_path / "plain.jsonl.gz").write_text(json.dumps(ROWS[0]) + "\n")
-    with pytest.raises(ConfigError, match=r"is not a readable gzip file .*name it .jsonl"):
+    with pytest.raises(ConfigError, match=r"is not a readable gzip file .*`cp .*\.jsonl`"):
         list(user_files.json_lines(tmp_path / "plain.jsonl.gz"))

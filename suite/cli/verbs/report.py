@@ -23,7 +23,10 @@ def _parse(args: list[str]) -> tuple[list[str], str | None]:
         elif key in OUT_KEYS and value.strip():
             out = value
         elif key in OUT_KEYS:
-            raise ConfigError(f"{key} is empty; pass {key}=<a folder> for the report, or leave it out")
+            raise ConfigError(
+                f"{key} is empty; drop {key}= for the default folder (the run's own, or a new one in "
+                "reports/ for several runs)"
+            )
         else:
             raise ConfigError(f"suite report takes run folders and out=DIR, not '{arg}'; e.g. {EXAMPLE}")
     if not runs:
