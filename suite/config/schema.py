@@ -444,6 +444,25 @@ class EvalConfig:
 
 
 @dataclass
+class AlignConfig:
+    """`suite align`: preference tuning (DPO, SimPO) or reinforcement learning with rewards (GRPO) of
+    model.init_from's weights (docs/align.md). The methods are registered in suite/align/."""
+
+    method: str = "dpo"  # a registered method: dpo | simpo | grpo
+    # preference pairs (dpo, simpo): a .jsonl/.jsonl.gz/.json/.parquet file, a folder of them, or a
+    # `datasets` save_to_disk folder; rows {prompt, chosen, rejected} as strings or chat messages
+    data: Optional[str] = None
+    num_eval: int = 16  # pairs held out (the last ones of the data) for val_loss
+    lora: bool = False  # adapters with finetune.lora.*'s shapes; the reference is the base, adapters off
+    beta: float = 0.1  # dpo: strength of the implicit KL to the reference (TRL's default)
+    label_smoothing: float = (
+        0.0  # dpo: the chance a pair's labels are flipped (conservative DPO), in [0, 0.5)
+    )
+    simpo_beta: float = 2.0  # simpo: scale of the length-normalised log-probabilities (the paper's default)
+    simpo_gamma: float = 1.0  # simpo: the target reward margin
+
+
+@dataclass
 class PruneConfig:
     """`suite prune ckpt=<run> prune.ffn=<fraction> prune.heads=<fraction> prune.hidden=<fraction>
     prune.layers=<count>`: structured pruning by activation importance on calibration data
@@ -566,6 +585,7 @@ class SuiteConfig:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    align: AlignConfig = field(default_factory=AlignConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     ckpt: Optional[str] = None  # model to read: a run folder, a checkpoint folder, or hf:<folder>
     recipe_name: str = "default"

@@ -59,7 +59,7 @@ class Batch:
 
     def _map(self, fn) -> Batch:
         move = lambda t: None if t is None else fn(t)  # noqa: E731
-        return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids))
+        return type(self)(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))

@@ -1,6 +1,6 @@
 """The frozen teacher: built, placed and loaded like the student, then only ever run forward.
 
-The teacher is parallelised by the same `parallelize` as the student (same mesh and data-parallel
+The teacher (suite.frozen_model.load_frozen) is parallelised by the same `parallelize` as the student (same mesh and data-parallel
 kind: sharded under FSDP, so no rank holds a whole teacher it would not hold a whole student of),
 loaded from its source (suite.model_source.ModelSource: a suite run/checkpoint or hf:<folder>, resharded
 to this layout), set to eval mode with every parameter frozen. It hands the step its final hidden
@@ -17,19 +17,15 @@ without the last stage let it go (`release`). Distillation refuses pp with tp, c
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from suite.config.errors import ConfigError
-from suite.config.schema import RecomputeConfig, SuiteConfig
+from suite.config.schema import SuiteConfig
 from suite.distill.hidden import BlockOutputs
 from suite.distill.vocab_parallel import vocab_rows
+from suite.frozen_model import load_frozen
 from suite.model_source import ModelSource
-from suite.models import build_model, materialize
 from suite.parallel.dims import ParallelDims
-from suite.parallel.parallelize import parallelize
 from suite.runtime import PrecisionPolicy
 
 
@@ -65,35 +61,9 @@ def load_teacher(
 ) -> Teacher:
     """The teacher named by distill.teacher, placed like the student and frozen."""
     source = ModelSource.parse(cfg.distill.teacher, "distill.teacher")
-    if source.lora is not None:
-        raise ConfigError(
-            f"{source.named} holds LoRA adapters beside its base; export it with merge_lora=true and "
-            "use distill.teacher=hf:<that folder>"
-        )
-    model_cfg = source.model_config()
-    if model_cfg.vocab_size != cfg.model.vocab_size:
-        raise ConfigError(
-            f"distill.teacher has model.vocab_size={model_cfg.vocab_size} but the student has "
-            f"model.vocab_size={cfg.model.vocab_size}; teacher and student must share the tokenizer and vocabulary"
-        )
-    if source.is_hf:  # an HF folder never fuses; keep the student's layout choice for speed
-        model_cfg = dataclasses.replace(model_cfg, fused_projections=cfg.model.fused_projections)
-    model_cfg = dataclasses.replace(model_cfg, dropout=0.0, init_from=None)
-    # no backward through the teacher: nothing to recompute
-    teacher_cfg = dataclasses.replace(cfg, model=model_cfg, recompute=RecomputeConfig())
-    if dims.pp > 1:  # whole on every rank, plain (module docstring); the loss's last stage runs it
-        model = materialize(build_model(model_cfg, "meta"), device, cfg.train.seed).to(precision.param_dtype)
-        input_device = device
-    else:
-        placement = parallelize(build_model(model_cfg, "meta"), teacher_cfg, dims, device, precision)
-        model = placement.model
-        if placement.materialized is False:
-            materialize(model, device, cfg.train.seed)
-        input_device = placement.input_device()  # read off the materialised parameters
-    source.load_weights(model, model_cfg.fused_projections)
-    for param in model.parameters():
-        param.requires_grad_(False)
-    model.eval()
+    # whole on every rank under pp, plain (module docstring); the loss's last stage runs it
+    frozen = load_frozen(cfg, dims, device, precision, source, "distill.teacher", whole=dims.pp > 1)
+    model, placement, input_device = frozen.model, frozen.placement, frozen.input_device
     weight = model.output.weight
     weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # one gather, at setup
     rows = None

@@ -34,12 +34,18 @@ def check_finetune(cfg: SuiteConfig) -> None:
             "finetune.data needs a task or sources: finetune.data.task=reverse-6 or "
             "'finetune.data.sources=[{path: data/chat.jsonl}]'"
         )
-    if ft.lora.rank < 1:
-        raise ConfigError(f"finetune.lora.rank={ft.lora.rank} must be >= 1; e.g. 8")
-    if not 0.0 <= ft.lora.dropout < 1.0:
-        raise ConfigError(f"finetune.lora.dropout={ft.lora.dropout} must be in [0, 1)")
+    check_lora(cfg)
     if ft.epochs is not None and ft.epochs <= 0:
         raise ConfigError(f"finetune.epochs={ft.epochs} must be positive (or null: train.max_steps decides)")
+
+
+def check_lora(cfg: SuiteConfig) -> None:
+    """finetune.lora.*'s values (finetune's and align's adapters)."""
+    lora = cfg.finetune.lora
+    if lora.rank < 1:
+        raise ConfigError(f"finetune.lora.rank={lora.rank} must be >= 1; e.g. 8")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"finetune.lora.dropout={lora.dropout} must be in [0, 1)")
 
 
 def check_finetune_layout(cfg: SuiteConfig, dims) -> None:

@@ -39,6 +39,8 @@ import json
 import math
 import re
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -98,6 +100,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = nn.functional.linear(x, self.weight, self.bias)
+        if getattr(self, "lora_off", False):  # adapters_disabled: the base model alone
+            return base
         return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
@@ -233,6 +237,21 @@ def _merge_experts(experts: nn.Module) -> None:
         delta = torch.bmm(experts.lora_b[name].float(), a.float()) * experts.lora_scaling
         weight.copy_((weight.float() + delta).to(weight.dtype))
     del experts.lora_a, experts.lora_b, experts.lora_scaling, experts.lora_dropout
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, `model` computes what its base computes: every adapter (LoRALinear, the routed experts'
+    factors) is skipped. A preference method's reference model is the policy with its adapters off,
+    so no second copy of the base weights exists."""
+    switched = [m for m in model.modules() if _adapted(m)]
+    for module in switched:
+        module.lora_off = True
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.lora_off = False
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

@@ -268,7 +268,7 @@ class GroupedExperts(nn.Module):
     def adapters(self, local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Adapters | None:
         """The LoRA updates by weight name (None without LoRA); `local` maps a factor to this rank's part."""
         lora_a, lora_b = getattr(self, "lora_a", None), getattr(self, "lora_b", None)
-        if lora_a is None or lora_b is None:
+        if lora_a is None or lora_b is None or getattr(self, "lora_off", False):  # lora.adapters_disabled
             return None
         return {
             name: ExpertAdapter(local(a), local(lora_b[name]), self.lora_scaling, self.lora_dropout)

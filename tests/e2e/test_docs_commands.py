@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from suite.align.pairs import task_pairs
 from suite.cli.help import verb_help
 from suite.cli.verbs import VERBS
 from tests.conftest import write_tiny_corpus
@@ -55,6 +56,7 @@ SHRINK = {
         "finetune.eval_samples=2",
     ],
     "distill": [*TRAIN, *DATA, *MODEL],
+    "align": [*TRAIN, *DATA, "align.num_eval=4"],
     "eval": ["eval.num_samples=2"],
     "prepare": DATA,
     "generate": ["generate.max_new_tokens=4"],
@@ -90,6 +92,7 @@ HELP_ORDER = (
     "pretrain",
     "prepare",
     "finetune",
+    "align",
     "distill",
     "eval",
     "generate",
@@ -149,6 +152,8 @@ def workdir(tmp_path_factory):
         for i in range(200)
     ]
     (data / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = task_pairs("reverse-3", 40)  # suite align's examples: right answers against corrupted ones
+    (data / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     (data / "prompt.txt").write_text("The module (from a file)\n")
     (data / "prompts.txt").write_text("The module\nA longer prompt about the suite\n\nIt\n")
     cli = ForkedCLI(suite_env())

@@ -7,6 +7,7 @@ verb to list them, and only the verb that runs should pay for its engine.
 """
 
 from suite.cli.verbs import (  # noqa: F401 (the registry line: importing a verb module registers it)
+    align,
     chat,
     config,
     distill,

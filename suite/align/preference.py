@@ -1,0 +1,290 @@
+"""Preference tuning: DPO (with a frozen reference) and SimPO (reference-free), registered as
+align.method=dpo and align.method=simpo.
+
+    data      `PairData`: align.data's pairs (suite.align.pairs) rendered with the base's tokenizer and
+              chat template; a step's global batch is parallel.global_batch_size pairs, each pair's
+              two conversations in one micro-batch; held out: the last align.num_eval pairs, whose
+              chosen responses give val_loss (their cross-entropy per token)
+    weights   model.init_from (suite.finetune.method.BaseWeights); align.lora=true adds finetune.lora.*
+              adapters (suite.finetune.method.LoRA) and trains only them
+    reference dpo: the base's log-probabilities (suite.align.reference): a frozen copy placed like the
+              policy, or under align.lora the policy with its adapters off (no second copy)
+    loss      `PreferenceLoss`, a suite.train.step.MethodLoss: per pair, from the summed log-probabilities
+              of the response tokens (pc, pr: policy, chosen and rejected; rc, rr: reference)
+                dpo    z = beta * ((pc - rc) - (pr - rr))
+                       loss = -(1 - ls) logsigmoid(z) - ls logsigmoid(-z)      (ls: align.label_smoothing;
+                       TRL's "sigmoid" loss, conservative DPO when ls > 0)
+                       rewards: beta (pc - rc), beta (pr - rr)
+                simpo  z = simpo_beta * (pc / |c| - pr / |r|) - simpo_gamma   (length-normalised; no reference)
+                       loss = -(1 - ls) logsigmoid(z) - ls logsigmoid(-z)
+                       rewards: simpo_beta pc / |c|, simpo_beta pr / |r|
+              averaged over the global batch's pairs (the step weighs a PairBatch by its pairs)
+    logged    rewards/chosen, rewards/rejected, rewards/margin (their mean difference) and
+              rewards/accuracy (the share of pairs whose chosen reward is higher), over the logging window
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from suite.align import register
+from suite.align.logps import target_logps
+from suite.align.pairs import PairDataset, read_pairs
+from suite.align.reference import Reference, load_reference
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+from suite.data.batch import IGNORE_INDEX, Batch
+from suite.data.chat import use_chat_template
+from suite.data.sampler import GlobalBatches
+from suite.finetune.method import BaseWeights, LoRA, base_source
+from suite.model_source import ModelSource
+from suite.models.moe import moe_aux_loss
+from suite.train.components import Component, Data, Method, Trainer
+from suite.train.loss import HeadInput
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
+
+
+# ---- the objectives ------------------------------------------------------------------------------
+def sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-(1 - ls) log sigmoid(z) - ls log sigmoid(-z), per pair."""
+    return -F.logsigmoid(z) * (1.0 - label_smoothing) - F.logsigmoid(-z) * label_smoothing
+
+
+@dataclass(frozen=True)
+class DPO:
+    """Direct preference optimisation against a frozen reference (Rafailov et al. 2023)."""
+
+    beta: float
+    label_smoothing: float = 0.0
+    needs_reference = True
+
+    def __call__(self, policy: torch.Tensor, lengths: torch.Tensor, reference: torch.Tensor | None):
+        """(per-pair losses [b], chosen rewards [b], rejected rewards [b]) from [b, 2] summed log-probs."""
+        rewards = self.beta * (policy - reference)
+        z = rewards[:, 0] - rewards[:, 1]
+        return sigmoid_loss(z, self.label_smoothing), rewards[:, 0].detach(), rewards[:, 1].detach()
+
+
+@dataclass(frozen=True)
+class SimPO:
+    """Simple preference optimisation: length-normalised log-probabilities, a margin, no reference
+    (Meng et al. 2024)."""
+
+    beta: float
+    gamma: float
+    label_smoothing: float = 0.0
+    needs_reference = False
+
+    def __call__(self, policy: torch.Tensor, lengths: torch.Tensor, reference: torch.Tensor | None):
+        rewards = self.beta * policy / lengths.clamp(min=1)
+        z = rewards[:, 0] - rewards[:, 1] - self.gamma
+        return sigmoid_loss(z, self.label_smoothing), rewards[:, 0].detach(), rewards[:, 1].detach()
+
+
+Objective = DPO | SimPO
+
+
+# ---- the loss in the step ------------------------------------------------------------------------
+class PreferenceLoss:
+    """The policy's preference loss on a micro-batch of pairs (rows 2i chosen, 2i + 1 rejected); the
+    reference (if the objective has one) runs on the micro-batch's tokens first."""
+
+    def __init__(self, objective: Objective, reference: Reference | None, moe: bool, device: torch.device):
+        self.objective = objective
+        self.reference = reference
+        self.moe = moe
+        self.model: torch.nn.Module | None = None  # the policy (for its MoE aux losses)
+        # pairs, summed chosen rewards, summed rejected rewards, pairs ranked right; since the last log
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+
+    @contextmanager
+    def micro_batch(self, tokens: torch.Tensor, kwargs: dict) -> Iterator[Any]:
+        reference = None
+        if self.reference is not None:
+            reference = self.reference.token_logps(tokens, kwargs)
+        yield partial(self._loss, reference)
+
+    def sequence_logps(
+        self, output: HeadInput, targets: torch.Tensor, reference: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[pairs, 2] summed response log-probabilities of the policy, response lengths, and the
+        reference's (None without one)."""
+        if not isinstance(output, HeadInput):
+            raise RuntimeError("the preference loss gets the head's input (pipeline schedules are refused)")
+        keep = targets != IGNORE_INDEX
+        policy = target_logps(output.hidden, output.weight, targets).sum(-1).view(-1, 2)
+        lengths = keep.sum(-1).view(-1, 2)
+        ref = None if reference is None else torch.where(keep, reference, 0.0).sum(-1).view(-1, 2)
+        return policy, lengths, ref
+
+    def _loss(self, reference, output, targets, weight, aux_weight: float = 0.0) -> torch.Tensor:
+        policy, lengths, ref = self.sequence_logps(output, targets, reference)
+        losses, chosen, rejected = self.objective(policy, lengths, ref)
+        with torch.no_grad():
+            self.sums += torch.stack(
+                [
+                    torch.tensor(float(len(losses)), device=chosen.device),
+                    chosen.sum(),
+                    rejected.sum(),
+                    (chosen > rejected).sum(),
+                ]
+            ).to(self.sums)
+        loss = losses.sum() * weight
+        if self.moe and aux_weight and self.model is not None:
+            aux = moe_aux_loss(self.model)
+            if aux is not None:
+                loss = loss + aux.to(loss.device) * aux_weight
+        return loss
+
+    def window_metrics(self, data_sum) -> dict:
+        """The logging window's reward metrics over every data-parallel rank's pairs; resets the window."""
+        sums = data_sum(self.sums.clone())  # (data_sum returns its argument when there is one rank)
+        self.sums.zero_()
+        pairs, chosen, rejected, right = (float(v) for v in sums.tolist())
+        if not pairs:
+            return {}
+        return dict(
+            zip(METRICS, (chosen / pairs, rejected / pairs, (chosen - rejected) / pairs, right / pairs))
+        )
+
+
+class Preference(Component):
+    """The objective's loss in every training step (with the reference it needs) and its metrics."""
+
+    def __init__(self, objective: Objective):
+        self.objective = objective
+        self.loss: PreferenceLoss | None = None
+
+    def step_loss(self, trainer: Trainer) -> PreferenceLoss:
+        reference = load_reference(trainer) if self.objective.needs_reference else None
+        moe = bool(trainer.cfg.model.num_experts)
+        self.loss = PreferenceLoss(self.objective, reference, moe, trainer.placement.input_device())
+        self.loss.model = trainer.model
+        return self.loss
+
+    def log_metrics(self, trainer: Trainer, window_steps: int) -> dict:
+        return self.loss.window_metrics(trainer.placement.data_sum) if self.loss is not None else {}
+
+
+# ---- the data ------------------------------------------------------------------------------------
+class ChosenRows:
+    """The held-out pairs' chosen conversations alone (plain Batches): val_loss is their cross-entropy
+    per response token, comparable with the SFT run's."""
+
+    def __init__(self, pairs: PairDataset):
+        self.pairs = pairs
+        self.seq_len = pairs.seq_len
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        rows = 2 * np.asarray(indices, dtype=np.int64)
+        get = lambda a: torch.from_numpy(a[rows].astype(np.int64))  # noqa: E731
+        return Batch(get(self.pairs.tokens), get(self.pairs.labels))
+
+    def too_small(self, global_batch_size: int, split: str) -> str:
+        return self.pairs.too_small(global_batch_size, split)
+
+    def resume_mismatch(self, saved_samples: int) -> str | None:
+        return None
+
+
+class PairData(Data):
+    """align.data's pairs, rendered with model.init_from's tokenizer and chat template."""
+
+    def __init__(self, source: ModelSource):
+        self.source = source
+
+    def prepare(self, trainer: Trainer) -> None:
+        cfg = trainer.cfg
+        self.tokenizer = self.source.tokenizer()
+        if self.tokenizer.eos_token is None:
+            raise ConfigError("the base tokenizer has no eos token; chat turns need one to end")
+        self.chat_template = use_chat_template(self.tokenizer, cfg.finetune.data.template)
+        pairs = read_pairs(cfg.align.data, self.tokenizer, self.chat_template, cfg.data.seq_len)
+        held = cfg.align.num_eval
+        if len(pairs) <= held:
+            raise ConfigError(
+                f"align.data={cfg.align.data} holds {len(pairs)} pairs, no more than the align.num_eval={held} "
+                f"held out; align.num_eval={max(1, len(pairs) // 10)} or add pairs"
+            )
+        self.train_pairs, self.eval_pairs = pairs.split(held)
+        trainer.log(
+            f"preference pairs: {len(self.train_pairs):,} to train on, {len(self.eval_pairs):,} held out "
+            f"(rows of {cfg.data.seq_len} tokens)"
+        )
+
+    def loaders(self, trainer: Trainer) -> tuple[Any, Any]:
+        cfg, dims = trainer.cfg, trainer.dims
+        p, dp, dp_rank = cfg.parallel, dims.data_parallel_size, trainer.placement.dp_rank
+        train = GlobalBatches(
+            self.train_pairs, p.micro_batch_size, p.global_batch_size, dp_rank, dp, cfg.train.seed
+        )
+        held = ChosenRows(self.eval_pairs)
+        eval_global = min(p.micro_batch_size * dp, len(held))
+        eval_global -= eval_global % dp
+        if eval_global < dp:
+            raise ConfigError(
+                f"align.num_eval={cfg.align.num_eval} holds out fewer pairs than the {dp} data-parallel "
+                f"ranks; align.num_eval={dp}"
+            )
+        held_out = GlobalBatches(
+            held, min(p.micro_batch_size, eval_global // dp), eval_global, dp_rank, dp, cfg.train.seed,
+            split="held-out",
+        )  # fmt: skip
+        return train, held_out
+
+    def write_run_files(self, trainer: Trainer) -> None:
+        self.tokenizer.save_pretrained(trainer.run_dir)  # with the chat template trained with
+
+    def vocab(self) -> dict:
+        return self.tokenizer.get_vocab()
+
+
+def _compose(cfg: SuiteConfig, objective: Objective) -> Method:
+    source = base_source(cfg)
+    lora = [LoRA()] if cfg.align.lora else []
+    return Method("align", PairData(source), [BaseWeights(source), *lora, Preference(objective)])
+
+
+def check_preference(cfg: SuiteConfig) -> None:
+    """What dpo and simpo need besides the align section's common checks."""
+    a = cfg.align
+    if not a.data:
+        raise ConfigError(
+            f"align.data is missing; align.method={a.method} learns from preference pairs: "
+            "align.data=data/pairs.jsonl (rows of prompt, chosen, rejected)"
+        )
+    if not 0.0 <= a.label_smoothing < 0.5:
+        raise ConfigError(f"align.label_smoothing={a.label_smoothing} must be in [0, 0.5); e.g. 0.1")
+    for key, value in (("beta", a.beta), ("simpo_beta", a.simpo_beta)):
+        if not value > 0:
+            raise ConfigError(
+                f"align.{key}={value} must be > 0; e.g. align.{key}={0.1 if key == 'beta' else 2.0}"
+            )
+    if a.simpo_gamma < 0:
+        raise ConfigError(f"align.simpo_gamma={a.simpo_gamma} must be >= 0 (the target margin); e.g. 1.0")
+    if a.num_eval < 1:
+        raise ConfigError(f"align.num_eval={a.num_eval} must be >= 1 (pairs held out for val_loss); e.g. 16")
+
+
+@register("dpo", check=check_preference)
+def compose_dpo(cfg: SuiteConfig) -> Method:
+    """align.method=dpo: the pairs, the base's weights (+ LoRA), DPO against the reference."""
+    return _compose(cfg, DPO(cfg.align.beta, cfg.align.label_smoothing))
+
+
+@register("simpo", check=check_preference)
+def compose_simpo(cfg: SuiteConfig) -> Method:
+    """align.method=simpo: the pairs, the base's weights (+ LoRA), SimPO (no reference)."""
+    return _compose(cfg, SimPO(cfg.align.simpo_beta, cfg.align.simpo_gamma, cfg.align.label_smoothing))
