@@ -27,7 +27,7 @@ data-parallel synchronisation, clipping and the optimizer skip are unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from suite.align import register
+from suite.align.reference import Reference, load_reference
 from suite.align.rewards import Rewards
 from suite.align.rollout import Group, head_logits, rollout_generator, sample_group, token_logprobs
 from suite.config.errors import ConfigError
@@ -44,7 +46,7 @@ from suite.config.schema import GenerateConfig, GRPOConfig, SuiteConfig
 from suite.data.batch import IGNORE_INDEX, Batch
 from suite.data.chat import prompt_ids
 from suite.data.tasks import generate_task, get_task
-from suite.finetune.method import BaseWeights, SFTData, TaskAccuracy, base_source
+from suite.finetune.method import BaseWeights, LoRA, SFTData, TaskAccuracy, base_source
 from suite.train.components import Component, Method, Trainer
 from suite.train.loss import HeadInput
 from suite.train.step import LossFn
@@ -86,9 +88,9 @@ class GRPOLoss:
     """The step's training loss (suite.train.step.MethodLoss) on the current rollout batch: the
     micro-batches arrive in the order the loader handed them out, each one group."""
 
-    def __init__(self, grpo: GRPOConfig, reference: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, grpo: GRPOConfig, reference: Reference | None = None):
         self.grpo = grpo
-        self.reference = reference  # tokens -> the frozen reference's logits (kl_coef > 0)
+        self.reference = reference  # the frozen base (kl_coef > 0: suite.align.reference)
         self.pending: list[Group] = []
 
     @contextmanager
@@ -97,9 +99,10 @@ class GRPOLoss:
         if not torch.equal(group.tokens.to(tokens.device), tokens):
             raise RuntimeError("GRPO: a micro-batch is not the rollout group the loader handed out next")
         ref = None
-        if self.grpo.kl_coef and self.reference is not None:
-            with torch.no_grad():
-                ref = token_logprobs(self.reference(tokens), group.labels.to(tokens.device))
+        if self.grpo.kl_coef and self.reference is not None:  # labels are the next tokens where scored
+            ref = self.reference.token_logps(tokens, kwargs) * (
+                group.labels.to(tokens.device) != IGNORE_INDEX
+            )
         yield partial(self._loss, group, ref)
 
     def _loss(self, group: Group, ref, output, targets, weight, aux_weight=0.0) -> torch.Tensor:
@@ -257,6 +260,8 @@ class GRPO(Component):
         self.stats: dict[str, float] = {}
 
     def step_loss(self, trainer: Trainer) -> GRPOLoss:
+        if self.loss.grpo.kl_coef:
+            self.loss.reference = load_reference(trainer)
         return self.loss
 
     def before_step(self, trainer: Trainer) -> None:
@@ -365,8 +370,10 @@ def check(cfg: SuiteConfig) -> None:
     Rewards(g.reward, cfg.finetune.data.task)  # names parsed, a module:function imported now
 
 
+@register("grpo", check=check)
 def compose(cfg: SuiteConfig) -> Method:
-    """GRPO from model.init_from's weights on finetune.data's task."""
+    """GRPO from model.init_from's weights (+ LoRA under align.lora) on finetune.data's task."""
     source = base_source(cfg)
     data = GRPOData(source)
-    return Method("align", data, [BaseWeights(source), GRPO(cfg.align.grpo), TaskAccuracy(data)])
+    lora = [LoRA()] if cfg.align.lora else []
+    return Method("align", data, [BaseWeights(source), *lora, GRPO(cfg.align.grpo), TaskAccuracy(data)])

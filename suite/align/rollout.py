@@ -9,7 +9,7 @@ Why the sampler can agree with the trainer exactly. A matmul's result depends on
 kernel and its blocking are chosen by them): a KV-cache decode step multiplies [G, 1] rows, the
 trainer's forward [G, prompt + completion] rows, and the log-probabilities differ by up to ~1e-5 in
 fp32 on a CPU (measured on gpt-tiny). The `exact` sampler (the default) therefore decodes each token
-with the forward the trainer runs: the whole [G, prompt + max_new_tokens - 1] rows, positions after
+with the forward the trainer runs: the whole [G, prompt + max_new_tokens] rows, positions after
 the current one filled with padding. Causal attention keeps those from the current position, and a
 kernel on the same shapes computes a row the same way whatever the other rows hold, so the trainer's
 log-probabilities equal the sampler's bit for bit. It costs a full forward per token (the prompts of
@@ -41,8 +41,8 @@ RECORD_LOGIT_SCALE = 1.0
 
 @dataclass
 class Group:
-    """G completions of one prompt, in the trainer's shapes: tokens and labels [G, prompt + max_new - 1]
-    (labels: the completion tokens, eos included, IGNORE_INDEX elsewhere); logprobs and
+    """G completions of one prompt, in the trainer's shapes: tokens and labels [G, prompt + max_new]
+    (labels[t] = tokens[t + 1] at the completion's positions, eos included, IGNORE_INDEX elsewhere); logprobs and
     sample_logprobs [G, same], zero where labels are ignored."""
 
     prompt_number: int
@@ -96,7 +96,7 @@ def sample_group(
     """
     device = next(model.parameters()).device
     p, n = len(prompt), max_new_tokens
-    length = p + n - 1  # the trainer's input: prompt + completion, the last completion token a label only
+    length = p + n  # the trainer's input: prompt + completion (the last position predicts nothing)
     tokens = torch.full((group_size, length), pad_id, dtype=torch.long, device=device)
     tokens[:, :p] = torch.tensor(prompt, device=device)
     labels = torch.full_like(tokens, IGNORE_INDEX)
@@ -123,10 +123,9 @@ def sample_group(
             sample_logprobs[live, at] = sampled_lp[live, 0]
             if eos_id is not None:
                 done |= token == eos_id
-            if at + 1 < length:
-                tokens[:, at + 1] = torch.where(live, token, torch.full_like(token, pad_id))
-                if kv:
-                    logits = model(tokens[:, at + 1 : at + 2], kv_cache=cache)[:, -1]
+            tokens[:, at + 1] = torch.where(live, token, torch.full_like(token, pad_id))
+            if kv and step + 1 < n:
+                logits = model(tokens[:, at + 1 : at + 2], kv_cache=cache)[:, -1]
     finally:
         model.train(was_training)
     completions = []

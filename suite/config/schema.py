@@ -460,6 +460,7 @@ class AlignConfig:
     )
     simpo_beta: float = 2.0  # simpo: scale of the length-normalised log-probabilities (the paper's default)
     simpo_gamma: float = 1.0  # simpo: the target reward margin
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # align.method=grpo (docs/grpo.md)
 
 
 @dataclass

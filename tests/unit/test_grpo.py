@@ -90,13 +90,13 @@ def _group(model, kv: bool = False):
     sampling = GenerateConfig(temperature=0.9, top_k=None, top_p=0.95)
     prompt = list(range(3, 14))
     return sample_group(
-        model, prompt, 6, 9, sampling, rollout_generator(0, 5, torch.device("cpu")), 7, 0, kv=kv
+        model, prompt, 4, 7, sampling, rollout_generator(0, 5, torch.device("cpu")), 7, 0, kv=kv
     )
 
 
 def test_exact_sampler_logprobs_equal_the_trainers_forward(tiny_model):
     group = _group(tiny_model)
-    assert group.tokens.shape == group.labels.shape == (6, 11 + 9 - 1)
+    assert group.tokens.shape == group.labels.shape == (4, 11 + 7)
     assert group.mask.any() and not group.mask[:, :10].any()  # completions only, after the prompt
     tiny_model.train()
     mine = token_logprobs(head_logits(tiny_model, group.tokens), group.labels)
