@@ -101,3 +101,18 @@ def test_one_completion_per_prompt_is_refused_in_one_line(tmp_path, base):
     assert proc.returncode == 2 and not (tmp_path / "g1").exists(), proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[-1]]
     assert "align.grpo.group_size=1" in proc.stderr and "align.grpo.group_size=8" in proc.stderr
+
+
+def test_a_killed_run_resumes_with_the_rollouts_of_the_uninterrupted_one(tmp_path, base, single):
+    """SIGKILLed before step 8, resumed from step 6's checkpoint: the loader's position and the weights
+    are restored and the generators are a function of the prompt's number, so steps 7-20 sample the
+    same completions (the same rewards) and take the same losses as the run that was never stopped."""
+    run, every = tmp_path / "killed", "train.save_every=3"
+    killed = grpo(run, base, every, "train.fault_kill_rank=0", "train.fault_kill_step=8", check=False)
+    assert killed.returncode != 0 and (run / "checkpoints" / "step_6").is_dir(), killed.stderr
+    grpo(run, base, every)
+    resumed = {r["step"]: r for r in steps(run)}  # a step logged twice: the resumed run's row, last
+    for want in steps(single)[6:]:
+        got = resumed[want["step"]]
+        assert got["reward"] == want["reward"], (want["step"], got["reward"], want["reward"])
+        assert abs(got["loss"] - want["loss"]) <= 1e-6 * max(1.0, abs(want["loss"])), want["step"]
