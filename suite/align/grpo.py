@@ -171,18 +171,8 @@ class RolloutBatches:
         groups = []
         for number in self._prompt_numbers(rollout):
             prompt = self.data.prompts[int(self.order[number % len(self.order)])]
-            group = sample_group(
-                self.trainer.model,
-                prompt.ids,
-                self.grpo.group_size,
-                self.max_new_tokens,
-                self.sampling,
-                rollout_generator(self.seed, number, device),
-                tok.eos_token_id,
-                pad,
-                prompt_number=number,
-                kv=self.grpo.sampler == "kv",
-            )
+            with self.trainer.autocast():  # the step's precision: the trainer's arithmetic
+                group = self._group(prompt, number, device, pad)
             texts = [tok.decode(ids, skip_special_tokens=False) for ids in group.completions]
             try:
                 group.rewards = torch.tensor(
@@ -194,6 +184,20 @@ class RolloutBatches:
             group.advantages = group_advantages(group.rewards[None])[0]
             groups.append(group)
         return groups
+
+    def _group(self, prompt: Prompt, number: int, device: torch.device, pad: int) -> Group:
+        return sample_group(
+            self.trainer.model,
+            prompt.ids,
+            self.grpo.group_size,
+            self.max_new_tokens,
+            self.sampling,
+            rollout_generator(self.seed, number, device),
+            self.data.tokenizer.eos_token_id,
+            pad,
+            prompt_number=number,
+            kv=self.grpo.sampler == "kv",
+        )
 
     def next_step(self) -> list[Batch]:
         if self.position % self.grpo.updates_per_batch == 0 or not self.groups:
