@@ -37,7 +37,6 @@ from suite import user_files
 from suite.config.errors import ConfigError
 from suite.data.batch import IGNORE_INDEX, Batch
 from suite.data.chat import MalformedRow, encode_conversation, normalize_record, prompt_ids
-from suite.data.sampler import GlobalBatches
 from suite.data.sft import SFT_SUFFIXES, iter_sft_rows
 from suite.data.tasks import generate_task
 
@@ -105,7 +104,8 @@ def pair_messages(record: Any, where: str) -> tuple[list[dict], list[dict], list
         raise ConfigError(
             f"{where}: the row is a {type(record).__name__}, not an object with {', '.join(FIELDS)}"
         )
-    explicit = record.get("prompt") is not None
+    # without a prompt, chosen and rejected are whole conversations (lists): strings need the prompt
+    explicit = record.get("prompt") is not None or not isinstance(record.get("chosen"), list)
     for field in FIELDS if explicit else FIELDS[1:]:
         if record.get(field) is None:
             raise ConfigError(
@@ -198,8 +198,25 @@ def build_pairs(rows: Iterable[tuple[str, Any]], tokenizer: Any, template: str, 
     return PairDataset(tokens, labels, seq_len)
 
 
-def read_pairs(path: str, tokenizer: Any, template: str, seq_len: int) -> PairDataset:
-    """align.data's pairs (a path: a file, a folder of files, or a save_to_disk folder)."""
+TASK_PREFIX = "task:"
+
+
+def read_pairs(
+    path: str,
+    tokenizer: Any,
+    template: str,
+    seq_len: int,
+    num_pairs: int = 0,
+    seed: int = 0,
+    held_out: int = 0,
+) -> PairDataset:
+    """align.data's pairs (a path: a file, a folder of files, or a save_to_disk folder; or
+    task:<name>, `num_pairs` pairs of a built-in task's training questions: `task_pairs`)."""
+    if path.startswith(TASK_PREFIX):
+        rows = task_pairs(path[len(TASK_PREFIX) :], num_pairs, seed, held_out)
+        return build_pairs(
+            ((f"{path} pair {i}", row) for i, row in enumerate(rows, 1)), tokenizer, template, seq_len
+        )
     local = Path(path).expanduser()
     if not local.exists():
         raise ConfigError(
@@ -217,10 +234,6 @@ def read_pairs(path: str, tokenizer: Any, template: str, seq_len: int) -> PairDa
     return pairs
 
 
-class PairBatches(GlobalBatches):
-    """GlobalBatches over a PairDataset: a step's global batch is parallel.global_batch_size pairs."""
-
-
 def corrupt(answer: str) -> str:
     """A wrong answer of the same length: the answer's last two characters swapped, or its last one
     replaced where swapping changes nothing."""
@@ -230,10 +243,12 @@ def corrupt(answer: str) -> str:
     return answer[:-1] + ("1" if last != "1" else "2")
 
 
-def task_pairs(name: str, num: int, seed: int = 0) -> list[dict[str, str]]:
+def task_pairs(name: str, num: int, seed: int = 0, held_out: int = 0) -> list[dict[str, str]]:
     """`num` pairs {prompt, chosen, rejected} of a built-in task (suite.data.tasks): its right answer
-    against a corrupted one; for tests, examples and a first look at the method."""
-    rows, _ = generate_task(name, num, 0, seed)
+    against a corrupted one; for tests, examples and a first look at the method. The questions are
+    the task's training questions for `held_out` held-out ones (finetune.data.num_eval, task_seed
+    `seed`), so `suite eval` of the result measures questions it never saw."""
+    rows, _ = generate_task(name, num, held_out, seed)
     return [
         {"prompt": m[0]["content"], "chosen": m[1]["content"], "rejected": corrupt(m[1]["content"])}
         for m in rows

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,13 +38,14 @@ import torch.nn.functional as F
 
 from suite.align import register
 from suite.align.logps import target_logps
-from suite.align.pairs import PairDataset, read_pairs
+from suite.align.pairs import TASK_PREFIX, PairDataset, read_pairs
 from suite.align.reference import Reference, load_reference
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data.batch import IGNORE_INDEX, Batch
 from suite.data.chat import use_chat_template
 from suite.data.sampler import GlobalBatches
+from suite.data.tasks import get_task
 from suite.finetune.method import BaseWeights, LoRA, base_source
 from suite.model_source import ModelSource
 from suite.models.moe import moe_aux_loss
@@ -211,7 +213,16 @@ class PairData(Data):
         if self.tokenizer.eos_token is None:
             raise ConfigError("the base tokenizer has no eos token; chat turns need one to end")
         self.chat_template = use_chat_template(self.tokenizer, cfg.finetune.data.template)
-        pairs = read_pairs(cfg.align.data, self.tokenizer, self.chat_template, cfg.data.seq_len)
+        a = cfg.align
+        pairs = read_pairs(
+            a.data,
+            self.tokenizer,
+            self.chat_template,
+            cfg.data.seq_len,
+            a.num_pairs,
+            cfg.finetune.data.task_seed,
+            cfg.finetune.data.num_eval,  # task:<name>: never the SFT run's held-out questions
+        )
         held = cfg.align.num_eval
         if len(pairs) <= held:
             raise ConfigError(
@@ -264,6 +275,18 @@ def check_preference(cfg: SuiteConfig) -> None:
         raise ConfigError(
             f"align.data is missing; align.method={a.method} learns from preference pairs: "
             "align.data=data/pairs.jsonl (rows of prompt, chosen, rejected)"
+        )
+    if a.data.startswith(TASK_PREFIX):
+        get_task(a.data[len(TASK_PREFIX) :])  # a one-line error for an unknown name
+        if a.num_pairs <= a.num_eval:
+            raise ConfigError(
+                f"align.num_pairs={a.num_pairs} leaves nothing to train on after align.num_eval={a.num_eval} "
+                f"held out; align.num_pairs={max(2000, 2 * a.num_eval)}"
+            )
+    elif not Path(a.data).expanduser().exists():
+        raise ConfigError(
+            f"align.data={a.data} does not exist; give a .jsonl/.json/.parquet file of pairs, a folder of "
+            "them, or a folder `datasets` saved (save_to_disk)"
         )
     if not 0.0 <= a.label_smoothing < 0.5:
         raise ConfigError(f"align.label_smoothing={a.label_smoothing} must be in [0, 0.5); e.g. 0.1")

@@ -450,8 +450,10 @@ class AlignConfig:
 
     method: str = "dpo"  # a registered method: dpo | simpo | grpo
     # preference pairs (dpo, simpo): a .jsonl/.jsonl.gz/.json/.parquet file, a folder of them, or a
-    # `datasets` save_to_disk folder; rows {prompt, chosen, rejected} as strings or chat messages
+    # `datasets` save_to_disk folder; rows {prompt, chosen, rejected} as strings or chat messages;
+    # task:<name>: align.num_pairs questions of a built-in task, right answer vs a corrupted one
     data: Optional[str] = None
+    num_pairs: int = 2000  # align.data=task:<name>: pairs drawn (align.num_eval of them held out)
     num_eval: int = 16  # pairs held out (the last ones of the data) for val_loss
     lora: bool = False  # adapters with finetune.lora.*'s shapes; the reference is the base, adapters off
     beta: float = 0.1  # dpo: strength of the implicit KL to the reference (TRL's default)

@@ -127,6 +127,12 @@ CASES: list[tuple[list[str], str]] = [
     ([*PRE, "parallel.global_batch_size=6", "parallel.micro_batch_size=4"], "parallel.global_batch_size=6"),
     ([*PRE, "parallel.ep=2", "launch.nproc_per_node=2"], "data-parallel"),
     ([*PRE, "parallel.pp_schedule=zigzag"], "parallel.pp_schedule"),
+    # --- align
+    (["align", "align.method=ppo"], "align.method='ppo' is not a registered method; use one of: dpo, simpo"),
+    (["align", "align.data=null"], "align.data is missing"),
+    (["align", "align.data={cwd}/pairs.jsonl"], "does not exist"),
+    (["align", "align.data={chat}", "align.label_smoothing=0.7"], "align.label_smoothing=0.7"),
+    (["align", "align.data={chat}", "model.init_from=null"], "model.init_from is missing"),
     # --- finetune
     (["finetune"], "model.init_from='runs/gpt-tiny'"),
     (["finetune", "model.init_from=/nope"], "model.init_from='/nope'"),

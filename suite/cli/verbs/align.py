@@ -72,7 +72,7 @@ def identity_keys(cfg) -> dict[str, Any]:
 HELP = """usage: suite align [recipe=dpo-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> align.method=dpo|simpo|grpo [key=value ...]
 
 Post-training of a finetuned model with the common trainer (parallel.dp and parallel.sharding,
-recompute, logging, checkpoints, resume). Default recipe: dpo-tiny (DPO of runs/sft-tiny).
+recompute, logging, checkpoints, resume). Default recipe: dpo-tiny (DPO of runs/sft-tiny on reverse-6 pairs).
 The base checkpoint gives the architecture, the tokenizer and its chat template; under DPO it is also
 the frozen reference (placed and sharded like the policy; with align.lora=true the policy with its
 adapters off, no second copy).
@@ -80,6 +80,7 @@ adapters off, no second copy).
 Common keys:
   align.method=dpo|simpo|grpo  align.data=FILE|FOLDER (pairs: .jsonl/.json/.parquet rows of
     prompt/chosen/rejected as strings or chat messages, or a `datasets` save_to_disk folder)
+  align.data=task:reverse-6 align.num_pairs=N (a built-in task: right answers vs corrupted ones)
   align.beta=X  align.label_smoothing=X (dpo)  align.simpo_beta=X  align.simpo_gamma=X (simpo)
   align.num_eval=N (pairs held out: val_loss is their chosen responses' cross-entropy)
   align.lora=true (adapters of finetune.lora.rank/alpha/dropout/target_modules)
@@ -91,7 +92,7 @@ rewards/accuracy; val_loss), checkpoints/step_<N>/ (+ lora/), tokenizer files, l
 
 Examples:
   suite align model.init_from=runs/sft-tiny align.data=data/pairs.jsonl
-  suite align model.init_from=runs/sft-tiny align.data=data/pairs.jsonl align.method=simpo align.lora=true run.dir=runs/simpo-lora"""
+  suite config show recipe=dpo-tiny align.method=simpo align.lora=true     # what a SimPO run with adapters would use"""
 
 
 VERB = register(

@@ -67,7 +67,7 @@ VERB = register(
         summary="talk to a finetuned model on the console: suite chat ckpt=runs/sft-tiny",
         help=HELP,
         run=run,
-        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster"),
+        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "align"),
         section="use",
     )
 )

@@ -78,7 +78,7 @@ VERB = register(
         summary="train a smaller student against a frozen teacher: suite distill recipe=distill-gpt-tiny",
         help=HELP,
         run=run,
-        unused=("ckpt", "generate", "export", "prune", "eval"),
+        unused=("ckpt", "generate", "export", "prune", "eval", "align"),
         hints={
             "ckpt": "drop ckpt= and pass distill.teacher={value} (the teacher), or drop ckpt= and pass "
             "model.init_from={value} (a student that starts from that checkpoint)"

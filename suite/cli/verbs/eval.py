@@ -154,7 +154,7 @@ VERB = register(
         summary="task accuracy, perplexity (metric=perplexity), lm-eval tasks (harness=suite_tiny_mc)",
         help=HELP,
         run=run,
-        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster"),
+        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "align"),
         section="use",
         in_rank=in_rank,
         rank_imports=("suite.infer.parallel_eval",),

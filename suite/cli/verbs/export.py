@@ -140,7 +140,7 @@ VERB = register(
         summary="write a Hugging Face folder, torch.export/ONNX graphs or GGUF: suite export ckpt=<run.dir> format=onnx",
         help=HELP,
         run=run,
-        unused=("generate", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval"),
+        unused=("generate", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval", "align"),
         section="use",
         flags=(OVERWRITE,),
         composes=True,

@@ -109,7 +109,7 @@ VERB = register(
         "suite finetune model.init_from=runs/gpt-tiny",
         help=HELP,
         run=run,
-        unused=("ckpt", "generate", "export", "prune", "distill", "eval"),
+        unused=("ckpt", "generate", "export", "prune", "distill", "eval", "align"),
         hints={"ckpt": "finetuning starts from model.init_from: drop ckpt= and pass model.init_from={value}"},
         section="train",
         flags=("--print-launch", OVERWRITE),

@@ -80,7 +80,7 @@ VERB = register(
         summary='sample text from a trained model or an export: suite generate ckpt=<run.dir> prompt="..."',
         help=HELP,
         run=run,
-        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster"),
+        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "align"),
         section="use",
         stage_output="result",
     )

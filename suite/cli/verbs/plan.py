@@ -50,7 +50,7 @@ VERB = register(
         summary="rank every parallel layout by the cost model: suite plan recipe=gpt13b cluster=h100-80g cluster.nodes=4",
         help=HELP,
         run=run,
-        unused=("ckpt", "generate", "export", "prune", "finetune", "distill", "eval"),
+        unused=("ckpt", "generate", "export", "prune", "finetune", "distill", "eval", "align"),
         section="tools",
         valued_flags={"--explain": "--explain dp4-tp8sp-pp12-mb1-full"},
     )

@@ -68,6 +68,7 @@ VERB = register(
             "compress",
             "parallel",
             "launch",
+            "align",
         ),
         section="tools",
         stage_output="files",

@@ -137,7 +137,7 @@ VERB = register(
         summary="train a language model from scratch (default: gpt-tiny on the embedded corpus)",
         help=HELP,
         run=run,
-        unused=("ckpt", "generate", "export", "prune", "finetune", "distill", "eval"),
+        unused=("ckpt", "generate", "export", "prune", "finetune", "distill", "eval", "align"),
         hints={
             "ckpt": "continued pretraining starts from model.init_from: drop ckpt= and pass model.init_from={value}"
         },

@@ -45,7 +45,7 @@ VERB = register(
         summary="remove MLP channels and layers by activation importance: suite prune ckpt=runs/gpt-tiny prune.ffn=0.25",
         help=HELP,
         run=run,
-        unused=("export", "distill", "optim", "sched", "recompute", "cluster", "eval"),
+        unused=("export", "distill", "optim", "sched", "recompute", "cluster", "eval", "align"),
         section="compress",
         flags=(OVERWRITE,),
         composes=True,

@@ -54,7 +54,7 @@ VERB = register(
         summary="post-training quantization with a before/after report: suite quantize ckpt=<run.dir> compress=int8",
         help=HELP.replace("{compress_methods}", help_lines()).replace("{compress_names}", "|".join(names())),
         run=run,
-        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval"),
+        unused=("export", "prune", "distill", "optim", "sched", "recompute", "cluster", "eval", "align"),
         section="compress",
         flags=(OVERWRITE,),
         composes=True,
