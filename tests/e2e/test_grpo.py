@@ -2,7 +2,7 @@
 base) and a small addition task, rewarded by tests/grpo_aids.py:length (a random model's answers are
 never right, but their lengths vary, so every step has advantages and gradients).
 
-One 20-step single-process run is shared: the sampler's log-probabilities equal the trainer's at every
+One 20-step single-process run is shared (a tiny GPT whose weights are scaled up, `base`): the sampler's log-probabilities equal the trainer's at every
 step, and the dp=2 run equals it. Two more launches stop at their first step or before it.
 """
 
@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.e2e.test_finetune import tiny_base
 from tests.helpers import REPO, assert_equivalent, assert_layout, read_metrics, run_suite, suite_env
 
 STEPS = 20
@@ -46,7 +46,20 @@ GRPO = [
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_data) -> Path:
-    return tiny_base(tmp_path_factory.mktemp("grpo") / "base-hf", tiny_data)
+    """tests/e2e/test_finetune.py's tiny GPT with every weight x4: peaked distributions, whose
+    log-probabilities a KV-cache sampler gets ~1e-6 apart from the trainer's (the seeded init's
+    near-uniform ones agree to ~1e-7 whatever the sampler does, and would test nothing)."""
+    from suite.config.schema import ModelConfig
+    from suite.data import load_tokenizer
+    from suite.export.hf import export_hf
+    from suite.models import build_model, materialize
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=64)
+    model = materialize(build_model(cfg), "cpu", seed=7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4)
+    return export_hf(model, cfg, tmp_path_factory.mktemp("grpo") / "base-hf", load_tokenizer(tiny_data))
 
 
 def grpo(run_dir: Path, base: Path, *extra: str, env: dict | None = None, check: bool = True):
@@ -82,9 +95,10 @@ def test_dp2_matches_single_process(tmp_path, base, single):
     grpo(run, base, *overrides, "launch.nproc_per_node=2")
     assert_layout(run, 2, overrides)
     assert [r["reward"] for r in steps(run)] == [r["reward"] for r in steps(single)]
-    # the key biases' gradient is rounding noise (softmax ignores a per-query constant); 20 AdamW steps
-    # turn that noise into updates of ~1e-5 that differ by layout (the finetune tests take 3 steps)
-    assert_equivalent(single, run, noise_atol=5e-5)
+    # the key biases' gradient is rounding noise (softmax ignores a per-query constant): ~5e-8 here, above
+    # AdamW's eps, so each of the 20 steps moves them by up to ~lr in a direction the noise picks, and
+    # that differs by layout (measured 9e-4); every other parameter's update is compared at 1e-4
+    assert_equivalent(single, run, noise_atol=3e-3)
 
 
 def test_a_sampler_that_disagrees_with_the_trainer_stops_in_one_line(tmp_path, base):
