@@ -34,10 +34,6 @@ from suite.data.batch import IGNORE_INDEX, Batch
 from suite.infer.generate import sample_with_logprobs
 from suite.models import KVCache
 
-# a test aid (tests/unit/test_grpo.py): multiplies the logits the sampler records `logprobs` from, as
-# a sampler that applies a temperature the trainer does not; 1.0 everywhere else
-RECORD_LOGIT_SCALE = 1.0
-
 
 @dataclass
 class Group:
@@ -114,8 +110,6 @@ def sample_group(
             if not kv:
                 logits = head_logits(model, tokens)[:, at]
             token, sampled_lp, plain_lp = sample_with_logprobs(logits, sampling, generator)
-            if RECORD_LOGIT_SCALE != 1.0:
-                plain_lp = (logits.float() * RECORD_LOGIT_SCALE).log_softmax(-1).gather(-1, token)
             token = token[:, 0]
             live = ~done
             labels[live, at] = token[live]

@@ -18,6 +18,7 @@ from suite.config.schema import GenerateConfig, ModelConfig
 from suite.data.batch import IGNORE_INDEX
 from suite.infer.generate import sample_with_logprobs
 from suite.models import build_model, materialize
+from tests.grpo_aids import hot_sampler
 
 
 def test_group_advantages_match_a_plain_loop():
@@ -112,7 +113,7 @@ def test_exact_sampler_logprobs_equal_the_trainers_forward(tiny_model):
 
 
 def test_a_temperature_applied_only_at_sampling_shows_in_the_recorded_logprobs(tiny_model, monkeypatch):
-    monkeypatch.setattr(rollout, "RECORD_LOGIT_SCALE", 1 / 0.7)
+    monkeypatch.setattr(rollout, "sample_with_logprobs", hot_sampler)
     group = _group(tiny_model)
     mine = token_logprobs(head_logits(tiny_model, group.tokens), group.labels)
     assert float((mine - group.logprobs).abs().max()) > 1e-2
