@@ -8,7 +8,7 @@ and compares before updating (suite.align.grpo).
 Why the sampler can agree with the trainer exactly. A matmul's result depends on its shapes (the
 kernel and its blocking are chosen by them): a KV-cache decode step multiplies [G, 1] rows, the
 trainer's forward [G, prompt + completion] rows, and the log-probabilities differ by up to ~1e-5 in
-fp32 on a CPU (measured on gpt-tiny). The `exact` sampler (the default) therefore decodes each token
+fp32 on a CPU (measured: gpt-tiny's shape with random weights x3). The `exact` sampler (the default) therefore decodes each token
 with the forward the trainer runs: the whole [G, prompt + max_new_tokens] rows, positions after
 the current one filled with padding. Causal attention keeps those from the current position, and a
 kernel on the same shapes computes a row the same way whatever the other rows hold, so the trainer's
