@@ -21,6 +21,7 @@ from suite.config.errors import ConfigError
 # the registry line: importing a method module registers its methods
 METHOD_MODULES = (
     "suite.align.preference",  # dpo, simpo
+    "suite.align.grpo",  # grpo
 )
 
 Compose = Callable[[Any], Any]  # (SuiteConfig) -> suite.train.components.Method

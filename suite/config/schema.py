@@ -334,6 +334,27 @@ class GenerateConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """align.method=grpo: reinforcement learning with verifiable rewards (docs/grpo.md). The prompts are
+    finetune.data's built-in task questions (the held-out ones stay held out); each optimizer step is
+    one update, and a new rollout batch is sampled every `updates_per_batch` steps."""
+
+    group_size: int = 8  # G: completions sampled per prompt (>= 2: advantages are normalised per group)
+    prompts_per_step: int = 8  # prompts of one rollout batch, over all data-parallel ranks
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability
+    max_new_tokens: Optional[int] = None  # completion budget; None: the task's answer length + 2
+    reward: str = "exact"  # reward names summed, comma-separated: exact | format | module:function
+    kl_coef: float = 0.0  # weight of the k3 KL estimate to the frozen reference (0: no reference)
+    clip_eps: float = 0.2  # the ratio is clipped to [1 - clip_eps, 1 + clip_eps]
+    updates_per_batch: int = 1  # optimizer steps on each rollout batch
+    # the sampler's log-probabilities vs the trainer's for the same tokens, checked before the first
+    # update of every rollout batch: a larger max absolute difference stops the run
+    max_abs_logprob_diff: float = 1e-4
+    sampler: str = "exact"  # exact: the trainer's shapes every token (bitwise in fp32) | kv: KV cache
+
+
+@dataclass
 class ExportConfig:
     # hf: a save_pretrained folder (safetensors + config + tokenizer); torch_export: prefill and decode .pt2
     # programs with an explicit KV cache; onnx: the same two graphs for onnxruntime; gguf: llama.cpp's file
@@ -441,6 +462,7 @@ class AlignConfig:
     )
     simpo_beta: float = 2.0  # simpo: scale of the length-normalised log-probabilities (the paper's default)
     simpo_gamma: float = 1.0  # simpo: the target reward margin
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # align.method=grpo (docs/grpo.md)
 
 
 @dataclass

@@ -30,10 +30,9 @@ def load_for_inference(
     return source.load_model(device), source.tokenizer(), source.folder
 
 
-def sample_next(logits: torch.Tensor, cfg: GenerateConfig, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from [b, vocab] logits: greedy at temperature 0, else top-k / top-p sampling."""
-    if cfg.temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
+def sampling_logits(logits: torch.Tensor, cfg: GenerateConfig) -> torch.Tensor:
+    """The fp32 logits of the distribution `sample_next` draws from at temperature > 0: divided by the
+    temperature, tokens outside top-k / top-p at -inf (their softmax is that distribution)."""
     logits = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[:, -1:]
@@ -44,8 +43,30 @@ def sample_next(logits: torch.Tensor, cfg: GenerateConfig, generator: torch.Gene
         drop = cumulative - sorted_logits.softmax(-1) > cfg.top_p  # keep the token that crosses top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
+    return logits
+
+
+def sample_next(logits: torch.Tensor, cfg: GenerateConfig, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from [b, vocab] logits: greedy at temperature 0, else top-k / top-p sampling."""
+    if cfg.temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = sampling_logits(logits, cfg).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, cfg: GenerateConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [b, 1], log-probability of each under the distribution it was drawn from, its plain
+    log-probability log_softmax(logits)): what reinforcement learning records per sampled token.
+    The first is what importance weights need; the second is what a trainer recomputes from its own
+    forward (suite.align.grpo compares the two before every update)."""
+    if cfg.temperature <= 0:
+        raise ValueError("sampling with log-probabilities needs temperature > 0")
+    sampling = sampling_logits(logits, cfg).log_softmax(-1)
+    token = torch.multinomial(sampling.exp(), 1, generator=generator)
+    plain = logits.float().log_softmax(-1)
+    return token, sampling.gather(-1, token), plain.gather(-1, token)
 
 
 @torch.no_grad()
