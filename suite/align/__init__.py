@@ -28,11 +28,16 @@ Compose = Callable[[Any], Any]  # (SuiteConfig) -> suite.train.components.Method
 Check = Callable[[Any], None]  # (SuiteConfig) -> None; raises ConfigError (run once, in the parent)
 METHODS: dict[str, Compose] = {}
 CHECKS: dict[str, Check] = {}
+Identity = Callable[[Any], dict]  # (SuiteConfig) -> the settings a resumed run must keep
+IDENTITIES: dict[str, Identity] = {}
 
 
-def register(name: str, check: Check | None = None) -> Callable[[Compose], Compose]:
+def register(
+    name: str, check: Check | None = None, identity: Identity | None = None
+) -> Callable[[Compose], Compose]:
     """Register `compose(cfg) -> Method` as align.method=`name`, with the checks of the keys it reads
-    (`check(cfg)`, run by the verb before anything starts)."""
+    (`check(cfg)`, run by the verb before anything starts) and the settings that define its run
+    (`identity(cfg)`: a resume with others is refused, as for align.method itself)."""
 
     def add(compose: Compose) -> Compose:
         if name in METHODS and METHODS[name] is not compose:
@@ -40,6 +45,8 @@ def register(name: str, check: Check | None = None) -> Callable[[Compose], Compo
         METHODS[name] = compose
         if check is not None:
             CHECKS[name] = check
+        if identity is not None:
+            IDENTITIES[name] = identity
         return compose
 
     return add
@@ -68,3 +75,10 @@ def check_method(cfg: Any) -> None:
     check = CHECKS.get(cfg.align.method)
     if check is not None:
         check(cfg)
+
+
+def identity(cfg: Any) -> dict:
+    """The settings of align.method's run that a resume must keep (beyond the method and its data)."""
+    method(cfg.align.method)
+    found = IDENTITIES.get(cfg.align.method)
+    return found(cfg) if found is not None else {}

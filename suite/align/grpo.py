@@ -374,7 +374,18 @@ def check(cfg: SuiteConfig) -> None:
     Rewards(g.reward, cfg.finetune.data.task)  # names parsed, a module:function imported now
 
 
-@register("grpo", check=check)
+def run_identity(cfg: SuiteConfig) -> dict:
+    """What defines a GRPO run's rollouts: the task its prompts come from, the group and the reward."""
+    g = cfg.align.grpo
+    return {
+        "finetune.data.task": cfg.finetune.data.task,
+        "align.grpo.group_size": g.group_size,
+        "align.grpo.prompts_per_step": g.prompts_per_step,
+        "align.grpo.reward": g.reward,
+    }
+
+
+@register("grpo", check=check, identity=run_identity)
 def compose(cfg: SuiteConfig) -> Method:
     """GRPO from model.init_from's weights (+ LoRA under align.lora) on finetune.data's task."""
     source = base_source(cfg)

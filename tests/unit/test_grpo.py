@@ -142,3 +142,20 @@ def test_rewards_exact_format_and_a_named_callable(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=said):
             Rewards(spec, "addition-3")
     assert "no_such_module_x" not in sys.modules
+
+
+def test_a_grpo_run_is_identified_by_its_task_group_and_reward():
+    """A resume that switched the task, the group size or the reward would continue another run: the
+    align verb's identity (suite.train.run_folder refuses a resume whose identity differs) names them.
+    Fails if grpo registers no identity or the verb drops it."""
+    from suite.cli.verbs.align import identity_keys
+    from suite.config.compose import compose_config, to_object
+
+    def keys(*overrides: str) -> dict:
+        return identity_keys(to_object(compose_config(["align.method=grpo", *overrides])))
+
+    base = keys("finetune.data.task=addition-2")
+    assert base["align.method"] == "grpo" and base["finetune.data.task"] == "addition-2"
+    for change in ("finetune.data.task=addition-3", "align.grpo.group_size=4", "align.grpo.reward=format"):
+        assert keys("finetune.data.task=addition-2", change) != base, change
+    assert "align.grpo.group_size" not in identity_keys(to_object(compose_config(["align.method=dpo"])))

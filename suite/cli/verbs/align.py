@@ -45,7 +45,11 @@ def in_rank(cfg, dims, resolved_yaml: str) -> int:
 
 
 def identity_keys(cfg) -> dict[str, Any]:
-    """An alignment run resumes only with its method, its data and its adapters' shapes."""
+    """An alignment run resumes only with its method, its data, its adapters' shapes and what the
+    method says defines its run (suite.align.identity: GRPO's task, group and reward)."""
+    # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
+    from suite.align import identity
+
     out: dict[str, Any] = {
         "align.method": cfg.align.method,
         "align.data": cfg.align.data,
@@ -54,7 +58,7 @@ def identity_keys(cfg) -> dict[str, Any]:
     if cfg.align.lora:
         out["finetune.lora.rank"] = cfg.finetune.lora.rank
         out["finetune.lora.target_modules"] = list(cfg.finetune.lora.target_modules)
-    return out
+    return out | identity(cfg)
 
 
 HELP = """usage: suite align [recipe=dpo-tiny|PATH.yaml] model.init_from=<run.dir|checkpoint|hf:folder> align.method=dpo|simpo|grpo [key=value ...]
@@ -72,6 +76,9 @@ Common keys:
   align.beta=X  align.label_smoothing=X (dpo)  align.simpo_beta=X  align.simpo_gamma=X (simpo)
   align.num_eval=N (pairs held out: val_loss is their chosen responses' cross-entropy)
   align.lora=true (adapters of finetune.lora.rank/alpha/dropout/target_modules)
+  grpo: finetune.data.task=NAME (the prompts) align.grpo.group_size=G align.grpo.prompts_per_step=N
+    align.grpo.temperature=X align.grpo.top_p=X align.grpo.reward=exact|format|module:function
+    align.grpo.kl_coef=X align.grpo.clip_eps=X align.grpo.updates_per_batch=N (docs/grpo.md)
   finetune.data.template=auto|chatml|plain|FILE.jinja  data.seq_len=N (the longest conversation)
   run.dir=DIR  train.max_steps=N  optim.lr=X  parallel.dp/sharding=N  launch.nproc_per_node=N
 
