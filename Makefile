@@ -20,11 +20,12 @@ demo: $(STAMP) ## train gpt-tiny on the embedded corpus on this machine, then sa
 	suite generate ckpt=runs/gpt-tiny prompt="The module"
 
 # Two pytest workers, one test file each at a time: single-process tests leave a core idle (torch's import
-# and OMP_NUM_THREADS=1 runs are single-threaded), and a file's shared runs stay in one worker.
+# and OMP_NUM_THREADS=1 runs are single-threaded), and a file's shared runs stay in one worker; the
+# longest files start first (tests/conftest.py LONGEST_FIRST), not the files with the most tests.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) ## run every test (unit, distributed, e2e); TEST_WORKERS=0 runs them in one process
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-fast: $(STAMP) ## unit tests only
 	$(PYTHON) -m pytest -q tests/unit
