@@ -29,7 +29,7 @@ def check_export_quantize(cfg: Any, source: Any) -> None:
     if e.format == "hf" and e.quantize is not None:
         raise ConfigError(
             f"export.quantize={e.quantize} with format=hf: an HF folder holds the checkpoint as it is; "
-            "quantize first (suite quantize ckpt=<run> compress=int8), then export that checkpoint with "
+            f"quantize first (`suite quantize ckpt={cfg.ckpt} compress=int8`), then export that checkpoint with "
             "format=hf, or write format=gguf export.quantize=q8_0"
         )
     if e.dtype != "fp32" and e.format == "gguf":

@@ -182,6 +182,13 @@ def test_config_show_list_and_cp(tmp_path):
     dest.write_text(dest.read_text().replace("max_steps: 300000", "max_steps: 5"))
     mine = run_suite("config", "show", f"recipe={dest}", "--json", check=True).stdout
     assert json.loads(mine)["train"]["max_steps"] == 5
+    # a copy over the edited one is refused with a command that copies to a free name (my13b-1.yaml)
+    refused = run_suite("config", "cp", "recipe=gpt13b", str(dest))
+    assert refused.returncode == 2 and "max_steps: 5" in dest.read_text(), refused.stderr
+    suggested = refused.stderr.split("`")[1].split()
+    assert suggested[:4] == ["suite", "config", "cp", "recipe=gpt13b"], refused.stderr
+    run_suite(*suggested[1:], check=True)
+    assert (tmp_path / "my13b-1.yaml").is_file()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

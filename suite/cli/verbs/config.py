@@ -57,8 +57,15 @@ def run(overrides: list[str], flags: set[str]) -> int:
         dest = Path(dests[0])
         if dest.is_dir():
             dest = dest / source.name
+        free = next(
+            dest.with_name(f"{dest.stem}-{n}{dest.suffix}")
+            for n in range(1, 10_000)
+            if not dest.with_name(f"{dest.stem}-{n}{dest.suffix}").exists()
+        )
         check_new_file(
-            "config cp destination", str(dest), "choose a new file name (your edits stay untouched)"
+            "config cp destination",
+            str(dest),
+            f"`suite config cp recipe={names[0]} {free}` (your edits stay untouched)",
         )
         shutil.copyfile(source, dest)
         print(f"copied {source.name} to {dest}; run it with: suite pretrain recipe={dest}")
