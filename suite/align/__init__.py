@@ -30,14 +30,20 @@ METHODS: dict[str, Compose] = {}
 CHECKS: dict[str, Check] = {}
 Identity = Callable[[Any], dict]  # (SuiteConfig) -> the settings a resumed run must keep
 IDENTITIES: dict[str, Identity] = {}
+LayoutCheck = Callable[[Any, Any], None]  # (SuiteConfig, ParallelDims); the base model's keys are known
+LAYOUT_CHECKS: dict[str, LayoutCheck] = {}
 
 
 def register(
-    name: str, check: Check | None = None, identity: Identity | None = None
+    name: str,
+    check: Check | None = None,
+    identity: Identity | None = None,
+    layout_check: LayoutCheck | None = None,
 ) -> Callable[[Compose], Compose]:
     """Register `compose(cfg) -> Method` as align.method=`name`, with the checks of the keys it reads
     (`check(cfg)`, run by the verb before anything starts) and the settings that define its run
-    (`identity(cfg)`: a resume with others is refused, as for align.method itself)."""
+    (`identity(cfg)`: a resume with others is refused, as for align.method itself); `layout_check(cfg,
+    dims)` runs with the layout and the base model's keys known (suite.align.checks.check_align_layout)."""
 
     def add(compose: Compose) -> Compose:
         if name in METHODS and METHODS[name] is not compose:
@@ -47,6 +53,8 @@ def register(
             CHECKS[name] = check
         if identity is not None:
             IDENTITIES[name] = identity
+        if layout_check is not None:
+            LAYOUT_CHECKS[name] = layout_check
         return compose
 
     return add
@@ -82,3 +90,11 @@ def identity(cfg: Any) -> dict:
     method(cfg.align.method)
     found = IDENTITIES.get(cfg.align.method)
     return found(cfg) if found is not None else {}
+
+
+def check_method_layout(cfg: Any, dims: Any) -> None:
+    """align.method's own layout check, if it registered one."""
+    method(cfg.align.method)
+    found = LAYOUT_CHECKS.get(cfg.align.method)
+    if found is not None:
+        found(cfg, dims)

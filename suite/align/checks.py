@@ -3,6 +3,7 @@ any process starts; each method's own checks are registered with it (suite.align
 
 from __future__ import annotations
 
+from suite.align import check_method_layout
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.finetune.checks import check_lora
@@ -32,7 +33,9 @@ def check_align(cfg: SuiteConfig) -> None:
 
 
 def check_align_layout(cfg: SuiteConfig, dims) -> None:
-    """The layouts alignment runs in: data parallelism and sharding (`dims`: ParallelDims)."""
+    """The layouts alignment runs in: data parallelism and sharding (`dims`: ParallelDims), then the
+    method's own layout check (GRPO: prompts per rank, no dropout)."""
+    check_method_layout(cfg, dims)
     if dims is None:
         return
     unsupported = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}

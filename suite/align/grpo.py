@@ -152,11 +152,6 @@ class RolloutBatches:
         g = self.grpo
         self.sampling = GenerateConfig(temperature=g.temperature, top_k=None, top_p=g.top_p)
         self.max_new_tokens = g.max_new_tokens or get_task(data.task).max_answer_chars + 2
-        if g.prompts_per_step % self.dp:
-            raise ConfigError(
-                f"{KEY}.prompts_per_step={g.prompts_per_step} is not a multiple of the {self.dp} data-parallel "
-                f"ranks (each samples its own share); {KEY}.prompts_per_step={self.dp * max(1, g.prompts_per_step // self.dp)}"
-            )
         self.order = np.random.default_rng([self.seed, 0x6790]).permutation(len(data.prompts))
 
     def _prompt_numbers(self, rollout: int) -> list[int]:
@@ -209,6 +204,10 @@ class RolloutBatches:
         self.loss.pending = list(self.groups)
         return [group.batch() for group in self.groups]
 
+    def tokens_by_source(self) -> None:
+        """The trainer's loader interface (suite.data.sampler.GlobalBatches): rollouts mix no sources."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         fields = ("tokens", "labels", "logprobs", "sample_logprobs", "rewards", "advantages")
         groups = [
@@ -216,12 +215,21 @@ class RolloutBatches:
             | {f: getattr(g, f).cpu() for f in fields}
             for g in self.groups
         ]
-        return {"position": self.position, "groups": groups}
+        # every data-parallel rank's groups (a checkpoint keeps rank 0's state file; saving is
+        # collective): a resume between two updates of one rollout batch trains each rank on its own
+        every: list[Any] = [groups]
+        if self.trainer.placement.data_group is not None:
+            every = [None] * self.dp
+            dist.all_gather_object(every, groups, group=self.trainer.placement.data_group)
+        return {"position": self.position, "groups_by_rank": every}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
         self.groups = []
-        for saved in state["groups"]:
+        by_rank = state["groups_by_rank"]
+        if len(by_rank) != self.dp:
+            return  # another number of ranks: the current rollout batch is sampled anew
+        for saved in by_rank[self.dp_rank]:
             group = Group(
                 saved["prompt_number"], saved["prompt_len"], saved["tokens"], saved["labels"],
                 saved["logprobs"], saved["sample_logprobs"], saved["completions"], saved["rewards"],
@@ -280,12 +288,14 @@ class GRPO(Component):
              1.0 if loader.error else 0.0],
             dtype=torch.float64,
         )  # fmt: skip
-        if dist.is_initialized():
-            worst_t = values[[0, 6]].clone()
-            sums = values[[1, 2, 3, 4, 5]].clone()
-            dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
-            dist.all_reduce(sums)
-            values = torch.stack([worst_t[0], *sums, worst_t[1]])
+        group = trainer.placement.data_group
+        if group is not None:  # on the device the backend reduces on (nccl: the GPU)
+            device = trainer.placement.input_device()
+            worst_t = values[[0, 6]].to(device)
+            sums = values[[1, 2, 3, 4, 5]].to(device)
+            dist.all_reduce(worst_t, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(sums, group=group)
+            values = torch.stack([worst_t[0], *sums, worst_t[1]]).cpu()
         if values[6] > 0:
             raise ConfigError(loader.error or f"{KEY}.reward failed on another rank (its line above)")
         bound = trainer.cfg.align.grpo.max_abs_logprob_diff
@@ -374,6 +384,26 @@ def check(cfg: SuiteConfig) -> None:
     Rewards(g.reward, cfg.finetune.data.task)  # names parsed, a module:function imported now
 
 
+def check_layout(cfg: SuiteConfig, dims) -> None:
+    """What GRPO needs of the base model and the layout, once both are known (before any process)."""
+    g: GRPOConfig = cfg.align.grpo
+    dp = dims.data_parallel_size if dims is not None else 1
+    if g.prompts_per_step % dp:
+        raise ConfigError(
+            f"{KEY}.prompts_per_step={g.prompts_per_step} is not a multiple of the {dp} data-parallel "
+            f"ranks (each samples its own share); {KEY}.prompts_per_step={dp * max(1, g.prompts_per_step // dp)}"
+        )
+    # the sampler runs without dropout and the update with it: the first ratio would not be 1 and the
+    # log-probability check would stop the run (TRL turns dropout off for the same reason)
+    lora_dropout = cfg.finetune.lora.dropout if cfg.align.lora else 0.0
+    for key, value in (("model.dropout", cfg.model.dropout), ("finetune.lora.dropout", lora_dropout)):
+        if value > 0:
+            raise ConfigError(
+                f"{key}={value}: align.method=grpo compares the sampler's log-probabilities with the "
+                f"update's, which dropout makes differ; {key}=0"
+            )
+
+
 def run_identity(cfg: SuiteConfig) -> dict:
     """What defines a GRPO run's rollouts: the task its prompts come from, the group and the reward."""
     g = cfg.align.grpo
@@ -385,7 +415,7 @@ def run_identity(cfg: SuiteConfig) -> dict:
     }
 
 
-@register("grpo", check=check, identity=run_identity)
+@register("grpo", check=check, identity=run_identity, layout_check=check_layout)
 def compose(cfg: SuiteConfig) -> Method:
     """GRPO from model.init_from's weights (+ LoRA under align.lora) on finetune.data's task."""
     source = base_source(cfg)

@@ -347,13 +347,23 @@ def check_preference(cfg: SuiteConfig) -> None:
         raise ConfigError(f"align.num_eval={a.num_eval} must be >= 1 (pairs held out for val_loss); e.g. 16")
 
 
-@register("dpo", check=check_preference)
+def check_preference_layout(cfg: SuiteConfig, dims) -> None:
+    """Every data-parallel rank scores at least one held-out pair (checked before any process starts)."""
+    dp = dims.data_parallel_size if dims is not None else 1
+    if cfg.align.num_eval < dp:
+        raise ConfigError(
+            f"align.num_eval={cfg.align.num_eval} holds out fewer pairs than the {dp} data-parallel "
+            f"ranks; align.num_eval={dp}"
+        )
+
+
+@register("dpo", check=check_preference, layout_check=check_preference_layout)
 def compose_dpo(cfg: SuiteConfig) -> Method:
     """align.method=dpo: the pairs, the base's weights (+ LoRA), DPO against the reference."""
     return _compose(cfg, DPO(cfg.align.beta, cfg.align.label_smoothing))
 
 
-@register("simpo", check=check_preference)
+@register("simpo", check=check_preference, layout_check=check_preference_layout)
 def compose_simpo(cfg: SuiteConfig) -> Method:
     """align.method=simpo: the pairs, the base's weights (+ LoRA), SimPO (no reference)."""
     return _compose(cfg, SimPO(cfg.align.simpo_beta, cfg.align.simpo_gamma, cfg.align.label_smoothing))

@@ -59,8 +59,9 @@ def sample_with_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [b, 1], log-probability of each under the distribution it was drawn from, its plain
     log-probability log_softmax(logits)): what reinforcement learning records per sampled token.
-    The first is what importance weights need; the second is what a trainer recomputes from its own
-    forward (suite.align.grpo compares the two before every update)."""
+    The plain one is what a trainer recomputes from its own forward: suite.align.grpo compares the two
+    before every update and takes its importance ratios against it (both sides at temperature 1); the
+    first says how far temperature and top-p moved the draw from the policy (kept for diagnostics)."""
     if cfg.temperature <= 0:
         raise ValueError("sampling with log-probabilities needs temperature > 0")
     sampling = sampling_logits(logits, cfg).log_softmax(-1)

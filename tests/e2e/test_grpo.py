@@ -130,3 +130,32 @@ def test_a_killed_run_resumes_with_the_rollouts_of_the_uninterrupted_one(tmp_pat
         got = resumed[want["step"]]
         assert got["reward"] == want["reward"], (want["step"], got["reward"], want["reward"])
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * max(1.0, abs(want["loss"])), want["step"]
+
+
+def test_a_dp2_run_killed_between_two_updates_of_one_rollout_batch_resumes_on_each_ranks_own(tmp_path, base):
+    """Two updates per rollout batch at dp=2, the checkpoint at step 3 (between rollout batch 2's two
+    updates), killed before step 6: the resumed step 4 trains each rank on the groups that rank sampled
+    (restored from the checkpoint, which holds every rank's), so steps 4 and 5 log the losses and rewards
+    the killed run logged. Fails if the checkpoint keeps only rank 0's groups (rank 1 would train on
+    rank 0's prompts: another loss) or if step 4 samples anew with the updated policy."""
+    run = tmp_path / "dp2-killed"
+    extra = [
+        "parallel.dp=2",
+        "launch.nproc_per_node=2",
+        "align.grpo.updates_per_batch=2",
+        "train.max_steps=6",
+    ]
+    killed = grpo(run, base, *extra, "train.save_every=3", "train.fault_kill_rank=0",
+                  "train.fault_kill_step=6", check=False)  # fmt: skip
+    assert killed.returncode != 0 and (run / "checkpoints" / "step_3").is_dir(), killed.stderr
+    before = {r["step"]: r for r in steps(run)}
+    assert sorted(before) == [1, 2, 3, 4, 5], sorted(before)
+    resumed = grpo(run, base, *extra, "train.save_every=3")
+    assert "step 3" in resumed.stdout + resumed.stderr, resumed.stdout  # where it resumed from
+    after = {r["step"]: r for r in steps(run)}  # a step logged twice: the resumed run's row, last
+    assert sorted(after) == [1, 2, 3, 4, 5, 6], sorted(after)
+    assert after[5]["reward"] == before[5]["reward"]  # step 5 samples rollout batch 3 (step 4: no new one)
+    for step in (4, 5):
+        assert abs(after[step]["loss"] - before[step]["loss"]) <= 1e-6 * max(
+            1.0, abs(before[step]["loss"])
+        ), step

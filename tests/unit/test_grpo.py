@@ -159,3 +159,29 @@ def test_a_grpo_run_is_identified_by_its_task_group_and_reward():
     for change in ("finetune.data.task=addition-3", "align.grpo.group_size=4", "align.grpo.reward=format"):
         assert keys("finetune.data.task=addition-2", change) != base, change
     assert "align.grpo.group_size" not in identity_keys(to_object(compose_config(["align.method=dpo"])))
+
+
+def test_layouts_and_models_grpo_cannot_run_are_refused_before_any_process_starts():
+    """The parent's layout check (suite.align.checks.check_align_layout -> the method's own): prompts
+    that do not split over the data ranks, dropout (the sampler runs without it, the update with it),
+    and DPO's held-out pairs fewer than the ranks. Fails if a check is left to the ranks or dropped."""
+    from types import SimpleNamespace
+
+    from suite.align.checks import check_align_layout
+    from suite.config.compose import compose_config, to_object
+
+    def dims(dp: int):
+        return SimpleNamespace(data_parallel_size=dp, tp=1, pp=1, cp=1, ep=1)
+
+    def refusal(overrides: list[str], dp: int) -> str:
+        with pytest.raises(ConfigError) as caught:
+            check_align_layout(to_object(compose_config(overrides)), dims(dp))
+        return str(caught.value)
+
+    grpo = ["align.method=grpo", "align.grpo.prompts_per_step=3"]
+    assert "align.grpo.prompts_per_step=2" in refusal(grpo, 2)
+    check_align_layout(to_object(compose_config(grpo)), dims(1))
+    assert "model.dropout=0" in refusal(["align.method=grpo", "model.dropout=0.1"], 1)
+    lora = ["align.method=grpo", "align.lora=true", "finetune.lora.dropout=0.05"]
+    assert "finetune.lora.dropout=0" in refusal(lora, 1)
+    assert "align.num_eval=4" in refusal(["align.method=dpo", "align.num_eval=2"], 4)
