@@ -26,7 +26,8 @@ def verb_help(verb: Verb) -> str:
     """A verb's --help (the recipe list is the one `suite config list` shows, never a stale copy)."""
     text = verb.help.replace("{recipes}", "|".join(known_options("recipe")))
     text = text.replace("{pipelines}", ", ".join(known_options("pipeline")))
-    if "{compress_" in text:  # suite quantize's methods: the registry imports torch, so only when shown
+    if "{compress_" in text:  # suite quantize's methods, listed from their registry
+        # deferred: the compression registry imports torch (seconds), needed only when this help is shown
         from suite.models.compression import help_lines, names
 
         text = text.replace("{compress_methods}", help_lines()).replace("{compress_names}", "|".join(names()))

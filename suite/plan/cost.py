@@ -13,7 +13,7 @@ Step time of the slowest pipeline rank (Narayanan et al. 2021, section 2.2 and 3
     data      data-parallel / sharding collectives not hidden under compute
     optimizer AdamW's bytes over memory bandwidth (offload: on the host, over the node's CPU memory
               bandwidth shared by its ranks); optim=muon adds Newton-Schulz and its gather/scatter
-              (suite.plan.muon)
+              (suite.plan.muon_cost)
     offload   the host link's transfers of offload not hidden under compute: each micro-batch's
               parameter shards up before FSDP gathers them (forward, and backward at stage 3) and
               reduced gradient shards down (FSDP2's CPUOffloadPolicy), in the gather's and the
@@ -41,7 +41,7 @@ from suite.plan.activations import rank_activations
 from suite.plan.flops import head_forward_flops, layer_table, recompute_flops, step_flops
 from suite.plan.layout import Job, Layout, with_
 from suite.plan.memory import ADAM_STATE_BYTES, MASTER_BYTES, foreach_adamw, state_bytes
-from suite.plan.muon import muon_time
+from suite.plan.muon_cost import muon_time
 from suite.plan.params import pp_rank_params, rank_layers
 
 GIB = 2**30

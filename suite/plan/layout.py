@@ -25,7 +25,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class MuonJob:
-    """optim=muon's keys the planner prices (Job.muon; suite.plan.muon)."""
+    """optim=muon's keys the planner prices (Job.muon; suite.plan.muon_cost)."""
 
     exclude: tuple[str, ...]
     ns_steps: int

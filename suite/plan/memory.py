@@ -20,7 +20,7 @@ parameters:
     autocast             low-precision compute over fp32 parameters without FSDP keeps a compute
                          copy of every weight for backward: P c
     optim=muon           the Muon weights hold one fp32 momentum buffer, not two moments: 4 bytes
-                         fewer each, sharded as above (suite.plan.muon)
+                         fewer each, sharded as above (suite.plan.muon_cost)
     foreach AdamW        (CPU with DTensor parameters, or optim.fused=false) allocates the update's
                          denominator sqrt(v) for every updated parameter at once: 4 bytes each, in
                          the optimizer step only (suite.train.optim.build_optimizer decides fused)
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from suite.plan.layout import Job, Layout
-from suite.plan.muon import muon_state_saved
+from suite.plan.muon_cost import muon_state_saved
 from suite.plan.params import RankParams, layer_specs, local_shape, worst_rank_params
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32

@@ -36,7 +36,7 @@ def is_muon_param(name: str, ndim: int, exclude: list[str]) -> bool:
     projections; 3-D stacked expert weights, one matrix per expert). Embeddings, the output head,
     norms and biases live outside `layers.` or are 1-D; `exclude` (optim.muon_exclude) keeps
     matching names (the router and LoRA adapters by default) on AdamW. The planner asks it too
-    (suite.plan.muon), with the shapes it counts."""
+    (suite.plan.muon_cost), with the shapes it counts."""
     return name.startswith("layers.") and ndim in (2, 3) and not any(part in name for part in exclude)
 
 

@@ -129,7 +129,10 @@ CASES: list[tuple[list[str], str]] = [
     ([*PRE, "parallel.ep=2", "launch.nproc_per_node=2"], "data-parallel"),
     ([*PRE, "parallel.pp_schedule=zigzag"], "parallel.pp_schedule"),
     # --- align
-    (["align", "align.method=ppo"], "align.method='ppo' is not a registered method; use one of: dpo, simpo"),
+    (
+        ["align", "align.method=ppo"],
+        "align.method='ppo' is not a registered method; use one of: dpo, grpo, simpo",
+    ),
     (["align", "align.data=null"], "align.data is missing"),
     (["align", "align.data={cwd}/pairs.jsonl"], "does not exist"),
     (["align", "align.data={chat}", "align.label_smoothing=0.7"], "align.label_smoothing=0.7"),

@@ -201,7 +201,7 @@ def test_killed_during_finetuning_resumes_it(tmp_path, tiny_data):
     [
         (
             ["pipeline=no-such-pipeline"],
-            "pipeline='no-such-pipeline' is not a known pipeline; known: embedded",
+            "pipeline='no-such-pipeline' is not a known pipeline; known: align, embedded",
         ),
         ([], "pipeline is missing"),
         (

@@ -1,4 +1,4 @@
-"""The planner under optim=muon (suite.plan.muon): Muon's state, its Newton-Schulz work and its
+"""The planner under optim=muon (suite.plan.muon_cost): Muon's state, its Newton-Schulz work and its
 gather/scatter, against the model's own tensors, torch's FLOP counter and the bytes the trainer
 reports (docs/training.md: summary.json `muon_per_step`)."""
 
@@ -16,7 +16,7 @@ from suite.models.transformer import Transformer
 from suite.plan import comm
 from suite.plan.layout import Job, Layout, MuonJob, check_layout
 from suite.plan.memory import state_bytes
-from suite.plan.muon import muon_time, newton_schulz_flops
+from suite.plan.muon_cost import muon_time, newton_schulz_flops
 from suite.train.muon import newton_schulz
 
 # the distributed layout test's model: 2 layers, width 64 (12 Muon matrices, 98,304 weights)
