@@ -21,6 +21,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_prune.py",  # 126
     "tests/e2e/test_export_graphs.py",  # 105
     "tests/e2e/test_quantize.py",  # 87
+    "tests/e2e/test_real_model.py",  # ~80 (the GGUF read into an HF folder)
     "tests/distributed/test_context_parallel.py",  # 77
     "tests/unit/test_plan_validation.py",  # 76
     "tests/distributed/test_distill.py",  # 73
@@ -30,7 +31,10 @@ LONGEST_FIRST = (
     "tests/distributed/test_launcher.py",  # 61
     "tests/distributed/test_pipeline.py",  # 61
     "tests/distributed/test_real_faults.py",  # 60
+    "tests/e2e/test_baseline_losses.py",  # ~60 (one test)
+    "tests/e2e/test_speed.py",  # ~58
     "tests/distributed/test_finetune_parallel.py",  # 55
+    "tests/e2e/test_harness.py",  # ~50
     "tests/distributed/test_align.py",  # ~50
     "tests/e2e/test_run_folders.py",  # 47
     "tests/e2e/test_grpo.py",  # ~40
@@ -41,7 +45,9 @@ LONGEST_FIRST = (
     "tests/e2e/test_careless_inputs.py",  # 37
     "tests/distributed/test_qat.py",  # 36
     "tests/distributed/test_muon_layouts.py",  # ~35
+    "tests/e2e/test_offload_one_process.py",  # ~35
     "tests/e2e/test_finetune.py",  # 31
+    "tests/distributed/test_hierarchical_dispatch.py",  # ~30
 )
 
 
