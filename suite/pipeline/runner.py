@@ -358,7 +358,7 @@ class Run:
         made = made_by(self.p)
         moves = folders.check_claim(self.p.dir, made, "run.dir", self.overwrite, legacy=_legacy)
         self.check_unfinished(fresh=moves)
-        folders.claim(self.p.dir, made, "run.dir", self.overwrite, legacy=_legacy)
+        moved = folders.claim(self.p.dir, made, "run.dir", self.overwrite, legacy=_legacy)
         before = {p.name for p in self.p.dir.iterdir()} if self.p.dir.is_dir() else None
         folders.write_record(self.p.dir, made)
         self.logs.mkdir(exist_ok=True)
@@ -372,17 +372,21 @@ class Run:
         finally:
             self.close()
             if refused:
-                self.undo(before)
+                self.undo(before, moved)
             else:
                 self.save()
                 written = write_report(self.p, self.records, self.figures, self.gates, self.status)
                 print(f"wrote {self.p.dir / RECORD}, {', '.join(str(p) for p in written)}", flush=True)
 
-    def undo(self, before: set[str] | None) -> None:
+    def undo(self, before: set[str] | None, moved: Path | None = None) -> None:
         """After a refusal before any stage ran: take away what this command wrote (its record, an
-        empty logs/), so run.dir is as it was, or absent when it was (`before`: its entries then)."""
+        empty logs/), so run.dir is as it was, or absent when it was (`before`: its entries then);
+        content that --overwrite moved aside (`moved`) is moved back."""
         if before is None:
             shutil.rmtree(self.p.dir, ignore_errors=True)
+            if moved is not None:
+                moved.rename(self.p.dir)
+                print(f"moved {moved} back to {self.p.dir}: nothing ran", flush=True)
             return
         for entry in self.p.dir.iterdir():
             if entry.name in before:
