@@ -172,6 +172,11 @@ def new_folder(folder: Path) -> Path:
     return other
 
 
+def _free(folder: Path) -> Path:
+    """`folder` if nothing is there, else the first free `<folder>-<N>`."""
+    return folder if not folder.exists() else new_folder(folder)
+
+
 def move_aside(folder: Path, key: str = "run.dir", switch: str = "train.overwrite=true") -> Path:
     """Rename `folder` to the first free `<folder>.old-<N>` beside it; returns the new name. Never
     the current folder, one above it, or the home folder."""
@@ -181,7 +186,7 @@ def move_aside(folder: Path, key: str = "run.dir", switch: str = "train.overwrit
     if resolved == here or resolved in here.parents or resolved == Path.home().resolve():
         raise ConfigError(
             f"{key}={folder} is the current folder, one above it or the home folder; {switch} would move "
-            f"it aside: give the output a folder of its own, e.g. {key}=runs/<name>"
+            f"it aside: give the output a folder of its own, e.g. {key}={_free(here / 'runs' / 'out')}"
         )
     n = 1
     while (target := folder.with_name(f"{folder.name}.old-{n}")).exists():

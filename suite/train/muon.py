@@ -141,7 +141,7 @@ def orthogonalise_round_robin(
         gathered, waits = {}, []
         for j, job in enumerate(jobs):  # every rank issues the same collectives in the same order
             mine = owner[j] == job.index
-            gathered[j] = [job.padded(job.local) for _ in range(job.parts)] if mine else None
+            gathered[j] = [job.empty(job.local.dtype) for _ in range(job.parts)] if mine else None
             waits.append(
                 dist.gather(
                     job.padded(job.local), gathered[j], group=job.group, group_dst=owner[j], async_op=True

@@ -107,3 +107,20 @@ def test_a_data_file_as_data_path_gets_the_prepare_command_that_makes_its_folder
     (command,) = way.commands
     assert main(shlex.split(command)[1:]) == 0
     check_data(to_object(compose_config(way.apply(argv))))
+
+
+def test_overwriting_the_current_folder_suggests_a_folder_of_its_own(tmp_path, monkeypatch):
+    """train.overwrite=true never moves the current folder aside; the refusal names a folder that is
+    free and that the move then accepts. Fails if the suggestion is a placeholder (runs/<name>) or a
+    folder that already holds something."""
+    from suite.folders import move_aside
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "out").mkdir(parents=True)
+    (tmp_path / "runs" / "out" / "x").write_text("x")
+    with pytest.raises(ConfigError) as caught:
+        move_aside(Path("."))
+    suggested = Path(str(caught.value).rsplit("run.dir=", 1)[1])
+    assert suggested == tmp_path / "runs" / "out-2" and not suggested.exists(), caught.value
+    suggested.mkdir()
+    assert move_aside(suggested).name == "out-2.old-1"

@@ -94,3 +94,18 @@ def test_the_planner_refuses_the_layouts_muon_refuses():
     check_layout(job, Layout(tp=2, dp=2))
     check_layout(job, Layout(sharding=4, stage=1))
     check_layout(dataclasses.replace(job, muon=None), Layout(tp=2, sharding=2, stage=3))
+
+
+def test_muon_pays_one_collective_latency_per_matrix_and_pass():
+    """With a link latency, the round-robin's gathers and scatters are one collective per matrix: on
+    top of the bytes, (12 matrices - 1) x (2 ranks - 1) latencies for each of the two passes. Fails if
+    the latency were charged once per step, or per rank pair without the matrix count."""
+    job = _job(MUON, peak_flops={"fp32": 1e12, "bf16": 1e12, "fp16": 1e12})
+    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, intra_node_latency_us=5.0))
+    sharded = Layout(sharding=2, stage=3)
+    link = comm.group_link(job.cluster, sharded, "sharding")
+    assert link.latency > 0
+    flops = sum(newton_schulz_flops(s, 5) for s in [(64, 64)] * 8 + [(256, 64), (64, 256)] * 2)
+    held = 98_304 // 2  # this rank's rows of the Muon weights: gathered as fp32, scattered as bf16
+    expected = flops / 2 / 1e12 + comm.all_to_all(link, held * 4) + comm.all_to_all(link, held * 2)
+    assert muon_time(job, sharded, 0) == pytest.approx(expected + 2 * 11 * 1 * link.latency)
