@@ -243,6 +243,8 @@ class ChosenRows:
 class PairData(Data):
     """align.data's pairs, rendered with model.init_from's tokenizer and chat template."""
 
+    rows_per_sample = 2  # a sample of the global batch is a pair: its chosen and rejected rows
+
     def __init__(self, source: ModelSource):
         self.source = source
         self.held_out_pairs: GlobalBatches | None = None

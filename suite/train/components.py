@@ -83,6 +83,9 @@ class Data:
     """A training method's data: prepared before the model is built, loaders once it is placed."""
 
     data_dir: Path | None = None  # prepared pretraining data (the run folder's identity), if any
+    # sequences one sample of the global batch holds (tokens_per_s and MFU count them): a preference
+    # pair is two, its chosen and its rejected conversation
+    rows_per_sample: int = 1
 
     def prepare(self, trainer: Trainer) -> None:
         """Files, tokenizer and checks, before the model exists."""

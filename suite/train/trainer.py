@@ -260,7 +260,8 @@ class Trainer:
     def _record(self, loss, grad_norm, window_start: float, window_steps: int) -> dict:
         """A logged step's metrics over the window of steps since the last logged one."""
         cfg = self.cfg
-        tokens_per_s = cfg.parallel.global_batch_size * cfg.data.seq_len * window_steps
+        rows = cfg.parallel.global_batch_size * self.method.data.rows_per_sample
+        tokens_per_s = rows * cfg.data.seq_len * window_steps
         tokens_per_s /= time.perf_counter() - window_start
         record = {
             "step": self.step,
