@@ -129,7 +129,8 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
         if int(os.environ.get("RANK", "0")) == 0:
             print(
                 f"note: MFU is not reported: this CPU only emulates {precision} matmuls, so no peak applies "
-                "(train.peak_flops=<FLOP/s> sets one; fp32, or a CPU with native support, measures it)",
+                "(train.peak_flops sets one in FLOP/s, e.g. train.peak_flops=5e11; fp32, or a CPU with native "
+                "support, measures it)",
                 file=sys.stderr,
             )
         return None
@@ -139,7 +140,7 @@ def peak_flops(device: torch.device, precision: str, override: float | None = No
         if peak is None and int(os.environ.get("RANK", "0")) == 0:
             print(
                 f"note: MFU is not reported: no {precision} peak is tabled for {name} (suite/train/peak_flops.py "
-                "GPU_PEAKS); train.peak_flops=<FLOP/s per device> sets one",
+                "GPU_PEAKS); train.peak_flops sets one in FLOP/s per device, e.g. train.peak_flops=9.89e14",
                 file=sys.stderr,
             )
         return peak

@@ -59,11 +59,12 @@ def refused_then_moved(folder: Path, refused: list[str], expected: list[str], ne
     """`refused` is one line naming `expected`, the folder untouched, and the two ways on, each as
     something to type (tests/suggested_fix.py reads them as a user would): a new folder (run too
     with `new`: the old folder stays as it is) and the overwrite switch, which, run as printed, moves
-    the whole old content to <folder>.old-1. Returns that folder."""
+    the whole old content to <folder>.old-1; any further way offered runs as printed too. Returns
+    <folder>.old-1."""
     before = snapshot(folder)
     line = assert_one_line(run_suite(*refused, timeout=300), 2, *expected)
     assert snapshot(folder) == before  # byte for byte, mtimes included
-    elsewhere, overwrite = ways_on(line)
+    elsewhere, overwrite, *further = ways_on(line)
     (value,) = [a.split("=", 1)[1] for a in elsewhere.args]
     assert Path(value).parent == folder.parent and not Path(value).exists(), line
     if new:
@@ -74,6 +75,8 @@ def refused_then_moved(folder: Path, refused: list[str], expected: list[str], ne
     moved = folder.with_name(f"{folder.name}.old-1")
     assert "moved the previous" in proc.stdout and str(moved) in proc.stdout, proc.stdout
     assert files(moved) == {k: v for k, v in before.items() if k != "."}  # the old content, whole
+    for way in further:
+        ok(*way.apply(refused))
     return moved
 
 
@@ -252,3 +255,27 @@ def test_readers_read_latest_not_the_highest_step(runs, tmp_path):
     shutil.copytree(runs["a"], run)
     shutil.copytree(run / "checkpoints" / "step_2", run / "checkpoints" / "step_9")
     assert ModelSource.parse(str(run)).folder == run / "checkpoints" / "step_2"
+
+
+def test_align_resumed_with_another_method_is_refused_then_moved_aside(runs, tmp_path):
+    """`suite align` (DPO, then SimPO into the same folder): the method defines the run."""
+    from suite.align.pairs import task_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in task_pairs("reverse-3", 8)))
+    al = tmp_path / "al"
+    argv = [
+        "align",
+        *[a for a in FT if not a.startswith(("recipe=", "finetune."))],
+        f"model.init_from={runs['a']}",
+        f"align.data={pairs}",
+        "align.num_eval=2",
+        f"run.dir={al}",
+        "train.save_every=1",
+    ]
+    ok(*argv, "train.max_steps=1")
+    again = [*argv, "align.method=simpo", "train.max_steps=2"]
+    refused_then_moved(
+        al, again, ["align.method: checkpoint dpo, now simpo", "train.overwrite=true", "run.dir="]
+    )
+    assert run_config(al).align.method == "simpo"
