@@ -95,6 +95,7 @@ def prepare(
     except ConfigError:  # the input or config is wrong: a fixed rerun has another key anyway
         shutil.rmtree(work, ignore_errors=True)
         raise
+    folders.write_record(work, made_record(cfg, sources))
     _install(work, out_dir, key)
     if summary:
         print_report(console, out_dir, meta, time.monotonic() - started)
@@ -246,20 +247,10 @@ def _units_per_part(cfg: Any) -> int:
 def _work_folder(cfg: Any, out_dir: Path, sources: list[Any]) -> Path:
     """Where this configuration's prepare works: the same folder for the same config and the same
     source files (size, time), so a rerun resumes; other configs' leftovers are removed."""
-    files = []
-    for index, src in enumerate(sources):
-        found = (
-            None
-            if user_files.is_saved_dataset(str(src.path))
-            else local_files(str(src.path), f"data.sources[{index}]")
-        )
-        for path in found or [Path(str(src.path))]:
-            stat = path.stat() if path.exists() else None
-            files.append([str(path), stat.st_size if stat else None, stat.st_mtime_ns if stat else None])
     key = {
         "format": FORMAT_VERSION,
         "sources": [source_fields(s) for s in sources],
-        "files": files,
+        "files": _source_files(sources),
         "vocab": int(cfg.vocab_size),
         "tokenizer": cfg.tokenizer
         and [str(cfg.tokenizer), Path(cfg.tokenizer).expanduser().stat().st_mtime_ns],
@@ -276,6 +267,72 @@ def _work_folder(cfg: Any, out_dir: Path, sources: list[Any]) -> Path:
         if stale.is_dir() and stale != work:
             shutil.rmtree(stale, ignore_errors=True)
     return work
+
+
+def _source_files(sources: list[Any]) -> list[list[Any]]:
+    """Every file the sources name, with its size and modification time: another file, or the same
+    file rewritten, is other input."""
+    files = []
+    for index, src in enumerate(sources):
+        found = (
+            None
+            if user_files.is_saved_dataset(str(src.path))
+            else local_files(str(src.path), f"data.sources[{index}]")
+        )
+        for path in found or [Path(str(src.path))]:
+            stat = path.stat() if path.exists() else None
+            files.append([str(path), stat.st_size if stat else None, stat.st_mtime_ns if stat else None])
+    return files
+
+
+def made_record(cfg: Any, sources: list[Any]) -> dict[str, Any]:
+    """What defines a prepared folder (suite.folders' record, `made_by.json`): the sources as given,
+    their files as found on disk (by size and time), the tokenizer and the split."""
+    files = _source_files(sources)
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:12]
+    trained = not cfg.tokenizer
+    settings = {
+        "data.sources": [source_fields(s) for s in cfg.sources]
+        or f"embedded corpus, {float(cfg.max_corpus_mb):g} MB",
+        "data.tokenizer": "trained" if trained else str(Path(str(cfg.tokenizer)).expanduser().resolve()),
+        "data.vocab_size": int(cfg.vocab_size) if trained else None,
+        "data.tokenizer_sample_mb": float(cfg.tokenizer_sample_mb) if trained else None,
+        "data.val_fraction": float(cfg.val_fraction),
+        "data.skip_bad_files": bool(cfg.skip_bad_files),
+    }
+    return folders.made_by("prepare", f"{len(files)} source file(s), sizes and times {digest}", settings)
+
+
+def _legacy_record(folder: Path) -> dict[str, Any] | None:
+    """A folder prepared before made_by.json: what its meta.json says."""
+    meta = read_meta(folder)
+    trained = meta.get("tokenizer") == "trained"
+    settings = {
+        "data.val_fraction": meta.get("val_fraction"),
+        "data.vocab_size": meta["vocab_size"] if trained else None,
+    }
+    if trained:
+        settings["data.tokenizer"] = "trained"
+    return {"verb": "prepare", "settings": settings}  # no source: not compared
+
+
+def claim_prepared(cfg: Any, out_dir: Path, overwrite: bool) -> bool:
+    """`suite prepare` into `out_dir` under suite.folders' rule: True when it already holds the data this
+    config makes, intact (nothing to do); False to build (a prepared folder there is then moved aside whole);
+    ConfigError naming the difference, a new folder and --overwrite when it holds other data."""
+    out_dir = Path(out_dir).expanduser()
+    if not is_prepared(out_dir):
+        return False
+    sources, _ = _sources(cfg, Console(stderr=True, quiet=True))
+    record = made_record(cfg, sources)
+    then = folders.read_record(out_dir) or _legacy_record(out_dir)
+    if not folders.differences(then, record):
+        try:
+            verify_prepared(out_dir)
+        except ConfigError:  # damaged shards: rebuilt (their refusal says so), the old folder moved aside
+            return False
+        return True
+    return not folders.check_claim(out_dir, record, "data.path", overwrite, legacy=_legacy_record)
 
 
 def _tokenizer(
@@ -335,7 +392,7 @@ def _install(tmp: Path, out_dir: Path, key: str = "data.path") -> Path | None:
     _check_target(out_dir)
     moved = folders.move_aside(out_dir, key, "suite prepare")
     os.replace(tmp, out_dir)
-    print(f"moved the earlier prepared data in {out_dir} aside to {moved}", file=sys.stderr, flush=True)
+    print(f"moved the previous prepared data in {out_dir} to {moved}", flush=True)
     return moved
 
 

@@ -279,3 +279,17 @@ def test_align_resumed_with_another_method_is_refused_then_moved_aside(runs, tmp
         al, again, ["align.method: checkpoint dpo, now simpo", "train.overwrite=true", "run.dir="]
     )
     assert run_config(al).align.method == "simpo"
+
+
+def test_prepare_into_other_prepared_data_is_refused_then_moved_aside(tmp_path):
+    """`suite prepare` again into its data.path: nothing to do with the same config (the folder as it
+    was), refused with another vocabulary, then moved aside by --overwrite."""
+    d = tmp_path / "d"
+    argv = ["prepare", f"data.path={d}", "data.max_corpus_mb=0.3", f"data.cache_dir={tmp_path / 'cache'}"]
+    ok(*argv, "data.vocab_size=300")
+    before = snapshot(d)
+    assert "nothing to do" in ok(*argv, "data.vocab_size=300").stdout and snapshot(d) == before
+    refused_then_moved(
+        d, [*argv, "data.vocab_size=400"], ["data.vocab_size: 300 there, 400 now", "--overwrite"]
+    )
+    assert json.loads((d / "meta.json").read_text())["vocab_size"] == 400

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -210,6 +211,32 @@ def test_prepare_local_sources_with_weights(sources_dir: Path, tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "prepared"]  # no temp folders left
 
 
+def test_a_prepared_folder_is_claimed_only_by_the_same_sources_files_and_settings(
+    sources_dir: Path, tmp_path: Path
+) -> None:
+    """`suite prepare` into a prepared folder (suite.folders' rule): the same config and source files
+    find nothing to do; another setting, or a source file rewritten in place, is refused naming the
+    difference unless --overwrite; damaged shards are rebuilt. Fails if the record leaves out the files' sizes and times (a
+    rewritten corpus would keep the old shards) or a setting such as the vocabulary."""
+    from suite.data.prepare import claim_prepared
+
+    sources = tmp_path / "sources"
+    shutil.copytree(sources_dir, sources)
+    out = prepare(local_cfg(sources), tmp_path / "p", progress=False)
+    assert claim_prepared(local_cfg(sources), out, overwrite=False)  # nothing to do
+    damaged = shutil.copytree(out, tmp_path / "damaged")
+    with open(damaged / "train.bin", "r+b") as f:
+        f.write(b"\xff\xff")
+    assert not claim_prepared(local_cfg(sources), damaged, overwrite=False)  # rebuilt, as its refusal says
+    with pytest.raises(ConfigError, match="data.vocab_size: 300 there, 400 now.*--overwrite"):
+        claim_prepared(DataConfig(**{**vars(local_cfg(sources)), "vocab_size": 400}), out, overwrite=False)
+    with open(sources / "book.txt", "a") as f:
+        f.write("\n\nOne more paragraph, written after the folder was prepared.")
+    with pytest.raises(ConfigError, match=r"source: 2 source file\(s\), sizes and times \w+ there, .* now"):
+        claim_prepared(local_cfg(sources), out, overwrite=False)
+    assert not claim_prepared(local_cfg(sources), out, overwrite=True)  # build; the old one moves aside
+
+
 def test_prepare_reuses_a_tokenizer_and_replaces_a_prepared_folder(
     sources_dir: Path, tok_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -220,7 +247,7 @@ def test_prepare_reuses_a_tokenizer_and_replaces_a_prepared_folder(
     assert read_meta(out)["tokenizer"] == str(tok_dir)
     # the older folder is moved aside whole (never deleted: a run may still read it), and the line says where
     assert read_meta(tmp_path / "p.old-1") == first
-    assert f"aside to {tmp_path / 'p.old-1'}" in capsys.readouterr().err
+    assert f"moved the previous prepared data in {out} to {tmp_path / 'p.old-1'}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p", "p.old-1"]
     reused, original = load_tokenizer(out), load_tokenizer(tok_dir)
     assert reused.get_vocab() == original.get_vocab()

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from suite.cli.common import _compose, _report
+from suite.folders import OVERWRITE
 from suite.verb import Verb, register
 
 
@@ -14,13 +15,17 @@ def run(overrides: list[str], flags: set[str]) -> int:
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.data import ensure_prepared, prepare
     from suite.data.checks import check_prepare
+    from suite.data.prepare import claim_prepared
 
     check_prepare(cfg)
 
-    if cfg.data.path and (cfg.data.sources or not Path(cfg.data.path).exists()):
-        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True, summary=True)
-    else:
+    if not cfg.data.path:
         out = ensure_prepared(cfg.data, progress=True, summary=True)
+    elif claim_prepared(cfg.data, Path(cfg.data.path), OVERWRITE in flags):
+        out = Path(cfg.data.path).expanduser()
+        print(f"{out} already holds this data (the same sources, files and settings); nothing to do")
+    else:  # a new folder, or --overwrite: the older prepared data there is moved aside whole
+        out = prepare(cfg.data, Path(cfg.data.path).expanduser(), progress=True, summary=True)
     meta = json.loads((out / "meta.json").read_text())
     return _report(
         flags,
@@ -38,6 +43,9 @@ files, folders or globs, folders `datasets` wrote (save_to_disk), or `datasets` 
 weight. With no sources: the embedded corpus (no network).
 
 Keys: data.path  data.sources  data.vocab_size  data.val_fraction  data.tokenizer  data.cache_dir
+Run again into the same data.path: nothing to do when its sources (their files' sizes and times) and
+settings are the same; refused when they differ, unless --overwrite (the older data is moved aside to
+<data.path>.old-N, never deleted).
 A prepared folder trains with data.path=<it>, model.vocab_size at least its vocabulary and
 data.seq_len at most the model's max_seq_len (gpt-tiny: 256).
 
@@ -70,6 +78,7 @@ VERB = register(
             "launch",
             "align",
         ),
+        flags=(OVERWRITE,),
         section="tools",
         stage_output="files",
         output_key="data.path",
