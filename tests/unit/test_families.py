@@ -257,8 +257,11 @@ def test_the_planner_counts_every_presets_parameters_as_built(preset):
 
 
 def test_deepseek_v3_671b_has_its_published_size():
-    """671B total (published: 671B); 37.55B activated per token counting the embedding and the head,
-    36.63B without the embedding lookup (published: 37B)."""
+    """671B total (published: 671B, within 0.5%); activated per token 36.63B without the embedding
+    lookup (a row read, no compute), 37.55B with it. The published "37B" is rounded to two digits,
+    so what can be checked is that the count rounds to it (36.5-37.5B): 0.5% of a rounded figure
+    is below its rounding. Fails if a block's shapes change (e.g. kv_b sized for all heads' full
+    key dims, or the shared expert left out)."""
     import yaml
 
     from suite.plan.params import count_params, model_specs
@@ -267,8 +270,10 @@ def test_deepseek_v3_671b_has_its_published_size():
     total = count_params(cfg)
     experts = sum(s.numel for s in model_specs(cfg) if s.expert)
     activated = total - experts + experts * cfg.top_k / cfg.num_experts
+    lookup = cfg.vocab_size * cfg.hidden_size  # the input embedding (the head is untied)
     assert abs(total / 671e9 - 1) < 0.005, total
-    assert abs(activated / 37e9 - 1) < 0.02, activated
+    assert 36.5e9 <= activated - lookup < 37.5e9, activated - lookup
+    assert abs((activated - lookup) / 36.63e9 - 1) < 0.001, activated - lookup
 
 
 def test_mla_batch_decoding_from_its_latent_cache_matches_one_prompt_at_a_time(tmp_path):
