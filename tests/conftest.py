@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "tests/distributed/test_pipeline.py",  # 61
     "tests/distributed/test_real_faults.py",  # 60
     "tests/e2e/test_baseline_losses.py",  # ~60 (one test)
+    "tests/distributed/test_muon_layouts.py",  # ~60
     "tests/e2e/test_speed.py",  # ~58
     "tests/distributed/test_finetune_parallel.py",  # 55
     "tests/e2e/test_harness.py",  # ~50
@@ -44,7 +45,6 @@ LONGEST_FIRST = (
     "tests/distributed/test_fault_tolerance.py",  # 37
     "tests/e2e/test_careless_inputs.py",  # 37
     "tests/distributed/test_qat.py",  # 36
-    "tests/distributed/test_muon_layouts.py",  # ~35
     "tests/e2e/test_offload_one_process.py",  # ~35
     "tests/e2e/test_finetune.py",  # 31
     "tests/distributed/test_hierarchical_dispatch.py",  # ~30
