@@ -31,8 +31,8 @@ LONGEST_FIRST = (
     "tests/distributed/test_launcher.py",  # 61
     "tests/distributed/test_pipeline.py",  # 61
     "tests/distributed/test_real_faults.py",  # 60
+    "tests/distributed/test_muon_layouts.py",  # ~65
     "tests/e2e/test_baseline_losses.py",  # ~60 (one test)
-    "tests/distributed/test_muon_layouts.py",  # ~60
     "tests/e2e/test_speed.py",  # ~58
     "tests/distributed/test_finetune_parallel.py",  # 55
     "tests/e2e/test_harness.py",  # ~50

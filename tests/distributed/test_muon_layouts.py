@@ -36,6 +36,8 @@ EP_LAYOUTS = {
     "ep2-dp2": ["parallel.dp=2", "parallel.ep=2"],
     # dense weights sharded by FSDP2 (round-robin Newton-Schulz), the experts split over ep
     "ep2-sharding2": ["parallel.sharding=2", "parallel.ep=2"],
+    # ZeRO-1: the dense AdamW/Muon state in row slices (round-robin), the experts kept whole per rank
+    "ep2-zero1": ["parallel.sharding=2", "parallel.sharding_stage=1", "parallel.ep=2"],
 }
 
 
