@@ -26,12 +26,12 @@ LONGEST_FIRST = (
     "tests/unit/test_plan_validation.py",  # 76
     "tests/distributed/test_distill.py",  # 73
     "tests/distributed/test_moe.py",  # 66
+    "tests/distributed/test_muon_layouts.py",  # ~65
     "tests/e2e/test_generate_batch.py",  # 62
     "tests/e2e/test_cli.py",  # 62
     "tests/distributed/test_launcher.py",  # 61
     "tests/distributed/test_pipeline.py",  # 61
     "tests/distributed/test_real_faults.py",  # 60
-    "tests/distributed/test_muon_layouts.py",  # ~65
     "tests/e2e/test_baseline_losses.py",  # ~60 (one test)
     "tests/e2e/test_speed.py",  # ~58
     "tests/distributed/test_finetune_parallel.py",  # 55
