@@ -31,13 +31,15 @@ LAYOUTS = {
 }
 # moe-tiny at the tests' size (tests/distributed/test_moe.py's MOE), constant lr after the warm-up
 MOE = ["recipe=moe-tiny", *TINY_MODEL, "model.num_kv_heads=2", "model.moe_ffn_hidden_size=64"]
-EP_LAYOUTS = {
+MOE_LAYOUTS = {
     # dense weights replicated (dp), each rank holds 4 of the 8 experts of every stack
     "ep2-dp2": ["parallel.dp=2", "parallel.ep=2"],
     # dense weights sharded by FSDP2 (round-robin Newton-Schulz), the experts split over ep
     "ep2-sharding2": ["parallel.sharding=2", "parallel.ep=2"],
     # ZeRO-1: the dense AdamW/Muon state in row slices (round-robin), the experts kept whole per rank
     "ep2-zero1": ["parallel.sharding=2", "parallel.sharding_stage=1", "parallel.ep=2"],
+    # no ep: FSDP2's Shard(0) rows of a [8, out, in] stack are 4 whole experts per rank too
+    "sharding2": ["parallel.sharding=2"],
 }
 
 
@@ -84,16 +86,16 @@ def muon_moe_single(tiny_data, tmp_path_factory):
     return pretrain(tmp_path_factory.mktemp("muon-moe") / "single", tiny_data, 1, *MOE, *MUON, steps=STEPS)
 
 
-@pytest.mark.parametrize("name", list(EP_LAYOUTS))
-def test_muon_expert_parallel_matches_single_process(muon_moe_single, tiny_data, tmp_path, name):
-    """ep=2: each rank holds 4 whole experts of every [8, out, in] stack and orthogonalises them itself,
-    once, with no communication; the dense matrices follow dp's rule (every rank, from the same
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_muon_moe_layout_matches_single_process(muon_moe_single, tiny_data, tmp_path, name):
+    """ep=2 (or FSDP2 alone): each rank holds 4 whole experts of every [8, out, in] stack and
+    orthogonalises them itself, once, with no communication; the dense matrices follow dp's rule (every rank, from the same
     averaged gradient) or sharding's (round-robin, gathered and scattered). Fails if a rank's expert
     stack were orthogonalised as one matrix or the lr adjusted by its first two dims (the updates
     differ from one process's), if the experts were gathered whole (bytes sent for them) or
     orthogonalised on every rank (each rank's count would include all 48), or skipped."""
-    run = pretrain(tmp_path / name, tiny_data, 2, *MOE, *MUON, *EP_LAYOUTS[name], steps=STEPS)
-    assert_layout(run, 2, EP_LAYOUTS[name])
+    run = pretrain(tmp_path / name, tiny_data, 2, *MOE, *MUON, *MOE_LAYOUTS[name], steps=STEPS)
+    assert_layout(run, 2, MOE_LAYOUTS[name])
     assert_equivalent(muon_moe_single, run, to_step=1)
     assert_equivalent(muon_moe_single, run, grad_step=None)
     shapes = _muon_matrices(muon_moe_single)
