@@ -71,6 +71,8 @@ def resolve_auto(cfg: DictConfig) -> DictConfig:
         cfg.train.precision = auto_precision(cfg.train.device)
     if cfg.model.attention == "auto":
         cfg.model.attention = auto_attention(cfg.train.device, cfg.train.precision, cfg.data.seq_len)
+    if cfg.optim.muon_ns_dtype == "auto":  # Newton-Schulz in bf16 only where bf16 is native
+        cfg.optim.muon_ns_dtype = "bf16" if auto_precision(cfg.train.device) == "bf16" else "fp32"
     return cfg
 
 

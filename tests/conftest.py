@@ -26,6 +26,7 @@ LONGEST_FIRST = (
     "tests/unit/test_plan_validation.py",  # 76
     "tests/distributed/test_distill.py",  # 73
     "tests/distributed/test_moe.py",  # 66
+    "tests/distributed/test_muon_layouts.py",  # ~65
     "tests/e2e/test_generate_batch.py",  # 62
     "tests/e2e/test_cli.py",  # 62
     "tests/distributed/test_launcher.py",  # 61
@@ -44,7 +45,6 @@ LONGEST_FIRST = (
     "tests/distributed/test_fault_tolerance.py",  # 37
     "tests/e2e/test_careless_inputs.py",  # 37
     "tests/distributed/test_qat.py",  # 36
-    "tests/distributed/test_muon_layouts.py",  # ~35
     "tests/e2e/test_offload_one_process.py",  # ~35
     "tests/e2e/test_finetune.py",  # 31
     "tests/distributed/test_hierarchical_dispatch.py",  # ~30

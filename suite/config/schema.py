@@ -217,8 +217,10 @@ class OptimConfig:
     muon_ns_steps: int = 5
     muon_adjust_lr: str = "match_rms_adamw"
     # the Newton-Schulz iteration's dtype: bf16 (torch.optim.Muon's, fast on GPUs) or fp32 (no rounding
-    # flips: layouts then match one process within 1e-4, where bf16 agrees only to ~1e-2 of the update)
-    muon_ns_dtype: str = "bf16"
+    # flips: layouts then match one process within 1e-4, where bf16 agrees only to ~1e-2 of the update);
+    # auto: bf16 where the device computes bf16 natively, else fp32 (on an AVX2 CPU a 256 x 1024
+    # orthogonalisation took 6.6x longer in emulated bf16 than in fp32: docs/benchmarks.md, time to loss)
+    muon_ns_dtype: str = "auto"
     # name parts of 2-D (3-D: experts) weights under `layers.` that stay on AdamW: the MoE router and
     # LoRA adapters (low-rank factors, whose orthogonalisation is not what Muon was tuned for)
     muon_exclude: list[str] = field(default_factory=lambda: ["router", "lora_"])

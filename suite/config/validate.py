@@ -16,7 +16,7 @@ CHOICES = {
     "train.param_dtype": ("fp32", "bf16"),
     "optim.name": ("adamw", "muon"),
     "optim.muon_adjust_lr": ("match_rms_adamw", "original", "none"),
-    "optim.muon_ns_dtype": ("bf16", "fp32"),
+    "optim.muon_ns_dtype": ("auto", "bf16", "fp32"),
     "sched.name": ("cosine", "linear", "constant", "wsd"),
     "sched.decay_shape": ("linear", "cosine", "1-sqrt"),
     "log.wandb_mode": ("offline", "online", "disabled"),

@@ -80,13 +80,15 @@ class Job:
             reduce_bytes=4,  # suite.runtime.resolve_precision: reduce_dtype is always fp32
             loss_chunk_tokens=cfg.train.loss_chunk_tokens,
             fused_adamw=cfg.optim.fused,
-            muon=_muon_job(cfg),
+            muon=_muon_job(cfg, "bf16" if device == "cuda" else auto_precision("cpu")),
         )
 
 
-def _muon_job(cfg: SuiteConfig) -> MuonJob | None:
+def _muon_job(cfg: SuiteConfig, native: str) -> MuonJob | None:
+    """`native`: the auto precision of the cluster's device, which settles muon_ns_dtype=auto."""
     o = cfg.optim
-    return MuonJob(tuple(o.muon_exclude), o.muon_ns_steps, o.muon_ns_dtype) if o.name == "muon" else None
+    ns_dtype = ("bf16" if native == "bf16" else "fp32") if o.muon_ns_dtype == "auto" else o.muon_ns_dtype
+    return MuonJob(tuple(o.muon_exclude), o.muon_ns_steps, ns_dtype) if o.name == "muon" else None
 
 
 @dataclass(frozen=True)

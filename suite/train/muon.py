@@ -11,7 +11,10 @@ runs Newton-Schulz and scatters the rows back (`dist.scatter`); `MuonWithAdamW.c
 and the bytes for summary.json. Replicated matrices (dp, cp) are orthogonalised on every rank from the
 same averaged gradient (no communication); any other placement is gathered whole on every rank.
 A tensor-parallel matrix (rows or columns over tp) is dealt round-robin over the tp ranks the same way.
-tp with sharding, expert and pipeline parallelism are refused (`check_muon_layout`).
+A 3-D stack of expert matrices split on its expert dim (expert parallelism's Shard(0) over ep, and
+FSDP2's or ZeRO-1's rows of a stack) holds whole matrices on every rank: each rank orthogonalises its
+own experts, once, without communication (replicas over edp each do their own, as dp ranks do).
+tp with sharding or with ep, and pipeline parallelism are refused (`check_muon_layout`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,35 @@ def adjusted_lr(lr: float, how: str, shape: torch.Size) -> float:
     if how == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     return lr
+
+
+def matrices(t: Tensor) -> int:
+    """How many matrices a Muon tensor holds: a 3-D stack one per expert (what `comm` counts)."""
+    return t.shape[0] if t.ndim == 3 else 1
+
+
+def holds_whole_experts(t: Tensor) -> bool:
+    """A DTensor stack of expert matrices split only on its expert dim (ep's Shard(0), FSDP2's or
+    ZeRO-1's rows of a 3-D tensor): every rank's part is whole matrices, orthogonalised in place."""
+    if not isinstance(t, DTensor) or t.ndim != 3:
+        return False
+    mesh = t.device_mesh
+    split = [p for i, p in enumerate(t.placements) if not isinstance(p, Replicate) and mesh.size(i) > 1]
+    return all(type(p) is Shard and p.dim == 0 for p in split)
+
+
+def orthogonalise_local(update: DTensor, steps: int, dtype: torch.dtype) -> Tensor:
+    """Newton-Schulz of each expert matrix this rank holds (`holds_whole_experts`), as the same DTensor."""
+    local = update.to_local()
+    ortho = newton_schulz(local, steps, dtype) if local.shape[0] else local.to(dtype, copy=True)
+    return DTensor.from_local(
+        ortho,
+        update.device_mesh,
+        update.placements,
+        run_check=False,
+        shape=update.shape,
+        stride=update.stride(),
+    )
 
 
 def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
@@ -129,9 +161,12 @@ def orthogonalise_round_robin(
     sharded: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
         axis = shard_axis(u)
-        if axis is None:
+        if holds_whole_experts(u):  # this rank's experts, here and nowhere else
+            results[i] = orthogonalise_local(u, steps, dtype)  # type: ignore[arg-type]
+            comm["orthogonalised"] += u.to_local().shape[0]  # type: ignore[union-attr]
+        elif axis is None:
             results[i] = orthogonalise(u, steps, dtype)
-            comm["orthogonalised"] += 1
+            comm["orthogonalised"] += matrices(u)
         else:
             sharded.setdefault((id(u.device_mesh.get_group(axis)), axis), []).append(i)
     for (_, axis), indices in sharded.items():
@@ -156,7 +191,7 @@ def orthogonalise_round_robin(
                 continue
             whole = torch.cat(gathered[j], dim=job.dim).narrow(job.dim, 0, job.size)
             ortho = newton_schulz(whole, steps, dtype)
-            comm["orthogonalised"] += 1
+            comm["orthogonalised"] += matrices(whole)
             moved = job.update.numel() - job.local.numel()  # the other ranks' parts
             comm["gathered_bytes"] += moved * job.local.element_size()
             comm["scattered_bytes"] += moved * ortho.element_size()
@@ -185,8 +220,9 @@ class MuonWithAdamW(torch.optim.AdamW):
     Being an AdamW keeps the trainer's use of it (param_groups, state_dict, DCP) unchanged; the
     Muon groups are never fused, so the step skips non-finite updates on the host
     (suite.train.step: `skips_on_device` needs every group fused). `orthogonalised` counts the
-    Newton-Schulz calls on this rank over the run; `comm` is the last step's work on this rank
-    (orthogonalisations, bytes gathered and scattered: summary.json `muon`, tests assert it)."""
+    matrices orthogonalised on this rank over the run (a stack of experts counts each); `comm` is the
+    last step's work on this rank (matrices orthogonalised, bytes gathered and scattered:
+    summary.json `muon_per_step`, tests assert it)."""
 
     def __init__(
         self,
@@ -273,9 +309,10 @@ def muon_of(optimizer) -> MuonWithAdamW | None:
 
 
 def check_muon_layout(cfg: SuiteConfig, dims) -> None:
-    """optim=muon runs on one process, data parallelism (dp, cp), sharding (ZeRO-1, FSDP2) and tensor
-    parallelism (with dp), where each matrix is orthogonalised whole; tp with sharding (strided
-    shards), ep and pp are not built yet."""
+    """optim=muon runs on one process, data parallelism (dp, cp), sharding (ZeRO-1, FSDP2), tensor
+    parallelism (with dp) and expert parallelism (without tp), where each matrix is orthogonalised
+    whole; tp with sharding (strided shards), tp with ep (experts split over two axes) and pp are
+    not built yet."""
     if cfg.optim.name == "muon":
         check_muon_dims(dims, cfg.parallel.offload)
 
@@ -287,12 +324,16 @@ def check_muon_dims(dims, offload: bool) -> None:
             f"optim.name=muon with parallel.tp={dims.tp} and parallel.sharding={dims.sharding} is not "
             "supported yet; use parallel.tp with parallel.dp, or parallel.sharding without tp, or optim=adamw"
         )
-    for key in ("ep", "pp"):
-        if getattr(dims, key) > 1:
-            raise ConfigError(
-                f"optim.name=muon with parallel.{key}={getattr(dims, key)} is not supported yet (Muon "
-                "orthogonalises whole matrices); use parallel.dp / parallel.sharding, or optim=adamw"
-            )
+    if dims.tp > 1 and dims.ep > 1:
+        raise ConfigError(
+            f"optim.name=muon with parallel.tp={dims.tp} and parallel.ep={dims.ep} is not supported yet "
+            "(each expert split over tp); use parallel.ep without tp, or optim=adamw"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"optim.name=muon with parallel.pp={dims.pp} is not supported yet (Muon orthogonalises whole "
+            "matrices); use parallel.dp / parallel.sharding, or optim=adamw"
+        )
     if offload:
         raise ConfigError(
             "optim.name=muon with parallel.offload=true is not supported yet; turn offload off, or use optim=adamw"

@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from suite.config.schema import OptimConfig
 from suite.models.qat import learned_scale_ratios
+from suite.runtime import auto_precision
 from suite.train.master_weights import MasterWeightOptimizer
 from suite.train.muon import MuonWithAdamW, is_muon_param
 from suite.train.wrapped_optim import WrappedOptimizer
@@ -43,6 +44,14 @@ def muon_groups(model: nn.Module, groups: list[dict], exclude: list[str]) -> lis
     chosen = {id(p) for p in muon}
     adamw = [p for p in decay["params"] if id(p) not in chosen]
     return [{**decay, "params": adamw}, *rest, {**decay, "params": muon, "muon": True}]
+
+
+def ns_dtype(value: str, device: torch.device) -> str:
+    """optim.muon_ns_dtype, `auto` settled for `device` (a config that skipped suite.runtime.resolve_auto):
+    bf16 where it computes bf16 natively, else fp32."""
+    if value != "auto":
+        return value
+    return "bf16" if auto_precision(device.type) == "bf16" else "fp32"
 
 
 def optimizer_for(placement, cfg: OptimConfig, scale_lr: float = 1.0) -> torch.optim.Optimizer:
@@ -83,7 +92,7 @@ def build_optimizer(
                 nesterov=cfg.muon_nesterov,
                 ns_steps=cfg.muon_ns_steps,
                 adjust_lr=cfg.muon_adjust_lr,
-                ns_dtype=cfg.muon_ns_dtype,
+                ns_dtype=ns_dtype(cfg.muon_ns_dtype, device),
                 **options,
             )
         return torch.optim.AdamW(groups, **options)

@@ -219,14 +219,18 @@ def test_an_elastic_range_lists_the_world_sizes_the_degrees_fit():
 
 
 def test_auto_precision_is_resolved_at_compose_time(monkeypatch):
-    """`auto` never reaches the trainer: bf16 where oneDNN runs bf16 natively, fp32 where it would emulate."""
+    """`auto` never reaches the trainer: bf16 where oneDNN runs bf16 natively, fp32 where it would emulate
+    (train.precision and optim.muon_ns_dtype)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert resolve_auto(compose_config(["train.precision=auto"])).train.precision == "bf16"
+    assert resolve_auto(compose_config(["optim=muon"])).optim.muon_ns_dtype == "bf16"  # Newton-Schulz too
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert resolve_auto(compose_config(["train.precision=auto"])).train.precision == "fp32"
+    assert resolve_auto(compose_config(["optim=muon"])).optim.muon_ns_dtype == "fp32"
+    assert resolve_auto(compose_config(["optim.muon_ns_dtype=bf16"])).optim.muon_ns_dtype == "bf16"
     assert (
         resolve_auto(compose_config(["train.precision=fp16"])).train.precision == "fp16"
     )  # explicit values stay

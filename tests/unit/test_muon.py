@@ -97,14 +97,15 @@ def test_muon_takes_only_the_hidden_matrices_and_adamw_the_rest():
     ("overrides", "key"),
     [
         ({"tp": 2, "sharding": 2, "world_size": 4}, "parallel.tp=2 and parallel.sharding=2"),
-        ({"ep": 2}, "parallel.ep=2"),
+        ({"tp": 2, "ep": 2, "dp": 2, "world_size": 4}, "parallel.tp=2 and parallel.ep=2"),
         ({"pp": 2}, "parallel.pp=2"),
         ({"offload": True}, "parallel.offload=true"),
     ],
 )
 def test_muon_refuses_the_layouts_not_built(overrides, key):
-    """Fails if optim=muon were let through under tp with sharding (strided shards: not built), ep,
-    pp or offload (not built or tested) instead of a ConfigError naming key and value."""
+    """Fails if optim=muon were let through under tp with sharding (strided shards: not built), tp with
+    ep, pp or offload (not built or tested) instead of a ConfigError naming key and value, or if ep
+    (with dp or sharding) were refused."""
     cfg = SuiteConfig()
     cfg.optim.name = "muon"
     cfg.parallel.offload = overrides.pop("offload", False)
@@ -117,6 +118,7 @@ def test_muon_refuses_the_layouts_not_built(overrides, key):
     cfg.parallel.offload = False
     check_muon_layout(cfg, ParallelDims(dp=1, sharding=2, tp=1, pp=1, cp=1, ep=1, world_size=2))
     check_muon_layout(cfg, ParallelDims(dp=2, sharding=1, tp=2, pp=1, cp=1, ep=1, world_size=4))
+    check_muon_layout(cfg, ParallelDims(dp=2, sharding=1, tp=1, pp=1, cp=1, ep=2, world_size=2))
 
 
 def test_stacked_expert_weights_are_orthogonalised_one_expert_at_a_time():

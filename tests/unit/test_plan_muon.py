@@ -109,3 +109,25 @@ def test_muon_pays_one_collective_latency_per_matrix_and_pass():
     held = 98_304 // 2  # this rank's rows of the Muon weights: gathered as fp32, scattered as bf16
     expected = flops / 2 / 1e12 + comm.all_to_all(link, held * 4) + comm.all_to_all(link, held * 2)
     assert muon_time(job, sharded, 0) == pytest.approx(expected + 2 * 11 * 1 * link.latency)
+
+
+def test_muon_experts_are_priced_on_their_rank_without_communication():
+    """moe-tiny at the distributed test's size under ep=2: each rank prices Newton-Schulz for its 4 of
+    the 8 experts of every stack and none of their bytes; the 8 dense matrices are replicated (dp) or
+    dealt round-robin with their gather/scatter (sharding), the bytes summary.json reports for
+    tests/distributed/test_muon_layouts.py's ep2-sharding2. Fails if the expert stacks were priced
+    as gathered (their bytes), as whole on every rank, or split again by the sharding ranks."""
+    moe = dataclasses.replace(
+        TINY, family="llama", num_kv_heads=2, num_experts=8, top_k=2, moe_every=1, moe_ffn_hidden_size=64
+    )
+    job = dataclasses.replace(_job(MUON, peak_flops={"fp32": 1e12, "bf16": 1e12, "fp16": 1e12}), model=moe)
+    # 2 layers x wq, wo (64 x 64) and wk, wv (2 kv heads: 32 x 64)
+    dense = 2 * (2 * newton_schulz_flops((64, 64), 5) + 2 * newton_schulz_flops((32, 64), 5))
+    experts = 2 * 3 * newton_schulz_flops((4, 64, 64), 5)  # 2 layers x w1, w2, w3, 4 experts each
+    assert muon_time(job, Layout(dp=2, ep=2), 0) == pytest.approx((dense + experts) / 1e12)
+    sharded = Layout(sharding=2, stage=3, ep=2)
+    bandwidth = comm.group_link(job.cluster, sharded, "sharding").bandwidth_of("all_to_all")
+    # this rank's rows of the dense matrices; the owner receives the other half (fp32), sends bf16
+    held = (2 * (2 * 64 * 64 + 2 * 32 * 64)) // 2
+    expected = (dense / 2 + experts) / 1e12 + (held * 4 + held * 2) / 2 / bandwidth
+    assert muon_time(job, sharded, 0) == pytest.approx(expected)
