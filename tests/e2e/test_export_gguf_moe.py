@@ -278,6 +278,7 @@ REFUSED = [
         dict(family="deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, num_experts=4, top_k=2),
         "model.num_shared_experts=0",
     ),
+    (dict(family="deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8), "this model has none"),
 ]
 
 

@@ -202,12 +202,14 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
 
 
 def gguf_problem(cfg: ModelConfig) -> str | None:
-    """What llama.cpp's deepseek2 cannot hold: its MoE layers always add the shared experts."""
+    """What llama.cpp's deepseek2 cannot hold: it needs MoE layers, and they always add shared experts."""
     if cfg.rope_scaling:
         return (
             "model.rope_scaling (YaRN) is not written to deepseek2's keys here; use model.rope_scaling=null"
         )
-    if cfg.num_experts and not cfg.num_shared_experts:
+    if not cfg.num_experts:
+        return "llama.cpp's deepseek2 reads the expert keys of MoE layers, and this model has none; use format=hf"
+    if not cfg.num_shared_experts:
         return "llama.cpp's deepseek2 adds shared experts in every MoE layer; model.num_shared_experts=0 is not that"
     first_dense_layers(cfg)  # MoE layers from first_k_dense_replace on, or one line saying which
     return None
@@ -233,8 +235,6 @@ def gguf_hparams(writer: Any, cfg: ModelConfig) -> None:
     writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     writer.add_value_length_mla(cfg.v_head_dim)
     writer.add_leading_dense_block_count(first_dense_layers(cfg))
-    if not cfg.num_experts:
-        return
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.top_k)
     writer.add_expert_feed_forward_length(expert_ffn_size(cfg))
