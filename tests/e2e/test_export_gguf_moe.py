@@ -299,7 +299,8 @@ def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(fields, message):
     [
         (
             "deepseek2",
-            "is a 'deepseek2' GGUF, which cannot be imported: transformers' GGUF reader has no deepseek2",
+            "is a 'deepseek2' GGUF, which cannot be imported: transformers' GGUF reader has no deepseek2 "
+            "architecture (llama.cpp reads the file); import the Hugging Face folder (hf:<folder>)",
         ),
         ("qwen3moe", "is a 'qwen3moe' GGUF, which cannot be imported: its qwen3moe experts (ffn_*_exps)"),
     ],

@@ -37,7 +37,7 @@ FAMILY = register(
             kv_heads=lambda cfg: 1,
             tensors=convert.gguf_tensors,
             unreadable=convert.gguf_unreadable,
-            import_problem=convert.gguf_unreadable,
+            import_problem=convert.gguf_import_problem,
         ),
     )
 )

@@ -270,5 +270,10 @@ def gguf_tensors(cfg: ModelConfig, hf_name: str, value: Any) -> list[tuple[str, 
 
 
 def gguf_unreadable(arch: str) -> str | None:
-    """The export's self-check and `ckpt=gguf:` read through transformers, which has no deepseek2."""
+    """The export's logits self-check reads through transformers, which has no deepseek2."""
     return "transformers' GGUF reader has no deepseek2 architecture (llama.cpp reads the file)"
+
+
+def gguf_import_problem(arch: str) -> str | None:
+    """`ckpt=gguf:` reads the config through transformers too."""
+    return f"{gguf_unreadable(arch)}; import the Hugging Face folder (hf:<folder>)"
