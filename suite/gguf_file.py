@@ -98,9 +98,20 @@ class GGUFFile:
     @cached_property
     def family(self) -> Family:
         for family in FAMILIES.values():
-            if family.gguf is not None and family.gguf.arch == self.arch:
+            if family.gguf is not None and self.arch in family.gguf.archs():
+                problem = family.gguf.import_problem(self.arch)
+                if problem:
+                    raise ConfigError(
+                        f"{self.where} is a '{self.arch}' GGUF, which cannot be imported: {problem}"
+                    )
                 return family
-        known = sorted(f.gguf.arch for f in FAMILIES.values() if f.gguf is not None)
+        known = sorted(
+            a
+            for f in FAMILIES.values()
+            if f.gguf is not None
+            for a in f.gguf.archs()
+            if not f.gguf.import_problem(a)
+        )
         raise ConfigError(
             f"{self.where} is a '{self.arch}' GGUF; importable GGUF architectures: {', '.join(known)}"
         )

@@ -48,6 +48,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_offload_one_process.py",  # ~35
     "tests/e2e/test_finetune.py",  # 31
     "tests/distributed/test_hierarchical_dispatch.py",  # ~30
+    "tests/e2e/test_export_gguf_moe.py",  # ~25 (qwen3moe / deepseek2 in llama.cpp)
 )
 
 

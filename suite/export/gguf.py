@@ -6,9 +6,11 @@ name map. The architecture, its hyper-parameter keys and the layout changes are 
 (`Family.gguf`): GPT-2's Conv1D weights ([in, out]) are stored as [out, in], and Llama's q/k rows are
 permuted from HF's rotate-half RoPE order to llama.cpp's interleaved pairs (transformers' GGUF loader
 undoes both); Qwen3 keeps rotate-half (llama.cpp's NeoX RoPE), so its q/k are stored as they are.
+Layouts of a family's own go through `GGUFMapping.tensors`: stacked experts as ffn_*_exps (qwen3moe,
+deepseek2), MLA's kv_b split per head into k_b / v_b (deepseek2).
 
-Which tensors stay float follows llama.cpp: 1-D tensors (norms, biases) and the learned position
-embedding F32; the output head of a q4_0 file Q8_0 (llama-quantize raises it to Q6_K, which the
+Which tensors stay float follows llama.cpp: 1-D tensors (norms, biases), the learned position
+embedding and the MoE routers (ffn_gate_inp) F32; the output head of a q4_0 file Q8_0 (llama-quantize raises it to Q6_K, which the
 gguf package cannot write for small rows); a matrix whose rows are not a multiple of the 32-value
 quantization block F16, named in the manifest. What GGUF or transformers' GGUF reader cannot
 express is refused in one line (check_gguf_exportable). GGUFWriter holds the (quantized) tensors
@@ -37,7 +39,8 @@ from suite.models.transformer import ffn_size, kv_heads
 
 PRECISIONS = ("f16", "q8_0", "q4_0")
 BLOCK = 32  # values per Q8_0 / Q4_0 block
-KEEP_F32 = ("position_embd.weight",)  # llama.cpp keeps the learned positions in F32
+# llama.cpp keeps the learned positions F32, and the MoE router (a rounded router picks other experts)
+KEEP_F32 = ("position_embd.weight", "ffn_gate_inp.weight")
 
 
 def gguf_precision(quantize: str | None) -> str:
@@ -80,7 +83,7 @@ def gguf_tensor_type(name: str, array: np.ndarray, precision: str, head: str) ->
     import gguf
 
     T = gguf.GGMLQuantizationType
-    if array.ndim <= 1 or name.endswith("_norm.weight") or name in KEEP_F32:
+    if array.ndim <= 1 or name.endswith(("_norm.weight", *KEEP_F32)):
         return T.F32, None
     if precision == "f16":
         return T.F16, None
@@ -101,11 +104,16 @@ def gguf_tensors(cfg: ModelConfig, hf_sd: dict[str, Any]):
     import gguf
 
     mapping = family_of(cfg).gguf
-    arch = gguf.MODEL_ARCH[mapping.arch.upper()]
+    arch = gguf.MODEL_ARCH[mapping.arch_of(cfg).upper()]
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
     for hf_name, value in hf_sd.items():
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
             continue  # tied: the reader uses token_embd (no output tensor means tied)
+        own = mapping.tensors(cfg, hf_name, value)
+        if own is not None:  # the family's layout change (stacked experts, MLA's kv_b per head)
+            for name, tensor in own:
+                yield name, tensor.float().contiguous().numpy()
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise RuntimeError(f"no GGUF name for {hf_name}")
@@ -128,8 +136,9 @@ def add_hparams(writer: Any, cfg: ModelConfig) -> None:
     writer.add_block_count(cfg.num_layers)
     writer.add_feed_forward_length(ffn_size(cfg))
     writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(kv_heads(cfg))
-    family_of(cfg).gguf.add_hparams(writer, cfg)
+    mapping = family_of(cfg).gguf
+    writer.add_head_count_kv(mapping.kv_heads(cfg) if mapping.kv_heads else kv_heads(cfg))
+    mapping.add_hparams(writer, cfg)
 
 
 def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, Any]]:
@@ -143,7 +152,7 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     vocab = gguf_vocab(tokenizer, cfg.vocab_size, source.named)
     ids = imported_ids(source)[0] if source.is_hf else tokenizer_ids(tokenizer)
     special = in_vocabulary(ids, ids, cfg.vocab_size)
-    arch = family_of(cfg).gguf.arch
+    arch = family_of(cfg).gguf.arch_of(cfg)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.gguf"):  # an earlier export into this folder (out= reuses one)
         stale.unlink()
@@ -189,7 +198,12 @@ def load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def verify_gguf(path: Path, suite_model: Any, cfg: ModelConfig) -> dict[str, Any]:
-    """Load the file the way a user does (transformers dequantizes it to fp32) and compare logits."""
+    """Load the file the way a user does (transformers dequantizes it to fp32) and compare logits;
+    an architecture transformers' reader cannot rebuild (DeepSeek's deepseek2) is skipped, saying why."""
+    mapping = family_of(cfg).gguf
+    problem = mapping.unreadable(mapping.arch_of(cfg))
+    if problem:
+        return {"max_abs_logits_error": None, "skipped": problem}
     # deferred: transformers costs seconds to import; only the export's load check needs it
     from transformers import AutoModelForCausalLM
 

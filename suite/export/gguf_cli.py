@@ -70,11 +70,12 @@ def _gguf(cfg: Any, source: Any) -> tuple[dict, str]:
     _marker(out, source, "gguf")
     error = check["max_abs_logits_error"]
     result = {"out": str(out), "format": "gguf", "file": str(path), "precision": precision, **check}
-    text = (
-        f"exported {source.folder} to {path} (GGUF {precision})\n"
-        f"self-check: max |logits - suite| = {error:.3g} on {check['inputs']}, loaded with {check['loaded_with']}\n"
-        f"manifest: {out / 'export_manifest.json'}"
+    checked = (
+        f"self-check: max |logits - suite| = {error:.3g} on {check['inputs']}, loaded with {check['loaded_with']}"
+        if error is not None
+        else f"self-check skipped: {check['skipped']}"
     )
+    text = f"exported {source.folder} to {path} (GGUF {precision})\n{checked}\nmanifest: {out / 'export_manifest.json'}"
     return result, text
 
 

@@ -58,6 +58,28 @@ class GGUFMapping:
     # importing a GGUF (suite.gguf_file): what transformers' GGUF config reader misses, from the file's
     # `<arch>.*` keys (prefix removed), passed to AutoConfig beside the file
     config_kwargs: Callable[[dict[str, Any]], dict[str, Any]] = lambda fields: {}
+    # the architecture of one model where it varies (Qwen3-MoE is qwen3moe); None: always `arch`
+    arch_for: Callable[[ModelConfig], str] | None = None
+    other_archs: tuple[str, ...] = ()  # the further architectures arch_for writes (read back as this family)
+    # llama.cpp's KV head count where it is not the model's (MLA is stored as one shared latent head)
+    kv_heads: Callable[[ModelConfig], int] | None = None
+    # the family's own tensors for one HF tensor: [(gguf name, fp32 tensor)] where gguf's name map cannot
+    # take it as it is (stacked experts, MLA's kv_b split per head); None: the name map's
+    tensors: Callable[[ModelConfig, str, Any], list[tuple[str, torch.Tensor]] | None] = (
+        lambda cfg, name, value: None
+    )
+    # why transformers' GGUF reader (the export's logits self-check) cannot rebuild a file of this
+    # architecture (None: it can); llama.cpp reads it all the same
+    unreadable: Callable[[str], str | None] = lambda arch: None
+    # why `ckpt=gguf:` (suite.gguf_file) cannot import a file of this architecture (None: it can)
+    import_problem: Callable[[str], str | None] = lambda arch: None
+
+    def arch_of(self, cfg: ModelConfig) -> str:
+        """The llama.cpp architecture this model is written as."""
+        return self.arch_for(cfg) if self.arch_for else self.arch
+
+    def archs(self) -> tuple[str, ...]:
+        return (self.arch, *self.other_archs)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The deepseek_v3 family: DeepSeek-V3 (and V2's layout). Multi-head latent attention
 (suite/models/deepseek_v3/attention.py), RMSNorm, SwiGLU; dense first layers, then MoE layers with
 sigmoid routing over groups, a per-expert bias balanced without an auxiliary loss
-(model.router_bias_update_rate), routed_scaling_factor and shared experts. HF: DeepseekV3ForCausalLM;
-GGUF: not written here (llama.cpp's deepseek2 stores MLA's kv_b split per head)."""
+(model.router_bias_update_rate), routed_scaling_factor and shared experts. HF: DeepseekV3ForCausalLM; GGUF: llama.cpp's deepseek2 (MLA's
+kv_b split per head into k_b / v_b; multi-token prediction layers are dropped)."""
 
 from suite.models.deepseek_v3 import convert
 from suite.models.deepseek_v3.attention import LatentAttention
-from suite.models.family import Family, HFMapping, register
+from suite.models.family import Family, GGUFMapping, HFMapping, register
 from suite.models.llama.convert import default_ffn
 
 FAMILY = register(
@@ -28,6 +28,16 @@ FAMILY = register(
             to_state_dict=convert.to_hf_state_dict,
             from_state_dict=convert.from_hf_state_dict,
             on_disk_names=convert.on_disk_names,
+        ),
+        gguf=GGUFMapping(
+            arch="deepseek2",
+            add_hparams=convert.gguf_hparams,
+            problem=convert.gguf_problem,
+            permute_qk=False,
+            kv_heads=lambda cfg: 1,
+            tensors=convert.gguf_tensors,
+            unreadable=convert.gguf_unreadable,
+            import_problem=convert.gguf_import_problem,
         ),
     )
 )

@@ -17,7 +17,16 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.family import ffn_size
-from suite.models.llama.convert import experts_from_hf, experts_to_hf, map_names, rope_fields_from_hf
+from suite.models.lazy import as_lazy
+from suite.models.llama.convert import (
+    experts_from_hf,
+    experts_to_hf,
+    gguf_experts,
+    gguf_name,
+    layer_of,
+    map_names,
+    rope_fields_from_hf,
+)
 from suite.models.moe import expert_ffn_size, moe_layer_ids
 from suite.models.qwen3.convert import on_disk_names  # experts one by one: the same layout
 
@@ -190,3 +199,81 @@ def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
     map_names(names(cfg), hf_sd, sd)
     experts_from_hf(cfg, hf_sd, sd)
     return sd
+
+
+def gguf_problem(cfg: ModelConfig) -> str | None:
+    """What llama.cpp's deepseek2 cannot hold: it needs MoE layers, and they always add shared experts."""
+    if cfg.rope_scaling:
+        return (
+            "model.rope_scaling (YaRN) is not written to deepseek2's keys here; use model.rope_scaling=null"
+        )
+    if not cfg.num_experts:
+        return "llama.cpp's deepseek2 reads the expert keys of MoE layers, and this model has none; use format=hf"
+    if not cfg.num_shared_experts:
+        return "llama.cpp's deepseek2 adds shared experts in every MoE layer; model.num_shared_experts=0 is not that"
+    first_dense_layers(cfg)  # MoE layers from first_k_dense_replace on, or one line saying which
+    return None
+
+
+def gguf_hparams(writer: Any, cfg: ModelConfig) -> None:
+    """deepseek2's keys. MLA is stored the way llama.cpp runs it, as one shared latent head (head_count_kv
+    1, key_length kv_lora_rank + rope, value_length kv_lora_rank), with the per-head sizes of the
+    expanded keys and values in key_length_mla / value_length_mla; RoPE covers qk_rope_head_dim in
+    DeepSeek's interleaved pairs (llama.cpp's normal RoPE), so nothing is permuted."""
+    # deferred: gguf is optional (the deploy extra); only format=gguf needs it
+    import gguf
+
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_theta))
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    if cfg.q_lora_rank:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_leading_dense_block_count(first_dense_layers(cfg))
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.top_k)
+    writer.add_expert_feed_forward_length(expert_ffn_size(cfg))
+    writer.add_expert_shared_count(cfg.num_shared_experts)
+    writer.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+    writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    gating = (
+        gguf.ExpertGatingFuncType.SIGMOID
+        if cfg.router_score == "sigmoid"
+        else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    writer.add_expert_gating_func(gating)
+    if cfg.router_groups > 1:
+        writer.add_expert_group_count(cfg.router_groups)
+        writer.add_expert_group_used_count(cfg.router_topk_groups)
+
+
+def gguf_tensors(cfg: ModelConfig, hf_name: str, value: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """The tensors deepseek2 stores otherwise than HF: the stacked experts (ffn_*_exps), the balancing
+    bias (exp_probs_b), and MLA's kv_b_proj split per head into k_b, transposed so the query is
+    absorbed into the latent ([heads, kv_lora_rank, nope]), and v_b ([heads, v_head_dim, kv_lora_rank])."""
+    experts = gguf_experts(hf_name, value)
+    if experts is not None:
+        return experts
+    if hf_name.endswith(".mlp.gate.e_score_correction_bias"):
+        return [(gguf_name("FFN_EXP_PROBS_B", layer_of(hf_name), ".bias"), as_lazy(value).read())]
+    if hf_name.endswith(".self_attn.kv_b_proj.weight"):
+        per_head = as_lazy(value).read().reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        k_b, v_b = per_head.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+        layer = layer_of(hf_name)
+        return [(gguf_name("ATTN_K_B", layer), k_b.transpose(1, 2)), (gguf_name("ATTN_V_B", layer), v_b)]
+    return None
+
+
+def gguf_unreadable(arch: str) -> str | None:
+    """The export's logits self-check reads through transformers, which has no deepseek2."""
+    return "transformers' GGUF reader has no deepseek2 architecture (llama.cpp reads the file)"
+
+
+def gguf_import_problem(arch: str) -> str | None:
+    """`ckpt=gguf:` reads the config through transformers too."""
+    return f"{gguf_unreadable(arch)}; import the Hugging Face folder (hf:<folder>)"

@@ -18,6 +18,7 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.models.family import ffn_size, head_size, kv_heads
+from suite.models.lazy import as_lazy
 from suite.models.moe import expert_ffn_size, moe_layer_ids
 
 
@@ -238,6 +239,34 @@ def on_disk_names(cfg: ModelConfig, hf_sd: dict) -> dict:
     """The names transformers' save_pretrained writes: Mixtral experts one by one
     (block_sparse_moe.experts.N.w1/w2/w3), as older transformers and other tools read them."""
     return experts_one_by_one(hf_sd, "block_sparse_moe", "w1", "w3", "w2") if cfg.num_experts else hf_sd
+
+
+def gguf_name(tensor: str, layer: int, suffix: str = ".weight") -> str:
+    """llama.cpp's name of one layer's tensor (`gguf.MODEL_TENSOR` member name, e.g. FFN_GATE_EXP)."""
+    # deferred: gguf is optional (the deploy extra); only format=gguf needs it
+    import gguf
+
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[tensor]].format(bid=layer) + suffix
+
+
+def layer_of(hf_name: str) -> int:
+    """The layer index of `model.layers.<i>.<...>`."""
+    return int(hf_name.split(".")[2])
+
+
+def gguf_experts(hf_name: str, value: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """Stacked experts as llama.cpp stores them: transformers 5's fused gate_up_proj [E, 2 ffn, h]
+    split into ffn_gate_exps and ffn_up_exps [E, ffn, h], down_proj [E, h, ffn] as ffn_down_exps
+    (GGUF lists the dims innermost first: {h, ffn, E}, as llama.cpp's loader asks)."""
+    if hf_name.endswith(".mlp.experts.gate_up_proj"):
+        gate, up = as_lazy(value).read().chunk(2, dim=1)
+        return [
+            (gguf_name("FFN_GATE_EXP", layer_of(hf_name)), gate),
+            (gguf_name("FFN_UP_EXP", layer_of(hf_name)), up),
+        ]
+    if hf_name.endswith(".mlp.experts.down_proj"):
+        return [(gguf_name("FFN_DOWN_EXP", layer_of(hf_name)), as_lazy(value).read())]
+    return None
 
 
 def gguf_problem(cfg: ModelConfig) -> str | None:

@@ -1,7 +1,7 @@
 """The qwen3 family: Qwen3 and Qwen3-MoE. The llama blocks plus an RMSNorm over each head's q and k
 before RoPE, a head size independent of the width (model.head_dim), no qkv bias; MoE layers with
 fine-grained experts, top-k routing and optionally renormalised weights (model.norm_topk_prob).
-HF: Qwen3ForCausalLM / Qwen3MoeForCausalLM; GGUF: qwen3."""
+HF: Qwen3ForCausalLM / Qwen3MoeForCausalLM; GGUF: qwen3 / qwen3moe."""
 
 from suite.models.family import Family, GGUFMapping, HFMapping, register
 from suite.models.qwen3 import convert
@@ -28,7 +28,11 @@ FAMILY = register(
         ),
         gguf=GGUFMapping(
             arch="qwen3",
+            arch_for=convert.gguf_arch,
+            other_archs=("qwen3moe",),
             add_hparams=convert.gguf_hparams,
+            tensors=convert.gguf_tensors,
+            import_problem=convert.gguf_import_problem,
             problem=convert.gguf_problem,
             permute_qk=False,
             load_kwargs=convert.gguf_load_kwargs,

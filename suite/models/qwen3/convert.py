@@ -23,6 +23,7 @@ from suite.models.llama.convert import (
     experts_from_hf,
     experts_one_by_one,
     experts_to_hf,
+    gguf_experts,
     map_names,
 )
 from suite.models.moe import expert_ffn_size, moe_layer_ids
@@ -116,27 +117,61 @@ def on_disk_names(cfg: ModelConfig, hf_sd: dict) -> dict:
     return experts_one_by_one(hf_sd, "mlp", "gate_proj", "up_proj", "down_proj")
 
 
+def gguf_arch(cfg: ModelConfig) -> str:
+    """llama.cpp's qwen3 (dense) or qwen3moe (experts in every layer)."""
+    return "qwen3moe" if cfg.num_experts else "qwen3"
+
+
 def gguf_problem(cfg: ModelConfig) -> str | None:
     if cfg.rope_scaling:
         return "model.rope_scaling is not read back by transformers' GGUF loader for qwen3"
-    if cfg.num_experts:
-        return "transformers' GGUF loader does not read qwen3moe back"
+    if not cfg.num_experts:
+        return None
+    if moe_layer_ids(cfg) != list(range(cfg.num_layers)):
+        return (
+            f"llama.cpp's qwen3moe has experts in every layer; model.moe_layers={moe_layer_ids(cfg)} is not "
+            "(mlp_only_layers / decoder_sparse_step); use model.moe_layers=null"
+        )
+    if not cfg.norm_topk_prob:
+        return "llama.cpp's qwen3moe renormalises the top-k weights; model.norm_topk_prob=false is not that"
+    if cfg.num_shared_experts:
+        return "llama.cpp's qwen3moe has no shared experts; use model.num_shared_experts=0"
     return None
 
 
 def gguf_hparams(writer: Any, cfg: ModelConfig) -> None:
-    """Qwen3's keys: RoPE (NeoX order, so q/k are stored unpermuted), RMSNorm, the head size always."""
+    """Qwen3's keys: RoPE (NeoX order, so q/k are stored unpermuted), RMSNorm, the head size always;
+    Qwen3-MoE's expert count, top-k and expert width (llama.cpp's qwen3moe renormalises the top k)."""
     writer.add_rope_dimension_count(head_size(cfg))
     writer.add_rope_freq_base(float(cfg.rope_theta))
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_key_length(head_size(cfg))
     writer.add_value_length(head_size(cfg))
+    if cfg.num_experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.top_k)
+        writer.add_expert_feed_forward_length(expert_ffn_size(cfg))
+
+
+def gguf_tensors(cfg: ModelConfig, hf_name: str, value: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """Qwen3-MoE's stacked experts as ffn_{gate,up,down}_exps; every other tensor by gguf's name map."""
+    return gguf_experts(hf_name, value)
+
+
+def gguf_import_problem(arch: str) -> str | None:
+    """`ckpt=gguf:` maps tensors one to one; qwen3moe's stacked experts are not read back here."""
+    if arch == "qwen3moe":
+        return "its qwen3moe experts (ffn_*_exps) are not read back here; import the Hugging Face folder (hf:<folder>)"
+    return None
 
 
 def gguf_load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """transformers' GGUF mapping for qwen3 does not read the head size (key_length): it builds
-    Qwen3Config's default 128-wide heads unless head_dim is passed. llama.cpp reads the key."""
-    return {"head_dim": head_size(cfg)}
+    Qwen3Config's default 128-wide heads unless head_dim is passed (nor, for qwen3moe, the expert width
+    or the renormalised top k: Qwen3MoeConfig's defaults are 768 and false). llama.cpp reads the keys."""
+    if not cfg.num_experts:
+        return {"head_dim": head_size(cfg)}
+    return {"head_dim": head_size(cfg), "moe_intermediate_size": expert_ffn_size(cfg), "norm_topk_prob": True}
 
 
 def gguf_config_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
