@@ -7,7 +7,9 @@ ids are metadata, and the reader (llama.cpp, transformers' GGUF loader) rebuilds
 from them and from `tokenizer.ggml.pre`, the name of the text split. The suite's tokenizer splits
 digits one by one before GPT-2's byte-level split, which is llama.cpp's "refact" split; a plain
 byte-level BPE is "gpt-2". transformers knows neither name and splits with GPT-2's rule, so there
-numbers may tokenize differently (the manifest says so); all other text tokenizes the same.
+numbers may tokenize differently (the manifest says so); all other text tokenizes the same. A GGUF
+source keeps its own name (SmolLM2: 'smollm', llama.cpp's 'refact' split). The tokenizer's chat
+template is written as `tokenizer.chat_template`.
 """
 
 from __future__ import annotations
@@ -73,8 +75,32 @@ def gguf_vocab(tokenizer: Any, vocab_size: int, where: str) -> GgufVocab:
     return GgufVocab(tokens, types, merges, "refact" if digits else "gpt-2", vocab_size - len(vocab), notes)
 
 
-def add_vocab(writer: Any, vocab: GgufVocab, special: dict[str, Any]) -> None:
-    """The tokenizer.ggml.* keys; `special`: bos/eos/pad ids inside the vocabulary (or None)."""
+def source_pre(vocab: GgufVocab, pre: Any) -> GgufVocab:
+    """`vocab` under a GGUF source's own `tokenizer.ggml.pre` name (SmolLM2: 'smollm').
+
+    The vocabulary written is the file's own (its tokens and merges), so its split is the file's; the
+    name only has to stay one llama.cpp gives the same split. transformers' rebuild of a GGUF
+    tokenizer drops the split (a plain byte-level 'gpt-2' one), so the detected name is no evidence
+    against the file's."""
+    if not isinstance(pre, str) or not pre or pre == vocab.pre:
+        return vocab
+    note = f"tokenizer.ggml.pre='{pre}': the source GGUF's own split name, kept"
+    return dataclasses.replace(vocab, pre=pre, notes=(*vocab.notes, note))
+
+
+def chat_template_of(tokenizer: Any) -> str | list[dict[str, str]] | None:
+    """The tokenizer's chat template as GGUF holds it: one string, or named templates (a list of
+    {name, template}, the default as `tokenizer.chat_template`); None when it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return [{"name": name, "template": text} for name, text in template.items()] or None
+    return template or None
+
+
+def add_vocab(writer: Any, vocab: GgufVocab, special: dict[str, Any], chat_template: Any = None) -> None:
+    """The tokenizer.ggml.* keys; `special`: bos/eos/pad ids inside the vocabulary (or None);
+    `chat_template` (chat_template_of): `tokenizer.chat_template`, which llama.cpp's chat handlers
+    render; without it they fall back to another model's chat format."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
@@ -91,3 +117,5 @@ def add_vocab(writer: Any, vocab: GgufVocab, special: dict[str, Any]) -> None:
         if value is not None:
             add(int(value))
     writer.add_add_bos_token(False)  # the suite never prepends one: documents are separated by eos
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
