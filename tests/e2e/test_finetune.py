@@ -236,6 +236,7 @@ def test_hf_and_gguf_exports_render_the_same_chat_prompt(full_run, tmp_path):
     built as `Llama` builds it: the file's template and its bos/eos texts), gives the prompt string
     transformers' apply_chat_template gives on the HF export. Without the key llama.cpp falls back to
     the llama-2 format (`chat_format`), and the GGUF has no template to render."""
+    import gguf
     from llama_cpp import Llama
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
     from transformers import AutoTokenizer
@@ -256,3 +257,10 @@ def test_hf_and_gguf_exports_render_the_same_chat_prompt(full_run, tmp_path):
     )
     assert formatter(messages=messages).prompt == want
     assert want.endswith("<|im_start|>assistant\n")
+    # that file as a gguf: source, exported again: its template and its own pre-tokenizer name ('refact',
+    # which transformers' rebuild of the tokenizer drops: detected from it, the name would be 'gpt-2')
+    again = tmp_path / "again"
+    assert main(["export", f"ckpt=gguf:{llama.model_path}", f"out={again}", "format=gguf"]) == 0
+    reader = gguf.GGUFReader(next(again.glob("*.gguf")))
+    assert reader.get_field("tokenizer.chat_template").contents() == llama.metadata["tokenizer.chat_template"]
+    assert reader.get_field("tokenizer.ggml.pre").contents() == llama.metadata["tokenizer.ggml.pre"] == "refact"
