@@ -263,4 +263,6 @@ def test_hf_and_gguf_exports_render_the_same_chat_prompt(full_run, tmp_path):
     assert main(["export", f"ckpt=gguf:{llama.model_path}", f"out={again}", "format=gguf"]) == 0
     reader = gguf.GGUFReader(next(again.glob("*.gguf")))
     assert reader.get_field("tokenizer.chat_template").contents() == llama.metadata["tokenizer.chat_template"]
-    assert reader.get_field("tokenizer.ggml.pre").contents() == llama.metadata["tokenizer.ggml.pre"] == "refact"
+    assert (
+        reader.get_field("tokenizer.ggml.pre").contents() == llama.metadata["tokenizer.ggml.pre"] == "refact"
+    )
