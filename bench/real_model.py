@@ -3,7 +3,7 @@
     flock /tmp/heavy.lock python bench/real_model.py                       # LoRA, 50 steps, 3 shapes
     python bench/real_model.py --steps 2 --shapes messages --out /tmp/rm   # a quick look
 
-The chat set is the built-in task's conversations (reverse-4: 200 to train on, 40 held out,
+The chat set is the built-in task's conversations (reverse-4: 200 to train on, 24 held out,
 deterministic), written in each of the three row shapes the suite reads: OpenAI `messages`, ShareGPT
 `conversations`/`from`/`value`, Alpaca `instruction`/`input`/`output`. The same conversations render
 to the same tokens, so the three runs must log the same losses: a shape read differently shows as
@@ -194,12 +194,12 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--task", default="reverse-4")
     p.add_argument("--rows", type=int, default=200)
-    p.add_argument("--held-out", type=int, default=40)
+    p.add_argument("--held-out", type=int, default=24)
     p.add_argument("--method", default="lora", choices=("lora", "full"))
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--no-export", action="store_true", help="train only (the exports come from the first shape)"
