@@ -52,6 +52,8 @@ def check_data(cfg: SuiteConfig, needs_data: bool = True) -> None:
             )
         vocab = meta.get("vocab_size")
         where = f"the tokenizer in data.path='{data_path}'"
+    elif cfg.data.tokenizer:  # reused, not trained: its size is checked once prepared (meta.json)
+        vocab, where = None, ""
     else:
         vocab, where = cfg.data.vocab_size, f"data.vocab_size={cfg.data.vocab_size}"
     if vocab is not None and vocab > cfg.model.vocab_size:

@@ -28,7 +28,7 @@ import torch
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.export.checks import check_hf_exportable
-from suite.export.gguf_vocab import add_vocab, gguf_vocab
+from suite.export.gguf_vocab import add_vocab, chat_template_of, gguf_vocab, source_pre
 from suite.export.manifest import max_logits_error, quiet_loading, sample_tokens, write_manifest
 from suite.export.special import imported_ids, in_vocabulary, tokenizer_ids
 from suite.models.family import family_of
@@ -150,6 +150,8 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     check_gguf_exportable(cfg, source.named)
     tokenizer = source.tokenizer(required=True)
     vocab = gguf_vocab(tokenizer, cfg.vocab_size, source.named)
+    if source.gguf:
+        vocab = source_pre(vocab, source.gguf_file.field("tokenizer.ggml.pre"))
     ids = imported_ids(source)[0] if source.is_hf else tokenizer_ids(tokenizer)
     special = in_vocabulary(ids, ids, cfg.vocab_size)
     arch = family_of(cfg).gguf.arch_of(cfg)
@@ -162,7 +164,8 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     file_type = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}[precision]
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_vocab(writer, vocab, special.config)
+    template = chat_template_of(tokenizer)
+    add_vocab(writer, vocab, special.config, template)
     head = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
     types: dict[str, str] = {}
     notes = list(vocab.notes) + list(special.notes)
@@ -185,7 +188,13 @@ def write_gguf(source: Any, out: Path, precision: str) -> tuple[Path, dict[str, 
     extra = {
         "architecture": arch,
         "tensors": types,
-        "tokenizer": {"model": "gpt2", "pre": vocab.pre, "tokens": len(vocab.tokens), "padded": vocab.padded},
+        "tokenizer": {
+            "model": "gpt2",
+            "pre": vocab.pre,
+            "tokens": len(vocab.tokens),
+            "padded": vocab.padded,
+            "chat_template": template is not None,
+        },
         "notes": notes,
         "transformers_load_kwargs": {"gguf_file": path.name, **load_kwargs(cfg)},
     }

@@ -4,7 +4,9 @@ They come from the source, never from a guess: an HF folder keeps its own config
 generation_config.json's ids, because its tokenizer may add tokens after the model's vocabulary (a
 Qwen2 folder whose `<|endoftext|>` is id vocab_size), and such an id written as pad_token_id makes
 transformers refuse the folder ("Padding_idx must be within num_embeddings"). A suite run's ids are
-its tokenizer's (bos = eos, as the suite trains). Whatever the source, an id outside
+its tokenizer's: the suite's own tokenizer opens and closes a document with its end-of-text token (bos =
+eos), a run made from an imported model keeps that model's bos (SmolLM2's `<|im_start|>`, id 1, not its
+eos 2). Whatever the source, an id outside
 [0, vocab_size) is left out of the export, and a note says which and why.
 """
 
@@ -31,10 +33,12 @@ class SpecialIds:
 
 
 def tokenizer_ids(tokenizer: Any) -> Ids:
-    """A suite run's ids: the tokenizer's end-of-text token opens and closes a document."""
+    """A suite run's ids, its tokenizer's: bos is the tokenizer's own (an imported model's, which a run
+    made from it keeps), else the end-of-text token, which opens and closes a document in the suite."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": pad}
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    return {"bos_token_id": eos if bos is None else bos, "eos_token_id": eos, "pad_token_id": pad}
 
 
 def hf_folder_ids(folder: Path) -> tuple[Ids, Ids]:

@@ -18,7 +18,14 @@ from suite.data.prepare import verify_prepared
 from suite.model_source import initial_weights
 from suite.train.components import Component, Data, Method, Trainer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# chat_template.jinja: the template of a tokenizer reused from an instruct model (data.tokenizer), which
+# the run, and so its exports and the models made from it (prune, distill), keep
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 class TokenData(Data):

@@ -228,3 +228,41 @@ def test_finetune_without_a_base_is_one_line(tmp_path):
     proc = run_suite("finetune", f"run.dir={tmp_path}", "model.init_from=null", "log.wandb=false")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "model.init_from" in proc.stderr
+
+
+def test_hf_and_gguf_exports_render_the_same_chat_prompt(full_run, tmp_path):
+    """The chat template a run trained with reaches llama.cpp: the GGUF export's
+    tokenizer.chat_template, rendered by llama.cpp's chat handler (llama-cpp-python's Jinja2ChatFormatter
+    built as `Llama` builds it: the file's template and its bos/eos texts), gives the prompt string
+    transformers' apply_chat_template gives on the HF export. Without the key llama.cpp falls back to
+    the llama-2 format (`chat_format`), and the GGUF has no template to render."""
+    import gguf
+    from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from transformers import AutoTokenizer
+
+    from suite.cli import main
+
+    assert main(["export", f"ckpt={full_run}", f"out={tmp_path / 'hf'}"]) == 0
+    assert main(["export", f"ckpt={full_run}", f"out={tmp_path / 'gguf'}", "format=gguf"]) == 0
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse 123."}]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    want = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    llama = Llama(str(next((tmp_path / "gguf").glob("*.gguf"))), vocab_only=True, verbose=False)
+    assert llama.chat_format != "llama-2"  # the file's template (or the built-in format it is), no fallback
+    formatter = Jinja2ChatFormatter(
+        template=llama.metadata["tokenizer.chat_template"],
+        eos_token=llama._model.token_get_text(llama.token_eos()),
+        bos_token=llama._model.token_get_text(llama.token_bos()),
+    )
+    assert formatter(messages=messages).prompt == want
+    assert want.endswith("<|im_start|>assistant\n")
+    # that file as a gguf: source, exported again: its template and its own pre-tokenizer name ('refact',
+    # which transformers' rebuild of the tokenizer drops: detected from it, the name would be 'gpt-2')
+    again = tmp_path / "again"
+    assert main(["export", f"ckpt=gguf:{llama.model_path}", f"out={again}", "format=gguf"]) == 0
+    reader = gguf.GGUFReader(next(again.glob("*.gguf")))
+    assert reader.get_field("tokenizer.chat_template").contents() == llama.metadata["tokenizer.chat_template"]
+    assert (
+        reader.get_field("tokenizer.ggml.pre").contents() == llama.metadata["tokenizer.ggml.pre"] == "refact"
+    )

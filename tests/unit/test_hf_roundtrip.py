@@ -140,10 +140,15 @@ def test_a_suite_model_writes_its_tokenizer_ids_only_inside_the_vocabulary(tmp_p
     )
     model = materialize(build_model(cfg), "cpu", seed=0)
     export_hf(model, cfg, tmp_path / "in", _tokenizer())
-    assert _ids(tmp_path / "in", "config.json") == {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 3}
+    # the tokenizer's own bos (<s>, 1), not its eos: a run made from an imported model keeps the model's
+    assert _ids(tmp_path / "in", "config.json") == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
     export_hf(model, cfg, tmp_path / "past", _tokenizer(added_eos="<|endoftext|>"))
     for file in ("config.json", "generation_config.json"):
-        assert _ids(tmp_path / "past", file) == dict.fromkeys(KEYS), file
+        assert _ids(tmp_path / "past", file) == {
+            "bos_token_id": 1,
+            "eos_token_id": None,
+            "pad_token_id": None,
+        }, file
 
 
 def test_the_self_check_refuses_a_folder_transformers_would_not_load(tmp_path):
