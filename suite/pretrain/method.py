@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data import TokenBatches, ensure_prepared, load_tokenizer
 from suite.data.prepare import verify_prepared
-from suite.model_source import initial_weights
+from suite.model_source import ModelSource, initial_weights
 from suite.train.components import Component, Data, Method, Trainer
 
 # chat_template.jinja: the template of a tokenizer reused from an instruct model (data.tokenizer), which
@@ -36,6 +37,8 @@ class TokenData(Data):
         self.data_dir = ensure_prepared(cfg.data, progress=trainer.env.is_main)
         verify_prepared(self.data_dir)  # sizes + sha256 of shards and tokenizer: one-line error if corrupt
         self.meta = json.loads((self.data_dir / "meta.json").read_text())
+        if cfg.model.init_from:
+            check_init_tokenizer(cfg.model.init_from, self.data_dir)
         if self.meta["vocab_size"] > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -65,6 +68,33 @@ class TokenData(Data):
 
     def vocab(self) -> dict:
         return load_tokenizer(self.data_dir).get_vocab()
+
+
+def check_init_tokenizer(init_from: str, data_dir: Path) -> None:
+    """Training from model.init_from reads the data's token ids with the weights' embedding: data
+    prepared with another tokenizer than the model's own would train every id as another token, and
+    nothing would fail. Refused in one line naming the tokenizer to prepare with."""
+    source = ModelSource.parse(init_from, "model.init_from")
+    try:
+        own = source.tokenizer(required=False)
+    except ConfigError:  # a run folder without its tokenizer: nothing to compare with
+        return
+    data_vocab = load_tokenizer(data_dir).get_vocab()
+    if own is None or own.get_vocab() == data_vocab:
+        return
+    if source.gguf:
+        way = (
+            f"export it first (suite export ckpt={source.text} format=hf out=<folder>) and pass "
+            "data.tokenizer=<that folder>"
+        )
+    else:
+        way = f"pass data.tokenizer={source.folder if source.is_hf else source.run_dir}"
+    raise ConfigError(
+        f"{source.named} has its own tokenizer ({len(own.get_vocab())} tokens) and the data in {data_dir} "
+        f"was prepared with another ({len(data_vocab)} tokens), so its weights would read other token ids; "
+        f"prepare the text with the model's tokenizer: {way} with data.sources (or none: the embedded "
+        "corpus) and no data.path"
+    )
 
 
 class InitialWeights(Component):

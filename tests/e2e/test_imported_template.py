@@ -113,3 +113,17 @@ def test_pretraining_from_an_instruct_model_keeps_its_template_and_ids(run, base
     assert reader.get_field("tokenizer.chat_template").contents() == CHATML
     assert reader.get_field("tokenizer.ggml.bos_token_id").contents() == base_ids["bos_token_id"]
     assert reader.get_field("tokenizer.ggml.eos_token_id").contents() == base_ids["eos_token_id"]
+
+
+def test_data_in_another_tokenizer_than_the_models_is_refused(base, tiny_data, tmp_path):
+    """model.init_from with data prepared in another tokenizer (the tiny corpus's, without the model's
+    two ChatML tokens) trained every id as another token and nothing failed: now one line naming the
+    tokenizer to prepare with (the `run` fixture above is that fix, run). Fails without the check."""
+    from tests.e2e.test_run_folders import assert_one_line
+
+    run_dir = tmp_path / "run"
+    proc = run_suite(
+        "pretrain", f"model.init_from=hf:{base}", f"data.path={tiny_data}", f"run.dir={run_dir}", *STEPS
+    )
+    assert_one_line(proc, 2, "model.init_from=", "another", f"data.tokenizer={base}")
+    assert not run_dir.exists()
