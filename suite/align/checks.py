@@ -3,14 +3,32 @@ any process starts; each method's own checks are registered with it (suite.align
 
 from __future__ import annotations
 
+from typing import Any
+
 from suite.align import check_method_layout
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.finetune.checks import check_lora
 
+UNSUPPORTED = ("tp", "pp", "cp", "ep")  # the layouts alignment does not run in (its sampler, its pairs)
+
+
+def _refuse_unsupported(degrees: dict[str, Any]) -> None:
+    for name in UNSUPPORTED:
+        degree = degrees[name]
+        if isinstance(degree, int) and degree > 1:
+            raise ConfigError(
+                f"parallel.{name}={degree}: suite align runs under data parallelism and sharding only "
+                f"(parallel.dp, parallel.sharding) for now; parallel.{name}=1"
+            )
+
 
 def check_align(cfg: SuiteConfig) -> None:
-    """The align section on its own, before the base model is read (model.init_from must be there)."""
+    """The align section on its own, before the base model is read (model.init_from must be there).
+    tp, pp, cp and ep set to a number are refused here, before the generic layout checks, whose
+    advice (e.g. more micro-batches for pp) would not make alignment run."""
+    p = cfg.parallel
+    _refuse_unsupported({"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep})
     if not cfg.model.init_from:
         raise ConfigError(
             "model.init_from is missing; suite align starts from a finetuned model: "
@@ -35,13 +53,6 @@ def check_align(cfg: SuiteConfig) -> None:
 def check_align_layout(cfg: SuiteConfig, dims) -> None:
     """The layouts alignment runs in: data parallelism and sharding (`dims`: ParallelDims), then the
     method's own layout check (GRPO: prompts per rank, no dropout)."""
+    if dims is not None:  # a degree 'auto' resolved to more than 1
+        _refuse_unsupported({name: getattr(dims, name) for name in UNSUPPORTED})
     check_method_layout(cfg, dims)
-    if dims is None:
-        return
-    unsupported = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}
-    for name, degree in unsupported.items():
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.{name}={degree}: suite align runs under data parallelism and sharding only "
-                f"(parallel.dp, parallel.sharding) for now; parallel.{name}=1"
-            )

@@ -107,7 +107,9 @@ class GRPOLoss:
 
     def _loss(self, group: Group, ref, output, targets, weight, aux_weight=0.0) -> torch.Tensor:
         if not isinstance(output, HeadInput):
-            raise RuntimeError("GRPO runs on the accumulation step only (pp is refused by its checks)")
+            raise RuntimeError(
+                "GRPO runs on the accumulation step only (pp is refused by suite.align.checks)"
+            )
         logits = F.linear(output.hidden, output.weight)  # as suite.align.rollout.head_logits
         logprobs = token_logprobs(logits, targets)
         device = logprobs.device
@@ -148,6 +150,10 @@ class RolloutBatches:
         self.position = 0  # optimizer steps taken
         self.groups: list[Group] = []
         self.fresh = False  # the groups were sampled for this step (the log-probability check runs)
+        # the current rollout batch's logged figures (reward, logprob_diff_*, completion_tokens), reduced
+        # over the ranks when it was sampled; checkpointed with its groups, so a step resumed between two
+        # updates of one batch logs them too (its check does not run again)
+        self.stats: dict[str, float] = {}
         self.error: str | None = None  # a reward's failure, raised on every rank by the component
         g = self.grpo
         self.sampling = GenerateConfig(temperature=g.temperature, top_k=None, top_p=g.top_p)
@@ -221,11 +227,12 @@ class RolloutBatches:
         if self.trainer.placement.data_group is not None:
             every = [None] * self.dp
             dist.all_gather_object(every, groups, group=self.trainer.placement.data_group)
-        return {"position": self.position, "groups_by_rank": every}
+        return {"position": self.position, "groups_by_rank": every, "stats": dict(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
         self.groups = []
+        self.stats = {k: float(v) for k, v in state.get("stats", {}).items()}
         by_rank = state["groups_by_rank"]
         if len(by_rank) != self.dp:
             return  # another number of ranks: the current rollout batch is sampled anew
@@ -269,7 +276,6 @@ class GRPO(Component):
 
     def __init__(self, grpo: GRPOConfig):
         self.loss = GRPOLoss(grpo)
-        self.stats: dict[str, float] = {}
 
     def step_loss(self, trainer: Trainer) -> GRPOLoss:
         if self.loss.grpo.kl_coef:
@@ -299,7 +305,7 @@ class GRPO(Component):
         if values[6] > 0:
             raise ConfigError(loader.error or f"{KEY}.reward failed on another rank (its line above)")
         bound = trainer.cfg.align.grpo.max_abs_logprob_diff
-        self.stats = {
+        stats = loader.stats = {
             "reward": float(values[3] / max(values[4], 1.0)),
             "logprob_diff_max": float(values[0]),
             "logprob_diff_mean": float(values[1] / max(values[2], 1.0)),
@@ -308,13 +314,13 @@ class GRPO(Component):
         if not values[0] <= bound:
             raise ConfigError(
                 f"{KEY}.max_abs_logprob_diff={bound:g}: the trainer's log-probabilities of the sampled tokens "
-                f"differ from the sampler's by up to {float(values[0]):.3g} (mean {self.stats['logprob_diff_mean']:.3g}) "
+                f"differ from the sampler's by up to {float(values[0]):.3g} (mean {stats['logprob_diff_mean']:.3g}) "
                 f"at step {trainer.step + 1}; the update would be biased. Use {KEY}.sampler=exact in fp32, or "
                 f"raise the bound knowingly: {KEY}.max_abs_logprob_diff={_looser(float(values[0]))}"
             )
 
     def log_metrics(self, trainer: Trainer, window_steps: int) -> dict:
-        return dict(self.stats)
+        return dict(getattr(trainer.loader, "stats", {}))
 
 
 def _looser(value: float) -> str:
@@ -373,14 +379,7 @@ def check(cfg: SuiteConfig) -> None:
             "align.method=grpo samples finetune.data.task's questions and scores them against its answers; "
             "finetune.data.task=addition-3"
         )
-    get_task(cfg.finetune.data.task)
-    p = cfg.parallel
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)):
-        if isinstance(value, int) and value > 1:
-            raise ConfigError(
-                f"{key}={value}: align.method=grpo samples and trains on whole layers and sequences; "
-                "use data parallelism (parallel.dp or parallel.sharding)"
-            )
+    get_task(cfg.finetune.data.task)  # tp, pp, cp, ep: suite.align.checks.check_align (every method)
     Rewards(g.reward, cfg.finetune.data.task)  # names parsed, a module:function imported now
 
 

@@ -137,6 +137,22 @@ CASES: list[tuple[list[str], str]] = [
     (["align", "align.data={cwd}/pairs.jsonl"], "does not exist"),
     (["align", "align.data={chat}", "align.label_smoothing=0.7"], "align.label_smoothing=0.7"),
     (["align", "align.data={chat}", "model.init_from=null"], "model.init_from is missing"),
+    (
+        ["align", "align.data={chat}", "parallel.tp=2", "launch.nproc_per_node=2"],
+        "parallel.tp=2: suite align runs",
+    ),
+    (
+        ["align", "align.data={chat}", "parallel.pp=2", "launch.nproc_per_node=2"],
+        "parallel.pp=2: suite align runs",
+    ),
+    (
+        ["align", "align.data={chat}", "parallel.cp=2", "launch.nproc_per_node=2"],
+        "parallel.cp=2: suite align runs",
+    ),
+    (
+        ["align", "align.data={chat}", "parallel.ep=2", "launch.nproc_per_node=2"],
+        "parallel.ep=2: suite align runs",
+    ),
     # --- finetune
     (["finetune"], "model.init_from='runs/gpt-tiny'"),
     (["finetune", "model.init_from=/nope"], "model.init_from='/nope'"),

@@ -3,17 +3,24 @@ base) and a small addition task, rewarded by tests/grpo_aids.py:length (a random
 never right, but their lengths vary, so every step has advantages and gradients).
 
 One 20-step single-process run is shared (a tiny GPT whose weights are scaled up, `base`): the sampler's log-probabilities equal the trainer's at every
-step, and the dp=2 run equals it. Two more launches stop at their first step or before it.
+step, the dp=2 run equals it, and so do the resumed steps of a killed run and of a killed `suite run`
+pipeline's GRPO stage. Two more launches stop at their first step or before it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.grpo_aids import PAUSE_ENV
 from tests.helpers import REPO, assert_equivalent, assert_layout, read_metrics, run_suite, suite_env
 
 STEPS = 20
@@ -155,7 +162,45 @@ def test_a_dp2_run_killed_between_two_updates_of_one_rollout_batch_resumes_on_ea
     after = {r["step"]: r for r in steps(run)}  # a step logged twice: the resumed run's row, last
     assert sorted(after) == [1, 2, 3, 4, 5, 6], sorted(after)
     assert after[5]["reward"] == before[5]["reward"]  # step 5 samples rollout batch 3 (step 4: no new one)
+    # step 4 trains on the checkpointed rollout batch 2: it logs that batch's figures, as the killed run did
+    for key in ("reward", "completion_tokens", "logprob_diff_max"):
+        assert after[4].get(key) == before[4][key], (key, after[4], before[4])
     for step in (4, 5):
         assert abs(after[step]["loss"] - before[step]["loss"]) <= 1e-6 * max(
             1.0, abs(before[step]["loss"])
         ), step
+
+
+def test_a_killed_pipeline_grpo_stage_resumes_with_the_uninterrupted_runs_rewards(tmp_path, base, single):
+    """`suite run` of a pipeline whose stage is GRPO, SIGKILLed from outside (its process group) after
+    the stage wrote its step-6 checkpoint and before it finished (the reward holds the run there:
+    tests/grpo_aids.py), then the same command again: the stage resumes from step 6, steps 7-20 sample
+    the completions of the run that was never stopped (the same rewards), and the report is written.
+    Fails if the rerun starts the stage afresh, or if the rollout generators or the loader's position
+    are not restored (other prompts or completions: other rewards)."""
+    args = [f"model.init_from=hf:{base}", *GRPO, "train.save_every=3"]
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"stages:\n  grpo:\n    verb: align\n    args: {json.dumps(args)}\n")
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "suite", "run", f"pipeline={recipe}", f"run.dir={out}"]
+    checkpoints, held = out / "grpo" / "checkpoints", tmp_path / "held"
+    env = suite_env(**{PAUSE_ENV: f"{checkpoints / 'step_6' / 'manifest.json'}|{held}"})
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not held.exists():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, stderr = proc.communicate()
+    assert held.exists(), stderr[-3000:]
+    saved = sorted(int(p.parent.name[5:]) for p in checkpoints.glob("step_*/manifest.json"))
+    assert saved == [3, 6], saved  # held before step 9's save: step 6 is the newest checkpoint
+    done = subprocess.run(command, cwd=REPO, env=suite_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resumed from {checkpoints / 'step_6'} at step 6" in done.stdout, done.stdout[-3000:]
+    stages = {s["name"]: s for s in json.loads((out / "pipeline.json").read_text())["stages"]}
+    assert stages["grpo"]["action"] == "resumed" and stages["grpo"]["status"] == "done", stages
+    assert "| grpo | align | resumed" in (out / "report.md").read_text()
+    resumed = {r["step"]: r for r in steps(out / "grpo")}  # a step logged twice: the resumed run's row, last
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s]["reward"] for s in range(7, STEPS + 1)] == [r["reward"] for r in steps(single)[6:]]

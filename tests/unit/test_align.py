@@ -5,16 +5,20 @@ off), the pairs' targets (the response tokens only) and their refusals in one li
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from suite.align.checks import check_align, check_align_layout
 from suite.align.logps import next_token_logps, target_logps
 from suite.align.pairs import build_pairs, read_pairs, task_pairs
 from suite.align.preference import DPO, SimPO
 from suite.align.reference import AdapterOffReference, FrozenReference
+from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.data import load_tokenizer
@@ -221,3 +225,33 @@ def test_task_pairs_leave_the_held_out_questions_out():
     asked = {m[0]["content"] for m in held_out}
     pairs = task_pairs("reverse-3", 50, seed=0, held_out=30)
     assert len(pairs) == 50 and not asked & {p["prompt"] for p in pairs}
+
+
+@pytest.fixture(scope="module")
+def align_configs() -> dict:
+    """Each method's composed config, once (composing costs ~0.4 s)."""
+
+    return {
+        m: to_object(compose_config([f"align.method={m}", "model.init_from=runs/x"]))
+        for m in ("dpo", "simpo", "grpo")
+    }
+
+
+@pytest.mark.parametrize("name", ["tp", "pp", "cp", "ep"])
+def test_layouts_align_does_not_run_are_refused_naming_the_key_value_and_what_works(name, align_configs):
+    """Each method, set by number (before the base model is read) and as 'auto' resolved to 2 (the
+    layout check). Fails if a key is left to the generic layout checks (pp=2 got advice about
+    micro-batches, ep=2 about data-parallel ranks) or to the ranks."""
+    said = f"parallel.{name}=2: suite align runs under data parallelism and sharding only"
+    works = f"(parallel.dp, parallel.sharding) for now; parallel.{name}=1"
+    for method, composed in align_configs.items():
+        cfg = copy.deepcopy(composed)
+        setattr(cfg.parallel, name, 2)
+        with pytest.raises(ConfigError) as caught:
+            check_align(cfg)
+        assert said in str(caught.value) and str(caught.value).endswith(works), (method, caught.value)
+        setattr(cfg.parallel, name, "auto")
+        check_align(cfg)  # 'auto' is settled with the world: the layout check below
+        dims = SimpleNamespace(**({"data_parallel_size": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1} | {name: 2}))
+        with pytest.raises(ConfigError, match=f"parallel.{name}=2: suite align runs"):
+            check_align_layout(cfg, dims)
