@@ -30,6 +30,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from suite.data.tokenizer import train_tokenizer
+from tests.e2e.test_gguf_source import _gguf
 
 VOCAB = 288  # the byte-level tokenizer's 256 bytes, 2 special tokens and a few merges
 TEXT = ["the quick brown fox jumps over the lazy dog; attention lets every token look back"] * 4
@@ -308,19 +309,10 @@ def test_what_llama_cpp_cannot_hold_is_refused_in_one_line(fields, message):
 def test_reading_them_back_is_refused_in_one_line(tmp_path, arch, message):
     """`ckpt=gguf:` reads through transformers' GGUF reader and one-to-one tensor names; these two
     architectures are written for llama.cpp and refused on that read path, naming the way on."""
-    import gguf
-
     from suite.config.errors import ConfigError
     from suite.gguf_file import GGUFFile
 
-    path = tmp_path / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.ones((64, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _gguf(tmp_path / f"{arch}.gguf", arch)
     with pytest.raises(ConfigError) as error:
         assert GGUFFile(path, f"ckpt=gguf:{path}").family is None
     assert message in str(error.value) and "\n" not in str(error.value)
