@@ -27,10 +27,11 @@ RECIPES = {"full": "sft-tiny", "lora": "sft-tiny-lora"}
 
 
 def suite(*args: str) -> tuple[str, float, float]:
-    """Run `suite <args>`; returns (stdout, wall seconds, CPU seconds of the child)."""
+    """Run `suite <args>` from this checkout; returns (stdout, wall seconds, CPU seconds of the child)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "suite", *args], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-m", "suite", *args], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:

@@ -26,13 +26,15 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+
+from finetune import suite  # noqa: E402 (after the path)
+
 DEFAULT_GGUF = REPO / ".cache" / "real_model" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = ("messages", "sharegpt", "alpaca")
 PROBE = [{"role": "user", "content": "Reverse the digits 4821."}]
@@ -80,20 +82,6 @@ def same_rows_in_every_shape(gguf: Path, sets: dict[str, dict[str, Path]], seq_l
         data = SFTDataset.build(str(sets[shape]["train"]), tokenizer, options)
         rendered.append((data.tokens.tolist(), data.labels.tolist()))
     return all(r == rendered[0] for r in rendered)
-
-
-def suite(*args: str) -> tuple[str, float, float]:
-    """Run `suite <args>` from this checkout; returns (stdout, wall seconds, CPU seconds of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "suite", *args], capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"suite {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return proc.stdout, wall, cpu
 
 
 def finetune(args: argparse.Namespace, gguf: Path, data: dict[str, Path], run_dir: Path) -> dict:
