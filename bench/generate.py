@@ -46,6 +46,7 @@ from generate_llama import (
     LlamaCpp,
     dispatch_overhead,
     gguf_bytes_per_token,
+    matmul_time,
     read_bandwidth,
     suite_bytes_per_token,
 )
@@ -87,12 +88,17 @@ class Contender:
 
 
 def suite_contender(name, engine, prompts, n, **kw):
+    from suite.infer.engines import ModelEngine
+
     pick = lambda logits: logits.argmax(-1, keepdim=True)  # noqa: E731
 
     def run(batch, tokens):
         return torch.stack(list(engine.steps(prompts[:batch], tokens, pick)), 1)
 
-    return Contender(name, lambda b: run(b, 1), lambda b: run(b, n), **kw)
+    contender = Contender(name, lambda b: run(b, 1), lambda b: run(b, n), **kw)
+    if isinstance(engine, ModelEngine):
+        contender.engine = engine  # for the matmul timing
+    return contender
 
 
 def llama_cpp_contender(quant: str, path: Path, prompts, n, threads: int):
@@ -310,6 +316,11 @@ def main() -> None:
             for b in args.batches:
                 c.measure(b)
     overhead = dispatch_overhead(model.cfg, n, args.repeats)
+    matmuls = [
+        f"{c.name} {c.precision} {matmul_time(c.engine.decoder.model, c.engine.decoder.head) * 1e3:.1f} ms"
+        for c in contenders
+        if hasattr(c, "engine")
+    ]
 
     flags = " --no-compile" * args.no_compile + " --no-onnx" * args.no_onnx + " --llama-cpp" * args.llama_cpp
     flags += " --no-cache-table" * args.no_cache_table + (" --dtypes " + " ".join(args.dtypes)) * (
@@ -323,7 +334,8 @@ def main() -> None:
         f"{prompt_len} seeded random tokens, {n} generated, greedy, best of {args.repeats}. Memory read bandwidth "
         f"measured in the run: {bandwidth / 1e9:.1f} GB/s (best of 5 sums of a 1 GiB fp32 tensor). The suite's "
         f"dispatch overhead per decode step (its eager fp32 decoder on {name}'s architecture with tiny widths, "
-        f"batch 1): {overhead * 1e3:.2f} ms.\n"
+        f"batch 1): {overhead * 1e3:.2f} ms. The matmuls of one batch-1 step alone (every block projection "
+        f"on one row, then the head, as the decoder holds the weights): {', '.join(matmuls)}.\n"
     )
     text = header + "\n" + speed_table(contenders, args.batches, prompt_len, n, bandwidth)
     text += ("\n\n" + compile_note if compile_note else "") + "\n"

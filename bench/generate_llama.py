@@ -125,3 +125,29 @@ def dispatch_overhead(cfg, n: int, repeats: int, dtype: torch.dtype = torch.floa
     first = min(run(1) for _ in range(repeats))
     full = min(run(n) for _ in range(repeats))
     return (full - first) / (n - 1)
+
+
+def matmul_time(model: torch.nn.Module, head, repeats: int = 5) -> float:
+    """Seconds of the matmuls of one batch-1 decode step alone: every block projection of the decoder's
+    model (as it holds them: fp32 transposed, half stored) on one row, then its head, best of
+    `repeats` (the weights stream from memory: together they exceed the caches)."""
+    linears = [m for m in model.layers.modules() if type(m) is torch.nn.Linear]
+    dtype = linears[0].weight.dtype
+    rows = {m.in_features: torch.randn(1, m.in_features, dtype=dtype) for m in linears}
+    last = torch.randn(1, 1, model.cfg.hidden_size, dtype=dtype)
+
+    def step() -> None:
+        for m in linears:
+            torch.nn.functional.linear(rows[m.in_features], m.weight)
+        if head is not None:
+            head(last, None)
+        else:
+            torch.nn.functional.linear(last[:, -1], model.output.weight)
+
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
