@@ -317,7 +317,7 @@ def main() -> None:
                 c.measure(b)
     overhead = dispatch_overhead(model.cfg, n, args.repeats)
     matmuls = [
-        f"{c.name} {c.precision} {matmul_time(c.engine.decoder.model, c.engine.decoder.head) * 1e3:.1f} ms"
+        f"{c.precision} {matmul_time(c.engine.decoder.model, c.engine.decoder.head) * 1e3:.1f} ms"
         for c in contenders
         if hasattr(c, "engine")
     ]
