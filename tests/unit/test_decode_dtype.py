@@ -11,6 +11,7 @@ from torch import nn
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig, SuiteConfig
 from suite.config.validate import check_values
+from suite.infer.checks import check_generate
 from suite.infer.decoder import BatchDecoder
 from suite.models import build_model, materialize
 from suite.models.lora import apply_lora
@@ -76,6 +77,8 @@ def test_bad_dtype_and_uncastable_models_are_refused_in_one_line():
         ConfigError, match=r"generate.dtype='fp8' is not supported; use one of: fp32, bf16, fp16"
     ):
         check_values(cfg)
+    with pytest.raises(ConfigError, match=r"generate.dtype='fp8' is not supported"):
+        check_generate(cfg)  # what `suite generate` / `suite chat` run, before the model is read
     lora = _model()
     apply_lora(lora, 4, 8.0, 0.0, ("wq", "wv"))
     with pytest.raises(
