@@ -27,13 +27,25 @@ def best(fn, repeats: int = 5) -> float:
     return min(times)
 
 
+def _step(weights: list[torch.Tensor], rows: dict[int, torch.Tensor], transposed: bool):
+    """One row through every projection, as the decoder multiplies it."""
+
+    def step() -> None:
+        for (i, _), w in zip(SHAPES, weights):
+            if transposed:
+                rows[i] @ w
+            else:
+                torch.nn.functional.linear(rows[i], w)
+
+    return step
+
+
 def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     data = torch.ones(128 * 2**20)
     print(f"read (sum) {data.numel() * 4 / best(data.sum) / 1e9:.1f} GB/s")
-    copy = torch.empty_like(data)
-    print(f"copy (read + write) {2 * data.numel() * 4 / best(lambda: copy.copy_(data)) / 1e9:.1f} GB/s")
-    del data, copy
+    out = torch.empty_like(data)
+    print(f"copy (read + write) {2 * data.numel() * 4 / best(lambda: out.copy_(data)) / 1e9:.1f} GB/s")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for layout in ("t", "stored"):
             weights = []
@@ -42,13 +54,7 @@ def main() -> None:
                 weights.append(w.t().contiguous() if layout == "t" else w)
             rows = {i: torch.randn(1, i).to(dtype) for i, _ in SHAPES}
 
-            def step() -> None:
-                for (i, _), w in zip(SHAPES, weights):
-                    if layout == "t":
-                        rows[i] @ w
-                    else:
-                        torch.nn.functional.linear(rows[i], w)
-
+            step = _step(weights, rows, layout == "t")
             step()
             seconds = best(step)
             nbytes = sum(w.numel() * w.element_size() for w in weights)
