@@ -333,6 +333,9 @@ class GenerateConfig:
     chat: bool = False  # render the prompt as a user turn with the model's chat template
     stream: bool = True  # print tokens as they are decoded (one prompt, console)
     compile: bool = False  # torch.compile the decode step (static shapes: compiled once per batch size)
+    # the suite model's decode precision: fp32 | bf16 | fp16 (weights, activations and KV cache; half
+    # the bytes read per token, logits within docs/benchmarks.md's stated tolerance of fp32's)
+    dtype: str = "fp32"
 
 
 @dataclass

@@ -25,6 +25,7 @@ CHOICES = {
     "export.format": ("hf", "torch_export", "onnx", "gguf"),
     "eval.metric": ("accuracy", "perplexity"),
     "export.dtype": ("fp32", "bf16", "fp16"),
+    "generate.dtype": ("fp32", "bf16", "fp16"),
     "cluster.device_type": ("cuda", "cpu"),
     "compress.embedding": ("none", "int8"),
 }

@@ -81,6 +81,6 @@ def check_prepare(cfg: SuiteConfig) -> None:
         raise ConfigError(f"data.path='{d.path}' is a file; name a new folder for the prepared data")
     if d.tokenizer and not Path(d.tokenizer).expanduser().exists():
         raise ConfigError(
-            f"data.tokenizer='{d.tokenizer}' does not exist; give a tokenizer.json (or its folder), "
-            "or drop data.tokenizer to train one"
+            f"data.tokenizer='{d.tokenizer}' does not exist; give a tokenizer.json (or its folder) or a "
+            ".gguf file, or drop data.tokenizer to train one"
         )

@@ -84,7 +84,8 @@ def _find_eos(tok: Tokenizer) -> str | None:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Load a tokenizer folder (HF files or just tokenizer.json) or a tokenizer.json file.
+    """Load a tokenizer folder (HF files or just tokenizer.json), a tokenizer.json file, or a llama.cpp
+    .gguf file (the tokenizer its metadata holds, as a `gguf:` model source reads it).
 
     Raises ConfigError naming the path when it is missing or unreadable.
     """
@@ -92,6 +93,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        # deferred: suite.gguf_file reads the optional gguf package; only a .gguf tokenizer needs it
+        from suite.gguf_file import GGUFFile
+
+        return GGUFFile(path, f"tokenizer '{path}'").tokenizer()
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(

@@ -76,6 +76,10 @@ def check_generate(cfg: SuiteConfig) -> None:
         )
     if g.top_p is not None and not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p={g.top_p} must be in (0, 1] (1: off), e.g. generate.top_p=0.95")
+    if g.dtype not in CHOICES["generate.dtype"]:
+        raise ConfigError(
+            f"generate.dtype={g.dtype!r} is not supported; use one of: {', '.join(CHOICES['generate.dtype'])}"
+        )
 
 
 def check_eval(cfg: SuiteConfig) -> None:

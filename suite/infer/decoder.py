@@ -10,13 +10,16 @@ would alone.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 
 import torch
 import torch._inductor.config as inductor_config
 
-from suite.infer.decode_layout import decode_layout
+from suite.config.errors import ConfigError
+from suite.infer.decode_layout import decode_layout, relayable
 from suite.models.transformer import Transformer, cache_dims
+from suite.runtime import DTYPES
 
 
 class StaticKVCache:
@@ -86,6 +89,7 @@ class LastTokenHead:
             type(output) is torch.nn.Linear
             and type(output.weight) is torch.nn.Parameter
             and output.weight.device.type == "cpu"
+            and output.weight.dtype == torch.float32  # half weights: the model's own head (F.linear)
         )
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -104,12 +108,34 @@ def _frozen(compiled: Callable) -> Callable:
     return step
 
 
+def _in_precision(model: Transformer, dtype: torch.dtype, owns_model: bool) -> Transformer:
+    """`model` with its floating-point tensors in `dtype` (a copy unless the decoder owns it)."""
+    if dtype == torch.float32:
+        return model
+    if not relayable(model):
+        raise ConfigError(
+            f"generate.dtype={ {v: k for k, v in DTYPES.items()}[dtype] }: only plain dense models on CPU decode "
+            "in half precision (not quantized, adapter, expert or GPU models); use generate.dtype=fp32"
+        )
+    return (model if owns_model else copy.deepcopy(model)).to(dtype)
+
+
 class BatchDecoder:
     """Prefill a left-padded batch once, then one token per row per step from the static cache."""
 
-    def __init__(self, model: Transformer, compile: bool = False, owns_model: bool = False):
-        """owns_model: nobody else uses `model`, so eager decoding may relay it in place (no copy)."""
+    def __init__(
+        self,
+        model: Transformer,
+        compile: bool = False,
+        owns_model: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
+        """owns_model: nobody else uses `model`, so eager decoding may relay it in place (no copy).
+        dtype (generate.dtype): bf16/fp16 decode with the weights, activations and cache in that
+        precision (half the bytes read per token; torch's CPU half matmuls accumulate in fp32)."""
         self.grow = not compile
+        model = _in_precision(model, dtype, owns_model)
+        owns_model = owns_model or dtype != torch.float32
         # eager: the layout the CPU streams fastest (suite.infer.decode_layout; the model itself elsewhere)
         self.model = decode_layout(model.eval(), in_place=owns_model) if self.grow else model.eval()
         model = self.model

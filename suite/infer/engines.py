@@ -17,6 +17,7 @@ from suite.infer.decoder import BatchDecoder
 from suite.infer.generate import load_for_inference
 from suite.infer.runners import graph_steps, is_graph_export, load_runner
 from suite.model_source import ModelSource
+from suite.runtime import DTYPES
 
 Pick = Callable[[torch.Tensor], torch.Tensor]
 
@@ -26,10 +27,17 @@ class ModelEngine:
 
     pads = True
 
-    def __init__(self, model: torch.nn.Module, compile: bool = False, owns_model: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        compile: bool = False,
+        owns_model: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
         """owns_model: the engine is the model's only user: eager CPU decoding relays it in place
-        (suite.infer.decode_layout), after which it is for inference only (not to be trained or saved)."""
-        self.decoder = BatchDecoder(model, compile=compile, owns_model=owns_model)
+        (suite.infer.decode_layout), after which it is for inference only (not to be trained or saved).
+        dtype: the decode precision (generate.dtype; a copy of `model` in it unless owns_model)."""
+        self.decoder = BatchDecoder(model, compile=compile, owns_model=owns_model, dtype=dtype)
         self.max_seq_len = model.cfg.max_seq_len
 
     def steps(self, prompts: list[list[int]], max_new_tokens: int, pick: Pick) -> Iterator[torch.Tensor]:
@@ -51,8 +59,11 @@ class GraphEngine:
         return graph_steps(self.runner, torch.tensor(prompts), max_new_tokens, pick)
 
 
-def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[Any, Any, str]:
-    """(engine, tokenizer, one line naming what was read) for ckpt= as typed."""
+def load_engine(
+    ckpt: str, device: str = "cpu", compile: bool = False, dtype: str = "fp32"
+) -> tuple[Any, Any, str]:
+    """(engine, tokenizer, one line naming what was read) for ckpt= as typed; dtype: generate.dtype
+    (the suite model's decode precision; an export decodes in its own)."""
     folder = Path(str(ckpt)).expanduser()
     if is_graph_export(folder):
         # deferred: transformers costs seconds to import; only an ONNX/graph export's tokenizer needs it
@@ -68,4 +79,5 @@ def load_engine(ckpt: str, device: str = "cpu", compile: bool = False) -> tuple[
         )
     source = ModelSource.parse(ckpt, "ckpt")
     model, tokenizer, _ = load_for_inference(source, device)
-    return ModelEngine(model, compile=compile, owns_model=True), tokenizer, source.describe()
+    engine = ModelEngine(model, compile=compile, owns_model=True, dtype=DTYPES[dtype])
+    return engine, tokenizer, source.describe() + ("" if dtype == "fp32" else f", decoding in {dtype}")

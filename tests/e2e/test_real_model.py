@@ -65,6 +65,16 @@ def test_gguf_source_tokenizer_carries_the_chat_template(source):
     assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == 49152
 
 
+def test_data_tokenizer_reads_a_gguf_file(gguf_file):
+    """data.tokenizer=<file>.gguf (suite.data.load_tokenizer): the file's own tokenizer, as `gguf:`
+    reads it (ids measured with transformers' GGUF reader)."""
+    from suite.data import load_tokenizer
+
+    tokenizer = load_tokenizer(gguf_file)
+    assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == 49152
+    assert tokenizer("Hello world").input_ids == [19556, 905]
+
+
 def test_chat_generation_uses_the_files_template_like_transformers(source, suite_model, transformers_model):
     """generate.chat=true on `gguf:<file>`: the prompt is the file's own ChatML template (its default
     system turn included), and greedy decoding gives transformers' apply_chat_template + generate."""

@@ -106,6 +106,24 @@ def test_tokenizer_errors_name_the_path(tmp_path: Path) -> None:
         train_tokenizer(["hello"], 100, tmp_path / "small")
 
 
+def test_a_gguf_tokenizer_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    """data.tokenizer=<file>.gguf reads the file's metadata (the good case: tests/e2e/test_real_model.py);
+    not a GGUF, or a GGUF without a tokenizer, is a ConfigError naming the file."""
+    import gguf
+
+    (tmp_path / "text.gguf").write_text("not a gguf file\n" * 8)
+    with pytest.raises(ConfigError, match=r"tokenizer '.*text.gguf': not a readable GGUF file \(GGUF magic"):
+        load_tokenizer(tmp_path / "text.gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "weights.gguf"), "llama")  # weights, no tokenizer metadata
+    writer.add_tensor("token_embd.weight", np.ones((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=r"tokenizer '.*weights.gguf': its tokenizer cannot be rebuilt"):
+        load_tokenizer(tmp_path / "weights.gguf")
+
+
 # --- shards ----------------------------------------------------------------------------------------
 
 

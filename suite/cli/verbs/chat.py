@@ -20,7 +20,7 @@ def run(overrides: list[str], flags: set[str]) -> int:
 
     check_generate(cfg)
     engine, tokenizer, described = load_engine(
-        cfg.ckpt, _device(cfg.train.device), compile=cfg.generate.compile
+        cfg.ckpt, _device(cfg.train.device), compile=cfg.generate.compile, dtype=cfg.generate.dtype
     )
     # deferred: the engine loads only for the verb that runs (suite/cli/verbs/__init__.py)
     from suite.data.chat import checkpoint_chat_template, prompt_ids

@@ -27,7 +27,9 @@ def run(overrides: list[str], flags: set[str]) -> int:
 
     g = cfg.generate
     texts = read_prompts(g.prompts_file) if g.prompts_file else [g.prompt]
-    engine, tokenizer, described = load_engine(cfg.ckpt, _device(cfg.train.device), compile=g.compile)
+    engine, tokenizer, described = load_engine(
+        cfg.ckpt, _device(cfg.train.device), compile=g.compile, dtype=g.dtype
+    )
     prompts = [encode_prompt(tokenizer, text, g.chat, str(cfg.ckpt)) for text in texts]
     if not all(prompts):
         raise ConfigError('generate.prompt is empty; pass prompt="some text"')
@@ -66,6 +68,7 @@ length (said).
 Keys: generate.max_new_tokens  generate.temperature (0 = greedy)  generate.top_k  generate.top_p
       generate.seed  generate.prompts_file  generate.batch_size  generate.stop  generate.chat
       generate.stream  generate.compile (torch.compile the decode step)
+      generate.dtype (fp32 | bf16 | fp16: the suite model's decode precision)
 
 Examples:
   suite generate ckpt=runs/gpt-tiny prompt="The module"
