@@ -412,6 +412,7 @@ class Transformer(nn.Module):
         hidden: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         doc_ids: torch.Tensor | None = None,
+        mtp_targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for `tokens` [b, s]. Pipeline stages without the embedding pass `hidden` instead.
 
@@ -423,6 +424,8 @@ class Transformer(nn.Module):
         head: called as head(final hidden states, output weight) in place of the output projection, and
         its result returned: a loss that applies the head itself (chunked cross-entropy) runs inside
         this forward, where wrappers that gather parameters around forward (FSDP) have the weight whole.
+        mtp_targets: multi-token prediction's targets of these positions (suite.models.mtp.mtp_targets;
+        default: from `tokens`, whole rows); context parallelism passes its chunks'.
         """
         start = kv_cache.length if kv_cache is not None else 0
         if self.tok_embeddings is not None:
@@ -448,12 +451,7 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(h.shape[1])
         if self.mtp is not None and self.training and tokens is not None and kv_cache is None:
-            tables = (
-                (lambda n: self.rope_tables(positions[..., :n], h.dtype))
-                if rope is not None
-                else (lambda n: None)
-            )
-            self.mtp_loss = mtp_loss(self, tokens, h, tables) * self.cfg.mtp_loss_coef
+            self.mtp_loss = mtp_loss(self, tokens, h, rope, mtp_targets) * self.cfg.mtp_loss_coef
         if self.norm is not None:
             h = self.norm(h)
         if head is not None and self.output is not None:

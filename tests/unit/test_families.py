@@ -357,3 +357,44 @@ def test_mtp_under_pipeline_parallelism_is_refused_in_one_line(capsys):
     assert code == 2 and len(err) == 1 and "model.num_mtp_layers=1" in err[0] and "parallel.pp=1" in err[0], (
         err
     )
+
+
+def test_mtp_loss_over_whole_rows_equals_the_cut_rows():
+    """suite.models.mtp runs every depth over the whole row and leaves the positions past its end out
+    of the loss (so the layouts that split the sequence can); equal, with two depths, to the
+    definition: depth k on the row cut to positions 0 .. s-k-1, embedding token i+k, predicting
+    i+k+1. Fails on a shift off by one, a padded position counted in the mean, or a depth that
+    gets the wrong hidden state."""
+    import torch.nn.functional as F
+
+    from suite.models.mtp import mtp_loss
+
+    cfg = ModelConfig(
+        family="deepseek_v3",
+        num_layers=1,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=96,
+        max_seq_len=64,
+        ffn_hidden_size=48,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        num_mtp_layers=2,
+    )
+    model = materialize(build_model(cfg), "cpu", seed=5)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
+    rope = model.rope_tables(torch.arange(12), hidden.dtype)
+    got = mtp_loss(model, tokens, hidden, rope)
+    seq, h, losses = 12, hidden, []
+    for k, module in enumerate(model.mtp.values(), start=1):
+        h = module(
+            h[:, : seq - k],
+            model.tok_embeddings(tokens[:, k:]),
+            model.rope_tables(torch.arange(seq - k), h.dtype),
+        )
+        logits = model.output(module.norm(h[:, :-1])).float()
+        losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1 :].flatten()))
+    torch.testing.assert_close(got, sum(losses) / 2, atol=1e-6, rtol=1e-6)
