@@ -341,7 +341,9 @@ BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.(shared_exper
 LOW_RANK = re.compile(r"^layers\.\*\.attention\.(wq_a|wkv_a)\.weight$")
 # multi-token prediction modules (suite/models/mtp.py): their block's head-split matrices, and the
 # per-token projection whole on every tp rank
-MTP_BLOCK_MATRIX = re.compile(r"^mtp\.\w+\.block\.(attention\.(wq|wq_b|wkv_b|wo)|feed_forward\.w\d+)\.weight$")
+MTP_BLOCK_MATRIX = re.compile(
+    r"^mtp\.\w+\.block\.(attention\.(wq|wq_b|wkv_b|wo)|feed_forward\.w\d+)\.weight$"
+)
 MTP_PROJECTION = re.compile(r"^mtp\.\w+\.projection\.weight$")
 
 
