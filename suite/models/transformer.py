@@ -284,6 +284,14 @@ class Attention(nn.Module):
         return cfg.num_heads * head_size(cfg), cfg.num_heads * head_size(cfg)
 
     @staticmethod
+    def saved_widths(cfg: ModelConfig) -> tuple[int, int]:
+        """(split, whole): elements per token the attention keeps for its backward beyond its input
+        and the scores, split over tp ranks by heads (Q, K, V and the output) and whole on every tp
+        rank (none here); the planner's activation count (suite.plan.activations) reads it."""
+        q_w, kv_w = cfg.num_heads * head_size(cfg), kv_heads(cfg) * head_size(cfg)
+        return 2 * q_w + 2 * kv_w, 0
+
+    @staticmethod
     def tp_roles(cfg: ModelConfig) -> dict[str, str]:
         """How tensor parallelism splits it (suite.parallel.tensor_parallel.block_plan): q, k, v by
         heads (whole kv groups when fused), wo by its input, a family's q/k norms per head."""
