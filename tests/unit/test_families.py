@@ -433,3 +433,21 @@ def test_mtp_loss_over_whole_rows_equals_the_cut_rows():
         logits = model.output(module.norm(h[:, :-1])).float()
         losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1 :].flatten()))
     torch.testing.assert_close(got, sum(losses) / 2, atol=1e-6, rtol=1e-6)
+
+
+def test_deepseek_latent_norms_keep_their_own_eps_as_transformers_does(tmp_path):
+    """transformers' DeepseekV3Attention (and V2's, and DeepSeek's own modeling code) builds
+    q_a_layernorm / kv_a_layernorm with RMSNorm's default eps 1e-6, whatever config.rms_norm_eps
+    says; the config has no key for them. With rms_norm_eps = 0.5 (large enough to show) the import
+    still matches transformers' logits within 1e-4. Fails if the latent norms take the config's eps."""
+    hf = DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, **{**DEEPSEEK, "rms_norm_eps": 0.5}
+        )
+    ).eval()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    ours, _ = load_hf_model(tmp_path)
+    assert ours.cfg.norm_eps == 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(TOKENS), hf(TOKENS).logits, atol=1e-4, rtol=1e-4)
