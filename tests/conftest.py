@@ -15,8 +15,8 @@ LONGEST_FIRST = (
     "tests/e2e/test_output_folders.py",  # 344
     "tests/unit/test_plan_dryrun.py",  # 301
     "tests/e2e/test_docs_commands.py",  # 296
+    "tests/distributed/test_family_layouts.py",  # ~200 (149 + MTP under tp and cp)
     "tests/distributed/test_equivalence.py",  # 174
-    "tests/distributed/test_family_layouts.py",  # 149
     "tests/e2e/test_export_gguf.py",  # 141
     "tests/e2e/test_prune.py",  # 126
     "tests/e2e/test_export_graphs.py",  # 105
@@ -39,6 +39,7 @@ LONGEST_FIRST = (
     "tests/distributed/test_align.py",  # ~50
     "tests/e2e/test_run_folders.py",  # 47
     "tests/e2e/test_grpo.py",  # ~40
+    "tests/unit/test_families.py",  # ~40 (an MoE torch.export program: ~30)
     "tests/e2e/test_eval_perplexity.py",  # 40
     "tests/e2e/test_pipeline.py",  # 39
     "tests/e2e/test_export_quantized_hf.py",  # 38
