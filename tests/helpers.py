@@ -339,6 +339,12 @@ def override_value(overrides: list[str], key: str, default: str) -> str:
 BLOCK_MATRIX = re.compile(r"^layers\.\*\.(attention|feed_forward)\.(shared_experts\.)?w\w+\.weight$")
 # MLA's low-rank down-projections (suite/models/deepseek_v3/attention.py): whole on every tp rank
 LOW_RANK = re.compile(r"^layers\.\*\.attention\.(wq_a|wkv_a)\.weight$")
+# multi-token prediction modules (suite/models/mtp.py): their block's head-split matrices, and the
+# per-token projection whole on every tp rank
+MTP_BLOCK_MATRIX = re.compile(
+    r"^mtp\.\w+\.block\.(attention\.(wq|wq_b|wkv_b|wo)|feed_forward\.w\d+)\.weight$"
+)
+MTP_PROJECTION = re.compile(r"^mtp\.\w+\.projection\.weight$")
 
 
 def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
@@ -368,9 +374,11 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
     for view in layout["ranks"]:
         params, modules = view["params"], view["modules"]
         for name, placement in params.items():
-            if degrees["tp"] > 1 and LOW_RANK.match(name):
+            if degrees["tp"] > 1 and (LOW_RANK.match(name) or MTP_PROJECTION.match(name)):
                 assert "tp:Replicate()" in placement, (name, placement)
-            elif degrees["tp"] > 1 and (BLOCK_MATRIX.match(name) or name == "output.weight"):
+            elif degrees["tp"] > 1 and (
+                BLOCK_MATRIX.match(name) or MTP_BLOCK_MATRIX.match(name) or name == "output.weight"
+            ):
                 assert "tp:Shard(dim=" in placement, (name, placement)
             expert = ".experts." in name  # expert parallel: on their own (edp, ep) mesh, not FSDP's
             if degrees["tp"] > 1 and expert:  # expert-tensor-parallel: each expert split on its ffn dim
@@ -392,7 +400,8 @@ def assert_layout(run_dir: Path, nproc: int, overrides: list[str]) -> dict:
         if kind in ("fsdp", "hsdp"):
             assert "fsdp" in modules and "replicate" not in modules, modules
         if degrees["cp"] > 1:
-            assert len(modules.get("context_parallel", [])) == len(view["layers"]), modules
+            mtp = int(override_value(overrides, "model.num_mtp_layers", "0"))  # and each MTP block
+            assert len(modules.get("context_parallel", [])) == len(view["layers"]) + mtp, modules
         if degrees["tp"] > 1 and any(".experts." in n for n in params):
             assert modules.get("expert_tensor_parallel"), modules
         if degrees["ep"] > 1:

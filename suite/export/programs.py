@@ -28,6 +28,7 @@ from suite.infer.graphs import (
     export_programs,
     graph_modules,
     prepare_for_export,
+    traceable_moe,
 )
 from suite.infer.runners import SuiteRunner, decode_steps, load_runner
 from suite.model_source import ModelSource
@@ -54,7 +55,7 @@ def save_onnx(model: Transformer, out: Path, quantize: str | None = None) -> lis
     files = []
     for name, module in graph_modules(model).items():
         path = out / f"{name}.onnx"
-        with _quiet_exporter():
+        with _quiet_exporter(), traceable_moe(model):
             program = torch.onnx.export(
                 module,
                 inputs[name],
@@ -131,12 +132,6 @@ def check_graph_export(fmt: str, quantize: str | None, dtype: str, source: Model
         raise ConfigError(
             f"export.dtype={dtype} with format=onnx: the ONNX export is fp32 (export.quantize=int8|int4 "
             "makes it smaller); use format=torch_export for bf16/fp16 programs"
-        )
-    if source.model_config().num_experts:
-        raise ConfigError(
-            f"{source.named} is a mixture of experts (model.num_experts={source.model_config().num_experts}); "
-            f"format={fmt} traces one program, and MoE routing sends data-dependent token counts to each expert, "
-            "which torch.export cannot trace here: export format=hf (transformers, vLLM) instead"
         )
 
 

@@ -12,10 +12,14 @@ in-place writes) is what torch.export and the ONNX exporter trace; positions com
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.export import Dim
 
+from suite.models.moe import moe_modules
 from suite.models.transformer import GrowingKVCache, Transformer, cache_dims
 
 MAX_BATCH = 1024  # the dynamic batch's upper bound in the exported programs
@@ -93,12 +97,30 @@ def prepare_for_export(model: Transformer) -> Transformer:
     return model
 
 
+@contextmanager
+def traceable_moe(model: Transformer) -> Iterator[None]:
+    """MoE layers in their dense form while the exporters trace: routing sends a data-dependent
+    number of tokens to each expert, which they cannot trace; every expert on every token, weighted
+    by the router's choice (zero elsewhere), gives the same logits with static shapes
+    (suite.models.moe MoEFeedForward.dense) at num_experts / top_k times the routed experts' work.
+    Restored after, so the model the export is checked against routes sparsely."""
+    modules = moe_modules(model)
+    for module in modules:
+        module.dense = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.dense = False
+
+
 @torch.no_grad()
 def export_programs(model: Transformer) -> dict[str, torch.export.ExportedProgram]:
     """torch.export programs of both graphs, with dynamic batch, prompt and past lengths."""
     prepare_for_export(model)
     inputs, shapes = example_inputs(model), dynamic_shapes(model)
-    return {
-        name: torch.export.export(module, inputs[name], dynamic_shapes=shapes[name])
-        for name, module in graph_modules(model).items()
-    }
+    with traceable_moe(model):
+        return {
+            name: torch.export.export(module, inputs[name], dynamic_shapes=shapes[name])
+            for name, module in graph_modules(model).items()
+        }

@@ -326,6 +326,10 @@ class MoEFeedForward(nn.Module):
         self.rank_assignments: Callable[[torch.Tensor, int], tuple[torch.Tensor, int]] | None = None
         self.stats: dict[str, torch.Tensor] = {}  # detached sums since the last `pop_stats`
         self.last_stats: dict[str, torch.Tensor] = {}
+        # every expert on every token, weighted by the router (zero where a token did not choose it):
+        # the same output with no data-dependent shape, what torch.export and the ONNX exporter
+        # trace (suite.infer.graphs.traceable_moe sets it); num_experts / top_k times the expert work
+        self.dense = False
 
     def reset_buffers(self) -> None:
         """The balancing bias starts at zero (a materialised meta model holds uninitialised memory)."""
@@ -419,6 +423,8 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits = self.router(flat).float()
         expert_ids, weights, keep = self.route(logits, rows=shape[0] if x.dim() == 3 else 1)
+        if self.dense:
+            return self._dense_forward(flat, expert_ids, weights * keep).view(shape)
         balance, z_loss = self.balance_losses(logits, expert_ids)
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
 
@@ -432,6 +438,31 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared_experts(flat)
         self._note(counts, balance, z_loss, expert_ids.numel() - int(counts.sum()))
         return out.view(shape)
+
+    def _dense_forward(
+        self, flat: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward`'s output for inference with every expert run on every token ([T, h] -> [T, h]):
+        the router weights scattered into [T, E] (zero for experts a token did not choose or that
+        capacity dropped) weigh the experts' outputs; no aux loss, no statistics."""
+        if self.experts.adapters() is not None:
+            raise RuntimeError(
+                "the dense MoE forward (graph export) runs without LoRA adapters: merge them first"
+            )
+        gate = weights.new_zeros(flat.shape[0], self.num_experts).scatter_add_(1, expert_ids, weights)
+        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
+        up = torch.einsum("th,efh->etf", flat, w1)
+        act = (
+            F.silu(up) * torch.einsum("th,efh->etf", flat, w3)
+            if w3 is not None
+            else F.gelu(up, approximate="tanh")
+        )
+        routed = torch.einsum("etf,ehf->eth", act, w2)
+        out = torch.einsum("te,eth->th", gate.to(routed.dtype), routed).to(flat.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        self.aux_loss = None
+        return out
 
     @torch.no_grad()
     def _note(self, counts: torch.Tensor, balance: torch.Tensor, z_loss: torch.Tensor, dropped: int) -> None:

@@ -284,6 +284,14 @@ class Attention(nn.Module):
         return cfg.num_heads * head_size(cfg), cfg.num_heads * head_size(cfg)
 
     @staticmethod
+    def saved_widths(cfg: ModelConfig) -> tuple[int, int]:
+        """(split, whole): elements per token the attention keeps for its backward beyond its input
+        and the scores, split over tp ranks by heads (Q, K, V and the output) and whole on every tp
+        rank (none here); the planner's activation count (suite.plan.activations) reads it."""
+        q_w, kv_w = cfg.num_heads * head_size(cfg), kv_heads(cfg) * head_size(cfg)
+        return 2 * q_w + 2 * kv_w, 0
+
+    @staticmethod
     def tp_roles(cfg: ModelConfig) -> dict[str, str]:
         """How tensor parallelism splits it (suite.parallel.tensor_parallel.block_plan): q, k, v by
         heads (whole kv groups when fused), wo by its input, a family's q/k norms per head."""
@@ -412,6 +420,7 @@ class Transformer(nn.Module):
         hidden: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         doc_ids: torch.Tensor | None = None,
+        mtp_targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for `tokens` [b, s]. Pipeline stages without the embedding pass `hidden` instead.
 
@@ -423,6 +432,8 @@ class Transformer(nn.Module):
         head: called as head(final hidden states, output weight) in place of the output projection, and
         its result returned: a loss that applies the head itself (chunked cross-entropy) runs inside
         this forward, where wrappers that gather parameters around forward (FSDP) have the weight whole.
+        mtp_targets: multi-token prediction's targets of these positions (suite.models.mtp.mtp_targets;
+        default: from `tokens`, whole rows); context parallelism passes its chunks'.
         """
         start = kv_cache.length if kv_cache is not None else 0
         if self.tok_embeddings is not None:
@@ -448,12 +459,7 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(h.shape[1])
         if self.mtp is not None and self.training and tokens is not None and kv_cache is None:
-            tables = (
-                (lambda n: self.rope_tables(positions[..., :n], h.dtype))
-                if rope is not None
-                else (lambda n: None)
-            )
-            self.mtp_loss = mtp_loss(self, tokens, h, tables) * self.cfg.mtp_loss_coef
+            self.mtp_loss = mtp_loss(self, tokens, h, rope, mtp_targets) * self.cfg.mtp_loss_coef
         if self.norm is not None:
             h = self.norm(h)
         if head is not None and self.output is not None:

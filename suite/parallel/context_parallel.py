@@ -28,6 +28,7 @@ of S tokens per layer no longer fitting) a ring is the better algorithm.
 
 from __future__ import annotations
 
+import functools
 from functools import lru_cache
 
 import torch
@@ -37,6 +38,7 @@ from torch import nn
 
 from suite.data.batch import Batch
 from suite.models.document_attention import Documents, document_chunk_attention
+from suite.models.mtp import mtp_targets
 from suite.parallel.context_parallel_moe import apply_context_parallel_moe
 
 
@@ -50,17 +52,23 @@ def chunk_index(seq_len: int, cp: int, rank: int, device: torch.device | str = "
     return torch.cat([early, late])
 
 
-def split_batch(batch: Batch, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def split_batch(
+    batch: Batch, cp: int, rank: int, mtp_depths: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """This rank's part of a micro-batch: (tokens, targets, forward kwargs with positions and doc ids).
 
     Positions are the chunks' own (the batch's positions, or their index in the sequence); without
     documents attention is causal; with documents the kwargs carry the whole rows' `doc_ids` [b, S]
     (small next to any mask), from which each rank's attention takes its queries' documents.
+    mtp_depths > 0 (multi-token prediction): the kwargs carry the chunks' `mtp_targets`, the later
+    tokens of each position taken from the whole row (suite.models.mtp).
     """
     index = chunk_index(batch.tokens.shape[1], cp, rank, batch.tokens.device)
     kwargs: dict = {"positions": index if batch.positions is None else batch.positions[:, index]}
     if batch.doc_ids is not None:
         kwargs["doc_ids"] = batch.doc_ids
+    if mtp_depths:
+        kwargs["mtp_targets"] = mtp_targets(batch.tokens, mtp_depths)[:, :, index]
     return batch.tokens[:, index], batch.labels[:, index], kwargs
 
 
@@ -187,7 +195,20 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     """Swap every block's CoreAttention for the cp-aware one and sum MoE router statistics over the
     cp group (in place; parameter names unchanged)."""
     group, cp, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
-    for block in model.layers.values():
+    mtp = list(getattr(model, "mtp", None) or {})
+    blocks = [*model.layers.values(), *(model.mtp[k].block for k in mtp)]
+    for block in blocks:
         attention = block.attention
         attention.core = ContextParallelAttention(attention.core.gqa, group, cp, rank)
+    for key in mtp:  # multi-token prediction: each depth's mean over the whole row's targets
+        model.mtp[key].count_tokens = functools.partial(_per_rank_count, group, cp)
     apply_context_parallel_moe(model, group)  # MoE layers: the balance loss over the whole sequence
+
+
+@torch.no_grad()
+def _per_rank_count(group: dist.ProcessGroup, cp: int, count: torch.Tensor) -> torch.Tensor:
+    """The whole row's target count / cp: a rank's summed loss over it, averaged over the cp ranks
+    (as the gradients and the logged loss are), is the whole row's mean."""
+    total = count.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total / cp

@@ -23,6 +23,8 @@ Around the blocks:
     output                      ColwiseParallel   vocabulary-parallel head; logits stay sharded on
                                                    the vocab dim (a DTensor) for `loss_parallel`, so
                                                    the full [b, s, vocab] logits never exist
+    mtp.<k> (DeepSeek-V3)       `mtp_plan`        the multi-token prediction modules: their block as
+                                                   a block, norms and projection as the norms
 
 With ``sp`` (sequence parallel) the activations between blocks are sharded along the sequence:
 norms run as SequenceParallel on their slice, the attention / MLP inputs are all-gathered
@@ -111,6 +113,19 @@ def block_plan(sp: bool, cfg, moe: bool = False) -> dict[str, ParallelStyle]:
     return plan
 
 
+def mtp_plan(sp: bool, cfg) -> dict[str, ParallelStyle]:
+    """A multi-token prediction module's plan (suite.models.mtp): its dense block split as the
+    model's blocks are; its norms and its projection of [hidden; embedding] work per token, so they
+    run like the norms (on this rank's sequence slice with sp, their weights' gradients summed over
+    the ranks; whole without sp); its input embedding and output head are the model's own
+    (vocabulary-parallel)."""
+    per_token: Callable[[], ParallelStyle] = (
+        (lambda: SequenceParallel(use_local_output=True)) if sp else Replicated
+    )
+    plan = {name: per_token() for name in ("hidden_norm", "embedding_norm", "projection", "norm")}
+    return plan | {f"block.{key}": style for key, style in block_plan(sp, cfg).items()}
+
+
 def apply_tensor_parallel(
     model: nn.Module, tp_mesh: DeviceMesh, sp: bool, compiled_blocks: bool = False
 ) -> None:
@@ -155,6 +170,8 @@ def apply_tensor_parallel(
         parallelize_module(block, tp_mesh, _lora_aware(block, plans[key], sp))
         if isinstance(block.feed_forward, MoEFeedForward):
             apply_expert_tensor_parallel(block.feed_forward, tp_mesh, sp, model.cfg)
+    for module in (getattr(model, "mtp", None) or {}).values():
+        parallelize_module(module, tp_mesh, mtp_plan(sp, model.cfg))
     retie_embeddings(model)
     _replicate_the_rest(model, tp_mesh)
 

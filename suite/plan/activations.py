@@ -6,7 +6,9 @@ a heads, tensor-parallel degree t, e bytes per activation element (2 in bf16/fp1
 
     norm inputs                 2 e s b h            (/t with sequence parallelism)
     q/k/v input, MLP input      2 e s b h            (kept whole: see below)
-    Q, K, V, attention output   e s b (2 q_w + 2 kv_w) / t
+    Q, K, V, attention output   e s b (2 q_w + 2 kv_w) / t   (the attention's `saved_widths`: MLA's
+                                heads' q, k, v and output / t, plus its low-rank latents and their
+                                norms whole on every tp rank)
     attention scores            explicit attention: e a s^2 b / t (+ dropout: e a s^2 b/t and a mask)
                                 sdpa (flash): 4 a s b / t (the fp32 log-sum-exp), no s^2 term
     MLP                         GELU: 2 e s b f / t;  SwiGLU: 4 e s b f / t (gate, silu, up, product)
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from suite.models.family import family_of
 from suite.models.moe import expert_ffn_size
-from suite.models.transformer import ffn_size, head_size, kv_heads
+from suite.models.transformer import Attention, ffn_size
 from suite.plan.layout import Job, Layout
 
 
@@ -54,11 +56,11 @@ def layer_activations(job: Job, layout: Layout, moe: bool = False) -> LayerActiv
     e, t = job.compute_bytes, layout.tp
     s, b, h = job.seq_len / layout.cp, layout.micro_batch, m.hidden_size
     sbh = s * b * h
-    q_w, kv_w = m.num_heads * head_size(m), kv_heads(m) * head_size(m)
+    split, whole = (family_of(m).attention or Attention).saved_widths(m)
     sp_div = t if layout.sp else 1
     norms = 2 * e * sbh / sp_div
     linear_inputs = 2 * e * sbh
-    attention = e * s * b * (2 * q_w + 2 * kv_w) / t
+    attention = e * s * b * (split / t + whole)
     keys = job.seq_len  # every query attends over the whole sequence (cp: held a chunk at a time)
     if m.attention == "explicit":
         scores = e * m.num_heads * s * keys * b / t * (2 if m.dropout > 0 else 1)

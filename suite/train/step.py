@@ -76,7 +76,7 @@ def training_loss(model: nn.Module, moe: bool) -> LossFn:
 def like_loss(aux: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """The aux loss as the loss's kind of tensor: under tp the loss is a DTensor (loss_parallel) and
     the aux loss a plain scalar that every tp rank computed whole (replicated routing)."""
-    if not hasattr(loss, "device_mesh"):
+    if not hasattr(loss, "device_mesh") or hasattr(aux, "device_mesh"):  # already a DTensor: MTP's
         return aux
     mesh = loss.device_mesh
     return DTensor.from_local(aux, mesh, [Replicate()] * mesh.ndim, run_check=False)
@@ -131,7 +131,8 @@ class TrainStep:
         two sequence chunks, with their own positions and document mask)."""
         cp = self.placement.dims.cp
         if cp > 1:
-            return split_batch(batch, cp, self.placement.cp_rank)
+            mtp = getattr(self.model, "mtp", None)  # multi-token prediction: whole rows' later tokens
+            return split_batch(batch, cp, self.placement.cp_rank, len(mtp) if mtp is not None else 0)
         return batch.tokens, batch.labels, batch.model_kwargs()
 
     def loss_weight(self, micro_batches: list[Batch]) -> torch.Tensor:

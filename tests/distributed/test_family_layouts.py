@@ -59,6 +59,8 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "deepseek-mtp-single": (1, [*DEEPSEEK, "model.num_mtp_layers=1"]),
     "deepseek-mtp-sharding2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.sharding=2"]),
     "deepseek-mtp-ep2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.sharding=2", "parallel.ep=2"]),
+    "deepseek-mtp-tp2-sp": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.tp=2", "parallel.sp=true"]),
+    "deepseek-mtp-cp2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.cp=2"]),
 }
 
 
@@ -115,6 +117,8 @@ def test_qwen3_layout_matches_single_process(family_run, name):
         "deepseek-cp2",
         "deepseek-mtp-sharding2",
         "deepseek-mtp-ep2",
+        "deepseek-mtp-tp2-sp",
+        "deepseek-mtp-cp2",
     ],
 )
 def test_deepseek_layout_matches_single_process(family_run, name):

@@ -125,6 +125,53 @@ def test_activations_are_korthikantis_34_plus_5as_over_h():
     assert tp_sp == pytest.approx(s * b * h * (30 + 5 * a * s / h) / t + 4 * s * b * h)
 
 
+@pytest.mark.parametrize("q_lora_rank", [64, 0])
+def test_mla_activations_are_the_bytes_its_attention_saves(q_lora_rank):
+    """The planner's attention and scores bytes of a DeepSeek-V3 layer (MLA: per-head q, k, v and
+    output split over tp, the low-rank latents and their norms whole; the attention's `saved_widths`)
+    against the storages one LatentAttention forward saves for its backward (deepseek-tiny's shape,
+    fp32, explicit attention), within 3% (the rest: RoPE's tables and the norms' per-token scales).
+    Fails with the standard attention's count (hidden / heads wide heads, no latents: 47% short) or
+    a latent path missed; under tp only the heads' part divides."""
+    import torch
+
+    from suite.models import build_model, materialize
+
+    cfg = dataclasses.replace(
+        _model("deepseek-tiny"), num_layers=1, moe_layers=[], q_lora_rank=q_lora_rank, attention="explicit"
+    )
+    attention = materialize(build_model(cfg), "cpu", seed=0).layers["0"].attention
+    b, s = 2, 64
+    x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (x, *attention.parameters())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    rope = attention_rope(cfg, s)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(x, rope)
+    job = Job(model=cfg, cluster=ClusterConfig(), seq_len=s, global_batch=b, precision="fp32")
+    one = layer_activations(job, Layout(micro_batch=b))
+    assert one.attention + one.scores == pytest.approx(sum(saved.values()), rel=0.03)
+    two = layer_activations(job, Layout(micro_batch=b, tp=2))
+    heads = 4 * b * s * (2 * 4 * (32 + 16) + 2 * 4 * 32)  # fp32 q, k (nope + rope), v, output of 4 heads
+    assert one.attention - two.attention == pytest.approx(heads / 2)
+
+
+def attention_rope(cfg: ModelConfig, seq: int):
+    import torch
+
+    from suite.models.transformer import rope_inv_freq
+
+    freqs = torch.arange(seq).float()[:, None] * rope_inv_freq(cfg)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+
+
 def test_pipeline_in_flight_and_bubble():
     one = Layout(pp=4, micro_batch=1)
     assert in_flight(one, 16) == 4 and in_flight(one, 2) == 2

@@ -50,6 +50,21 @@ class LatentAttention(nn.Module):
         return cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.num_heads * cfg.v_head_dim
 
     @staticmethod
+    def saved_widths(cfg: ModelConfig) -> tuple[int, int]:
+        """(split, whole) elements per token kept for the backward (suite.plan.activations). Split
+        over tp by heads: q and k (nope + rope per head), v and the output (v_head_dim per head). Whole
+        on every tp rank, the low-rank paths: each latent norm's input, normalised value and output
+        (3 x q_lora_rank; for the key-value path wkv_a's output, the latent and the rope key together,
+        then 2 x kv_lora_rank). Measured on deepseek-tiny: this plus RoPE's tables and the norms'
+        per-token scales (1.9%) is every saved byte (tests/unit/test_plan_model.py)."""
+        heads, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        query = 3 * cfg.q_lora_rank if cfg.q_lora_rank else 0
+        return (
+            2 * heads * qk + 2 * heads * cfg.v_head_dim,
+            query + cfg.kv_lora_rank + cfg.qk_rope_head_dim + 2 * cfg.kv_lora_rank,
+        )
+
+    @staticmethod
     def tp_roles(cfg: ModelConfig) -> dict[str, str]:
         """How tensor parallelism splits it: by heads (the up-projections, wo by its input), the
         low-rank down-projections and their norms whole on every rank, the shared key summed."""
