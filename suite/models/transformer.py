@@ -422,7 +422,7 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         mtp_targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits for `tokens` [b, s]. Pipeline stages without the embedding pass `hidden` instead.
+        """Logits for `tokens` [b, s]. Pipeline stages after the first pass `hidden` instead.
 
         positions: [s] or [b, s] absolute positions (default: arange from the cache length);
         mask: an optional boolean attention mask (True = attend);
@@ -433,10 +433,11 @@ class Transformer(nn.Module):
         its result returned: a loss that applies the head itself (chunked cross-entropy) runs inside
         this forward, where wrappers that gather parameters around forward (FSDP) have the weight whole.
         mtp_targets: multi-token prediction's targets of these positions (suite.models.mtp.mtp_targets;
-        default: from `tokens`, whole rows); context parallelism passes its chunks'.
+        default: from `tokens`, whole rows); context parallelism passes its chunks', and the last
+        pipeline stage (given `hidden`, not `tokens`) its micro-batch's.
         """
         start = kv_cache.length if kv_cache is not None else 0
-        if self.tok_embeddings is not None:
+        if hidden is None:
             seq = tokens.shape[1]
             if positions is None:
                 positions = torch.arange(start, start + seq, device=tokens.device)
@@ -458,7 +459,8 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask, cache)
         if kv_cache is not None:
             kv_cache.advance(h.shape[1])
-        if self.mtp is not None and self.training and tokens is not None and kv_cache is None:
+        later = tokens is not None or mtp_targets is not None  # the tokens MTP embeds and predicts
+        if self.mtp is not None and self.training and later and kv_cache is None:
             self.mtp_loss = mtp_loss(self, tokens, h, rope, mtp_targets) * self.cfg.mtp_loss_coef
         if self.norm is not None:
             h = self.norm(h)

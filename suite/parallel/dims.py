@@ -110,12 +110,6 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.tp={self.tp} does not divide model.num_kv_heads={kv}; use a tp that divides {kv}"
             )
-        if model.num_mtp_layers and self.pp > 1:
-            raise ConfigError(
-                f"model.num_mtp_layers={model.num_mtp_layers} does not train under pipeline parallelism "
-                f"(parallel.pp={self.pp}: its modules need the token embedding on the last stage); "
-                "use parallel.pp=1 (dp, sharding, ep, tp and cp train it) or model.num_mtp_layers=0"
-            )
         stages = self.pp * cfg.vpp
         if stages > model.num_layers:
             raise ConfigError(

@@ -15,6 +15,11 @@
    copies of one weight. They start equal (the first stage's values are broadcast) and stay equal
    because their gradients are summed across the two stages before the optimizer step
    (Megatron's embedding group), which is exactly the gradient of the shared weight.
+5. Multi-token prediction (DeepSeek-V3, suite.models.mtp): the MTP modules sit on the last stage,
+   after the last layer, and embed later tokens with the model's embedding, so the last stage also
+   holds a copy of `tok_embeddings`, kept equal to the first stage's exactly as a tied head is (the
+   same group, broadcast and gradient sum; with tied embeddings the head is that copy). It reads
+   the later tokens from the schedule's `mtp_targets` keyword argument (suite.train.pipeline_step).
 
 The schedule's loss is each micro-batch's share of the global-batch loss (summed over its target
 tokens, divided by the global batch's; suite.train.step), so the schedule must not divide the
@@ -122,19 +127,23 @@ def _hidden_input(module: nn.Module, args: tuple, kwargs: dict):
 
 def make_stage_part(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
     """A deep copy of (meta) `model` holding only `layer_ids`, with the embeddings only if `first`
-    and norm + head only if `last`. Parameter names stay those of the plain model."""
+    and norm + head (+ the MTP modules and the token embedding they use) only if `last`. Parameter
+    names stay those of the plain model."""
     part = copy.deepcopy(model)
     keep = {str(i) for i in layer_ids}
     for key in list(part.layers):
         if key not in keep:
             del part.layers[key]
-    if not first:
-        part.tok_embeddings = None
-        part.pos_embeddings = None
-        part.register_forward_pre_hook(_hidden_input, with_kwargs=True)
     if not last:
         part.norm = None
         part.output = None
+        if getattr(part, "mtp", None) is not None:
+            part.mtp = None
+    if not first:
+        if getattr(part, "mtp", None) is None:
+            part.tok_embeddings = None
+        part.pos_embeddings = None
+        part.register_forward_pre_hook(_hidden_input, with_kwargs=True)
     return part
 
 
@@ -209,8 +218,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class PipelineStages:
     """This rank's pipeline stages: the Transformer parts it runs (`parts`, stage indices
     `stage_ids`), their torch.distributed.pipelining `PipelineStage`s, the pp group, and the tied
-    embedding's group when the first and last stages share it. The schedule that runs them is built
-    with the step's loss (suite.train.pipeline_step)."""
+    embedding's group when the first and last stages share it (a tied head, or the MTP modules'
+    embedding copy); `mtp_depths`: the last stage's MTP modules. The schedule that runs them is
+    built with the step's loss (suite.train.pipeline_step)."""
 
     def __init__(
         self,
@@ -223,8 +233,10 @@ class PipelineStages:
         device: torch.device,
         mesh: DeviceMesh,
         pp: int,
+        mtp_depths: int = 0,
     ):
         self.parts = parts
+        self.mtp_depths = mtp_depths
         self.stage_ids = stage_ids
         self.num_stages = pp * len(parts)
         self.schedule_name = schedule_name
@@ -242,9 +254,10 @@ class PipelineStages:
         ]
         self.tied_group, self.tied_src = _tied_group(mesh, pp) if tied else (None, -1)
         self.tied_param = None
-        if self.tied_group is not None:
+        if self.tied_group is not None:  # the first stage's embedding; the last's copy (head or MTP's)
             holder = parts[0] if self.has_first else parts[-1]
-            self.tied_param = holder.tok_embeddings.weight if self.has_first else holder.output.weight
+            copy_ = holder.tok_embeddings if holder.tok_embeddings is not None else holder.output
+            self.tied_param = copy_.weight
 
     def schedule(self, loss_fn: Callable):
         """The configured schedule over these stages, with `loss_fn(output, target)` per micro-batch."""
@@ -299,6 +312,7 @@ def build_pipeline(
     pp_rank = mesh.get_local_rank("pp")
     stage_ids = [pp_rank + k * pp for k in range(vpp)]  # looped placement
     tied = bool(model.cfg.tie_embeddings) and model.output is not None and model.tok_embeddings is not None
+    mtp_depths = len(model.mtp) if getattr(model, "mtp", None) is not None else 0
     parts = []
     for idx in stage_ids:
         part = make_stage_part(model, plan[idx], first=idx == 0, last=idx == num_stages - 1)
@@ -308,10 +322,11 @@ def build_pipeline(
         stage_ids=stage_ids,
         schedule_name=cfg.parallel.pp_schedule,
         n_microbatches=dims.accumulation(cfg.parallel),
-        tied=tied,
+        tied=tied or mtp_depths > 0,  # the embedding's copy on the last stage: the head, MTP's or both
         device=device,
         mesh=mesh,
         pp=pp,
+        mtp_depths=mtp_depths,
     )
     stages.sync_tied_weights()
     return Placement(

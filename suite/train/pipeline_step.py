@@ -15,6 +15,11 @@ stage part takes its layers' aux loss after every training forward. On the last 
 loss adds it; on the others `_AttachAux` ties it to the stage output, so the output's backward also
 sends d(loss)/d(aux) = 1 / micro-batches into it (Megatron's MoEAuxLossAutoScaler). The logged loss
 sums the last stage's losses and every stage's aux losses over the pp group.
+
+Multi-token prediction (suite.models.mtp) runs on the last stage (suite.parallel.pipeline): its
+tokens come as the schedule's `mtp_targets` keyword argument (made from the whole rows, cut into
+micro-batches like the tokens), and the same hook takes its weighted loss after every training
+forward for the schedule's loss to add, 1 / micro-batches each, as one process adds it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from suite.data.batch import Batch
 from suite.models.moe import moe_aux_loss, moe_modules
+from suite.models.mtp import mtp_targets
 from suite.parallel import data_parallel as dpar
 from suite.parallel import state_bytes
 from suite.parallel.pipeline import PipelineStages
@@ -68,11 +74,11 @@ class PipelineStep(TrainStep):
         self.schedule = self.stages.schedule(self._schedule_loss)
         self._aux_weight = 0.0  # 1 / micro-batches of the running step
         self._aux_logged: list[torch.Tensor] = []  # this step's weighted aux losses, not-last parts
-        self._last_aux: torch.Tensor | None = None  # the last stage's, for the schedule's loss
+        self._last_aux: list[torch.Tensor] = []  # the last stage's (MoE's, MTP's), for the schedule's loss
         self._in_chunk = False  # a schedule's forward_one_chunk runs (not its metadata inference)
         last = self.stages.num_stages - 1
         for stage, part, idx in zip(self.stages.stages, self.stages.parts, self.stages.stage_ids):
-            if moe_modules(part):
+            if moe_modules(part) or getattr(part, "mtp", None) is not None:
                 part.register_forward_hook(self._aux_hook(idx == last))
                 stage.forward_one_chunk = self._chunk_flagged(stage.forward_one_chunk)
 
@@ -93,13 +99,14 @@ class PipelineStep(TrainStep):
         """A forward hook that routes the part's MoE aux losses into the loss (see the module doc)."""
 
         def hook(part, args, output):
+            mtp, part.mtp_loss = getattr(part, "mtp_loss", None), None  # the last stage's MTP loss
             if not (part.training and torch.is_grad_enabled() and self._aux_weight and self._in_chunk):
                 return None
             aux = moe_aux_loss(part)  # also commits the layers' load statistics, once per micro-batch
-            if aux is None:
+            if is_last:  # added in one process's order: MoE's, then MTP's
+                self._last_aux = [x for x in (aux, mtp) if x is not None]
                 return None
-            if is_last:
-                self._last_aux = aux
+            if aux is None:
                 return None
             self._aux_logged.append(aux.detach() * self._aux_weight)
             return _AttachAux.apply(output, aux, self._aux_weight * self.scaler.get_scale())
@@ -128,9 +135,9 @@ class PipelineStep(TrainStep):
                 loss = self.scaler.scale(loss_fn(output, target, self._weight))
         else:
             loss = self.scaler.scale(self.loss_fn(output, target, self._weight))
-        if self._last_aux is not None:
-            aux, self._last_aux = self._last_aux, None
+        for aux in self._last_aux:
             loss = loss + self.scaler.scale(like_loss(aux.to(output.device), loss) * self._aux_weight)
+        self._last_aux = []
         return loss
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
@@ -147,8 +154,12 @@ class PipelineStep(TrainStep):
     def stage_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """`model_inputs` (cp > 1: this rank's sequence chunks) with every tensor batch-major: the
         schedule cuts each keyword argument into micro-batches along dim 0, so the chunks' shared
-        positions [2L] are expanded to one row per sample."""
+        positions [2L] are expanded to one row per sample; the last stage's MTP modules also get
+        their later tokens (`mtp_targets`, [b, depths + 1, s])."""
         tokens, labels, kwargs = self.model_inputs(batch)
+        depths = self.stages.mtp_depths
+        if depths and self.stages.has_last and "mtp_targets" not in kwargs:  # (cp > 1: its chunks')
+            kwargs = {**kwargs, "mtp_targets": mtp_targets(tokens, depths)}
         positions = kwargs.get("positions")
         if positions is not None and positions.dim() == 1:
             kwargs = {**kwargs, "positions": positions.expand(tokens.shape[0], -1)}

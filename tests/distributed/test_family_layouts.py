@@ -61,6 +61,24 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "deepseek-mtp-ep2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.sharding=2", "parallel.ep=2"]),
     "deepseek-mtp-tp2-sp": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.tp=2", "parallel.sp=true"]),
     "deepseek-mtp-cp2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.cp=2"]),
+    # the MTP module on the last stage with a copy of the embedding (suite.parallel.pipeline); with
+    # four layers, two stages per rank (zero_bubble: the last rank holds stages 1 and 3)
+    "deepseek-mtp-pp2": (
+        2,
+        [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    ),
+    "deepseek-mtp-l4-single": (1, [*DEEPSEEK, "model.num_mtp_layers=1", "model.num_layers=4"]),
+    "deepseek-mtp-l4-pp2-zero_bubble": (
+        2,
+        [
+            *DEEPSEEK,
+            "model.num_mtp_layers=1",
+            "model.num_layers=4",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.pp_schedule=zero_bubble",
+        ],
+    ),
 }
 
 
@@ -70,6 +88,7 @@ def _reference(name: str) -> str:
         name.split("-")[0]
         + ("-moe" if "-moe" in name else "")
         + ("-mtp" if "-mtp" in name else "")
+        + ("-l4" if "-l4" in name else "")
         + "-single"
     )
 
@@ -119,6 +138,8 @@ def test_qwen3_layout_matches_single_process(family_run, name):
         "deepseek-mtp-ep2",
         "deepseek-mtp-tp2-sp",
         "deepseek-mtp-cp2",
+        "deepseek-mtp-pp2",
+        "deepseek-mtp-l4-pp2-zero_bubble",
     ],
 )
 def test_deepseek_layout_matches_single_process(family_run, name):

@@ -376,24 +376,6 @@ def test_mtp_modules_train_only_and_are_dropped_on_export(tmp_path):
         torch.testing.assert_close(hf(TOKENS).logits, model(TOKENS), atol=1e-4, rtol=1e-4)
 
 
-def test_mtp_under_pipeline_parallelism_is_refused_in_one_line(capsys):
-    from suite.cli import main
-
-    code = main(
-        [
-            "pretrain",
-            "recipe=deepseek-tiny",
-            "model.num_mtp_layers=1",
-            "parallel.pp=2",
-            "launch.nproc_per_node=2",
-        ]
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "model.num_mtp_layers=1" in err[0] and "parallel.pp=1" in err[0], (
-        err
-    )
-
-
 def test_mtp_loss_over_whole_rows_equals_the_cut_rows():
     """suite.models.mtp runs every depth over the whole row and leaves the positions past its end out
     of the loss (so the layouts that split the sequence can); equal, with two depths, to the
