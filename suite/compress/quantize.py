@@ -11,7 +11,8 @@ post-training quantization with torchao, measured before and after.
     4. write the run folder: checkpoints/step_<N>/ (model.safetensors with torchao's tensors,
        quantized.json, config.yaml, manifest.json), config.yaml, the tokenizer; reload it and
        check that the reloaded model's logits equal the in-memory ones
-    5. measure again; report.json and a table
+    5. measure again (on CPU with int4 in the packed kernel layout generate/eval run it in:
+       suite.models.int4_cpu); report.json and a table
 
 `suite generate` and `suite eval` read the folder as ckpt= (suite.infer.generate.load_for_inference).
 """
