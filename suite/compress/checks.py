@@ -33,6 +33,8 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
         value = getattr(c, key)
         if value < 1:
             raise ConfigError(f"compress.{key}={value} must be a positive integer")
+    if c.int8_layers < 0:
+        raise ConfigError(f"compress.int8_layers={c.int8_layers} must be >= 0 (0: every layer at int4)")
     if c.task_samples < 0:
         raise ConfigError(f"compress.task_samples={c.task_samples} must be >= 0 (0: no task accuracy)")
     if not 0.0 <= c.smoothquant_alpha <= 1.0:

@@ -11,7 +11,8 @@ post-training quantization with torchao, measured before and after.
     4. write the run folder: checkpoints/step_<N>/ (model.safetensors with torchao's tensors,
        quantized.json, config.yaml, manifest.json), config.yaml, the tokenizer; reload it and
        check that the reloaded model's logits equal the in-memory ones
-    5. measure again; report.json and a table
+    5. measure again (on CPU with int4 in the packed kernel layout generate/eval run it in:
+       suite.models.int4_cpu); report.json and a table
 
 `suite generate` and `suite eval` read the folder as ckpt= (suite.infer.generate.load_for_inference).
 """
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from suite.compress.before_after import measure, save_plain, stored_bytes, table, write_report
+from suite.compress.before_after import count_params, measure, save_plain, stored_bytes, table, write_report
 from suite.compress.checks import check_compress, check_compress_model, refuse_quantized
 from suite.compress.methods import linear_plan, quantize_model, usable_scales
 from suite.compress.source_data import source_data
@@ -43,6 +44,7 @@ from suite.folders import claim, source_identity, write_record
 from suite.folders import made_by as record
 from suite.model_source import ModelSource
 from suite.models import build_model
+from suite.models.int4_cpu import pack_for_cpu
 from suite.models.quantized import (
     WEIGHTS_FILE,
     is_quantized,
@@ -159,6 +161,7 @@ ARTEFACT_KEYS = (
     "calib_samples",
     "smoothquant_alpha",
     "gptq_damp",
+    "int8_layers",
 )
 
 
@@ -259,11 +262,19 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         reload_diff = float((reloaded(probe) - model(probe)).abs().max())
     del model
 
-    progress(5, "measuring the quantized model (reloaded from disk)")
     model = reloaded
-    after = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
-    after["file_bytes"], after["block_bytes"] = stored_bytes(folder / WEIGHTS_FILE)
     weight_types = sorted({type(m.weight).__name__ for n, m in model.named_modules() if n in set(targets)})
+    all_quantized = all(is_quantized_tensor(dict(model.named_modules())[t].weight) for t in targets)
+    # measured as `suite generate` / `suite eval` run it: on CPU, int4 in the packed kernel's layout
+    params = count_params(model)  # logical elements, counted before packing turns weights into buffers
+    packed = pack_for_cpu(model) if device.type == "cpu" else []
+    progress(
+        5,
+        f"measuring the quantized model (reloaded from disk; {len(packed)} Linear layers packed for the CPU)",
+    )
+    after = measure(model, evals, prompt, c.decode_tokens, tokenizer, task_eval)
+    after["params"] = params
+    after["file_bytes"], after["block_bytes"] = stored_bytes(folder / WEIGHTS_FILE)
     report = {
         "verb": "quantize",
         "method": c.method,
@@ -276,7 +287,8 @@ def _quantize(cfg: SuiteConfig, explicit_dir: bool, tmp: Path) -> dict[str, Any]
         "skipped_layers": skip,
         "learned_scale_layers": len(learned),
         "weight_types": weight_types,
-        "all_quantized": all(is_quantized_tensor(dict(model.named_modules())[t].weight) for t in targets),
+        "all_quantized": all_quantized,
+        "packed_for_cpu": len(packed),
         "held_out": f"{sum(b.num_targets for b in evals)} tokens",
         "reload_max_abs_diff": reload_diff,
         "before": before,

@@ -156,6 +156,9 @@ class CompressConfig:
     calib_samples: int = 32  # smoothquant, gptq: sequences of the recipe's data calibration sees
     smoothquant_alpha: float = 0.5  # smoothquant: migration strength (0: none, 1: all onto the weights)
     gptq_damp: float = 0.01  # gptq: fraction of the mean Hessian diagonal added to it (numerical damping)
+    # gptq: this many Linear layers, those with the largest relative int4 output error on the calibration
+    # data, are quantized on the int8 grid instead (mixed precision; named in the quantize output)
+    int8_layers: int = 0
     eval_batches: int = 8  # report: held-out batches for the perplexity before and after
     decode_tokens: int = 32  # report: greedy tokens generated to time decoding (tokens/s)
     # report: held-out questions answered greedily (exact match) when the run was finetuned on a built-in task; 0: none

@@ -147,7 +147,7 @@ def verify_quantized_hf(out: Path, source: Any) -> dict[str, Any]:
         raise RuntimeError(
             f"{out}: transformers loads quantized tensors that differ from the checkpoint's: {differ[:3]}"
         )
-    suite_model, _, _ = load_for_inference(source)
+    suite_model, _, _ = load_for_inference(source, packed=False)  # the stored tensors, as exported
     tokens = sample_tokens(source.model_config())
     return {
         "max_abs_logits_error": max_logits_error(suite_model, model, tokens),

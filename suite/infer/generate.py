@@ -13,20 +13,23 @@ from suite.config.schema import GenerateConfig
 from suite.data.chat import checkpoint_chat_template, prompt_ids
 from suite.model_source import ModelSource
 from suite.models import KVCache, Transformer
+from suite.models.int4_cpu import pack_for_cpu
 from suite.models.quantized import is_quantized, load_quantized_model
 
 
 def load_for_inference(
-    ckpt: str | Path | ModelSource, device: str = "cpu"
+    ckpt: str | Path | ModelSource, device: str = "cpu", packed: bool = True
 ) -> tuple[Transformer, object, Path]:
-    """Model (LoRA adapters merged), tokenizer and the folder read, from any model source."""
+    """Model (LoRA adapters merged), tokenizer and the folder read, from any model source. A
+    `suite quantize` checkpoint on CPU computes with the packed int4/int8 kernels when `packed`
+    (suite.models.int4_cpu: bf16 activations into them); packed=False keeps torchao's stored tensors
+    (what an export writes out)."""
     source = ModelSource.parse(ckpt, "ckpt")
     if not source.is_hf and is_quantized(source.folder):  # written by `suite quantize`
-        return (
-            load_quantized_model(source.folder, source.model_config(), device),
-            source.tokenizer(),
-            source.folder,
-        )
+        model = load_quantized_model(source.folder, source.model_config(), device)
+        if packed and torch.device(device).type == "cpu":
+            pack_for_cpu(model)
+        return model, source.tokenizer(), source.folder
     return source.load_model(device), source.tokenizer(), source.folder
 
 

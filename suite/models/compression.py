@@ -18,6 +18,7 @@ suite.train and suite.models.qat look up the QAT half here.
 from __future__ import annotations
 
 import fnmatch
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from suite.config.schema import CompressConfig
-from suite.models.gptq import Grid, gptq_quantize, int4_grid, int8_grid
+from suite.models.gptq import Grid, gptq_quantize, int4_grid, int8_grid, sensitivity
 from suite.models.quantized import quiet_torchao
 
 NONE = "none"  # compress=none: no compression (the schema's default)
@@ -66,6 +67,7 @@ class GptqOptions:
     group_size: int
     calib_samples: int
     gptq_damp: float  # fraction of the mean Hessian diagonal added to it
+    int8_layers: int  # the Linear layers most sensitive to int4 kept at int8 (mixed precision)
 
 
 @dataclass(frozen=True)
@@ -389,8 +391,23 @@ class _Gptq(CompressionMethod):
         device: torch.device,
         calibrate: Calibrate | None,
     ) -> None:
-        damp = self.settings(compress).gptq_damp
-        gptq_quantize(model, targets, self.grid(compress), damp, calibrate or (lambda m: None), progress=True)
+        damp, grid = self.settings(compress).gptq_damp, self.grid(compress)
+        calibrate = calibrate or (lambda m: None)
+        gptq_quantize(
+            model,
+            targets,
+            grid,
+            damp,
+            calibrate,
+            progress=True,
+            int8_layers=self.wide(model, targets, compress, calibrate),
+        )
+
+    def wide(
+        self, model: nn.Module, targets: list[str], compress: CompressConfig, calibrate: Calibrate
+    ) -> list[str]:
+        """The targets kept at int8: none here (a method with an int4 grid measures them)."""
+        return []
 
 
 @register
@@ -402,6 +419,20 @@ class Gptq(_Gptq):
 
     def grid(self, compress: CompressConfig) -> Grid:
         return int4_grid(self.settings(compress).group_size)
+
+    def wide(
+        self, model: nn.Module, targets: list[str], compress: CompressConfig, calibrate: Calibrate
+    ) -> list[str]:
+        """compress.int8_layers Linear layers with the largest relative int4 error on the calibration
+        data (suite.models.gptq.sensitivity), named with their error on stderr."""
+        count = min(self.settings(compress).int8_layers, len(targets))
+        if count <= 0:
+            return []
+        scores = sensitivity(model, targets, self.grid(compress), calibrate)
+        chosen = sorted(targets, key=lambda n: -scores[n])[:count]
+        listed = ", ".join(f"{n} {scores[n]:.4f}" for n in chosen)
+        print(f"kept at int8 (relative int4 output error on the calibration data): {listed}", file=sys.stderr)
+        return chosen
 
 
 @register

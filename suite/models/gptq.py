@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,15 @@ class Grid:
     def quantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """torchao's rounding: times the reciprocal, taken in the scale's own dtype."""
         return torch.clamp(torch.round(w * (1.0 / scale)), self.qmin, self.qmax)
+
+    def round_trip(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` [rows, cols] rounded to nearest on this grid and dequantized (fp32)."""
+        rows, cols = w.shape
+        groups = w.float().reshape(rows, cols // (self.group or cols), -1)
+        amax = groups.abs().amax(dim=-1, keepdim=True)
+        scale = (amax / ((self.qmax - self.qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+        scale = scale.to(self.scale_dtype)
+        return (self.quantize(groups, scale) * scale.float()).reshape(rows, cols)
 
     def torchao_config(self) -> Any:
         """The round-to-nearest torchao config with this grid and its tensor type (on any device): int4
@@ -211,22 +220,44 @@ def first_block_inputs(
     return captured
 
 
+@torch.no_grad()
+def sensitivity(
+    model: nn.Module, targets: list[str], grid: Grid, calibrate: Callable[[nn.Module], None]
+) -> dict[str, float]:
+    """How much each Linear in `targets` suffers on `grid`, measured on the calibration data: the
+    relative output error of round to nearest, tr(dW H dW^T) / tr(W H W^T) with H = X^T X of the
+    layer's float inputs (one whole-model calibration pass). GPTQ then keeps the highest at int8."""
+    modules = dict(model.named_modules())
+    hessians = input_hessians({n: modules[n] for n in targets}, lambda: calibrate(model), None)
+    scores = {}
+    for name in targets:
+        h = hessians.pop(name, None)
+        if h is None:
+            scores[name] = 0.0
+            continue
+        w = modules[name].weight.detach().float()
+        delta = w - grid.round_trip(w)
+        scores[name] = float(((delta @ h) * delta).sum() / ((w @ h) * w).sum().clamp(min=1e-30))
+    return scores
+
+
 def _quantize_linears(
     linears: dict[str, nn.Linear],
     hessians: dict[str, torch.Tensor],
-    grid: Grid,
+    grid: Grid | Callable[[str], Grid],
     damp: float,
     results: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """GPTQ each Linear on its Hessian; its weight becomes the dequantized result, so what runs after
-    it sees quantized outputs."""
+    """GPTQ each Linear on its Hessian (on `grid`, or `grid(name)`); its weight becomes the dequantized
+    result, so what runs after it sees quantized outputs."""
     for name, linear in linears.items():
         h = hessians.get(name)
         if h is None:
             h = torch.zeros(linear.in_features, linear.in_features, device=linear.weight.device)
-        q, scales = gptq_weight(linear.weight, h, grid, damp)
+        its = grid(name) if callable(grid) else grid
+        q, scales = gptq_weight(linear.weight, h, its, damp)
         results[name] = (q, scales)
-        group = grid.group or linear.in_features
+        group = its.group or linear.in_features
         dequant = q.float() * scales.float().repeat_interleave(group, dim=1)
         linear.weight.copy_(dequant.to(linear.weight.dtype))
 
@@ -260,6 +291,7 @@ def gptq_quantize(
     calibrate: Callable[[nn.Module], None],
     cache_inputs: bool = True,
     progress: bool = False,
+    int8_layers: Iterable[str] = (),
 ) -> None:
     """Quantize the Linear layers `targets` of `model` in place with GPTQ on `grid`, to the tensor types
     torchao's round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU).
@@ -270,12 +302,19 @@ def gptq_quantize(
     tensors reach every Linear, so the result is the same. Without it (or without `layers`), each
     block's inputs come from a forward from the embedding that stops after the block. What is not in a
     block (an untied head) is calibrated by one whole forward at the end. `progress`: a bar on stderr.
+    `int8_layers`: targets quantized on the int8 grid instead (mixed precision: `sensitivity`).
     """
     # deferred: tqdm (transformers' dependency) draws the bar only when asked for
     from tqdm import tqdm
 
     modules = dict(model.named_modules())
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    wide = set(int8_layers)
+    eight = int8_grid()
+
+    def layer_grid(name: str) -> Grid:
+        return eight if name in wide else grid
+
     stages = _stages(model, targets)
     blocks = _blocks(model) if cache_inputs else None
     bar = tqdm(total=len(stages), desc="GPTQ", unit="block", file=sys.stderr, disable=not progress)
@@ -295,7 +334,7 @@ def gptq_quantize(
             if names:
                 linears = {n: modules[n] for n in names}
                 hessians = input_hessians(linears, lambda b=block, x=inputs: [b(*a, **k) for a, k in x], None)
-                _quantize_linears(linears, hessians, grid, damp, results)
+                _quantize_linears(linears, hessians, layer_grid, damp, results)
                 bar.update()
             if i < last:  # the next block's inputs: this one's outputs, quantized
                 inputs = [((block(*args, **kwargs), *args[1:]), kwargs) for args, kwargs in inputs]
@@ -304,10 +343,12 @@ def gptq_quantize(
     for block, names in stages:
         linears = {n: modules[n] for n in names}
         hessians = input_hessians(linears, lambda: calibrate(forward_until_stop), block)
-        _quantize_linears(linears, hessians, grid, damp, results)
+        _quantize_linears(linears, hessians, layer_grid, damp, results)
         bar.update()
     bar.close()
-    store_values(model, targets, grid, results)
+    store_values(model, [t for t in targets if t not in wide], grid, results)
+    if wide:
+        store_values(model, [t for t in targets if t in wide], eight, results)
 
 
 def store_values(
@@ -324,6 +365,8 @@ def store_values(
     wanted = set(targets)
     quantize_(model, grid.torchao_config(), lambda m, n: n in wanted)
     for name, (q, scales) in values.items():
+        if name not in wanted:
+            continue
         linear = modules[name]
         linear.weight = nn.Parameter(with_values(linear.weight, q, scales), requires_grad=False)
 

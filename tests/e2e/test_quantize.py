@@ -83,16 +83,20 @@ def _held_out_tokens(base_run: Path) -> torch.Tensor:
 def test_quantized_logits_close_and_weights_are_torchao_tensors(base_run, quantized, method):
     from suite.infer.generate import load_for_inference
     from suite.model_source import ModelSource
+    from suite.models.int4_cpu import PackedInt4Linear
     from suite.models.quantized import is_quantized_tensor
 
     tolerance, type_name = METHODS[method]
     tokens = _held_out_tokens(base_run)
     reference = ModelSource.parse(base_run).load_model()
-    model, _, folder = load_for_inference(str(quantized[method]))  # as `suite generate` reads it
+    runtime, _, folder = load_for_inference(str(quantized[method]))  # as `suite generate` reads it
     with torch.no_grad():
-        ref, got = reference(tokens), model(tokens)
+        ref, got = reference(tokens), runtime(tokens)
     error = float((got - ref).norm() / ref.norm())
     assert error < tolerance, f"{method}: relative logit error {error:.4f} >= {tolerance}"
+    # on CPU int4 runs in the packed kernel's layout (suite.models.int4_cpu); the stored tensors:
+    packed = {n for n, m in runtime.named_modules() if isinstance(m, PackedInt4Linear)}
+    model, _, _ = load_for_inference(str(quantized[method]), packed=False)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     info = json.loads((folder / "quantized.json").read_text())
     assert info["method"] == method and info["skipped"] == ["output"]
@@ -100,6 +104,7 @@ def test_quantized_logits_close_and_weights_are_torchao_tensors(base_run, quanti
     for name in info["quantized"]:
         weight = linears[name].weight
         assert type(weight.data).__name__ == type_name and is_quantized_tensor(weight), name
+    assert packed == (set(info["quantized"]) if type_name == "IntxUnpackedToInt8Tensor" else set())
     assert not is_quantized_tensor(linears["output"].weight)  # skipped (tied to the embedding)
     assert model.output.weight is model.tok_embeddings.weight
 
@@ -110,6 +115,7 @@ def test_bytes_shrink_and_report_fields(quantized):
         before, after = report["before"], report["after"]
         assert set(before) >= REPORT_KEYS and set(after) >= REPORT_KEYS, method
         assert report["all_quantized"] and report["reload_max_abs_diff"] == 0.0, method
+        assert report["packed_for_cpu"] == (report["quantized_layers"] if method in ("int4", "gptq") else 0)
         assert after["params"] == before["params"]
         assert after["file_bytes"] < before["file_bytes"]
         assert after["perplexity"] < before["perplexity"] * 1.05, method

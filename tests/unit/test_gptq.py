@@ -161,3 +161,29 @@ def test_denormals_are_flushed_inside_gptq_only(caller):
         assert seen == [True] and flushing_denormals() == caller
     finally:
         torch.set_flush_denormal(False)
+
+
+def test_the_layer_int4_hurts_most_is_measured_and_kept_at_int8():
+    """Mixed precision: sensitivity ranks the Linear whose weight has an outlier in every group (int4's
+    scale is set by it, the other weights round to few levels) first; gptq_quantize stores it on the
+    int8 grid (the values GPTQ computed for it, as compress=gptq-int8 does) and the rest at int4."""
+    from suite.compress.methods import grid_for
+    from suite.models.gptq import gptq_quantize, sensitivity
+
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.copy_(torch.randn(64, 64, generator=gen) * 0.05)
+        model[1].weight[:, ::32] = 2.0  # one outlier per group of 32
+    x = torch.randn(16, 64, generator=gen)
+
+    def calibrate(m):
+        m(x)
+
+    grid = grid_for("gptq", 32)
+    scores = sensitivity(model, ["0", "1"], grid, calibrate)
+    assert scores["1"] > 1.5 * scores["0"] > 0, scores  # measured: 0.0183 against 0.0093
+    gptq_quantize(model, ["0", "1"], grid, 0.01, calibrate, int8_layers=["1"])
+    assert type(model[0].weight.data).__name__ == "IntxUnpackedToInt8Tensor"
+    assert type(model[1].weight.data).__name__ == "Int8Tensor"
