@@ -21,79 +21,25 @@ architecture no family maps, a model the family's GGUF mapping cannot express.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
-from collections.abc import Iterator
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
+from suite.data.gguf_metadata import GGUFMetadata, quiet_transformers
 from suite.models.family import FAMILIES, Family, kv_heads
 from suite.models.hf_mapping import to_hf_state_dict
 from suite.models.lazy import Box, LazyTensor, Source
 from suite.models.transformer import build_model
 
 GGUF_PREFIX = "gguf:"
-SPECIAL_KEYS = {
-    "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id",
-    "pad_token_id": "padding_token_id",
-}
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' GGUF reader logs and warns per call (dequantization notices); the source
-    describes itself in one line instead."""
-    # deferred: transformers costs seconds to import; only a GGUF source's config and tokenizer need it
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-class GGUFFile:
-    """One GGUF file, parsed once (metadata and tensor index; the data stays memory-mapped)."""
-
-    def __init__(self, path: Path, where: str):
-        self.path, self.where = Path(path), where
-        # deferred: gguf is optional (the deploy extra); only a GGUF source needs it
-        from gguf import GGUFReader
-
-        try:
-            self.reader = GGUFReader(str(self.path))
-        except Exception as exc:  # noqa: BLE001 (any parse failure is a damaged file, said in one line)
-            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"{where}: not a readable GGUF file ({detail[:160]})") from None
-        self.arch = self.field("general.architecture")
-        if not isinstance(self.arch, str):
-            raise ConfigError(f"{where}: not a readable GGUF file (no general.architecture)")
-
-    def field(self, key: str, default: Any = None) -> Any:
-        """A metadata value as Python (str, int, float, list), or `default` when absent."""
-        found = self.reader.fields.get(key)
-        if found is None:
-            return default
-        try:
-            return found.contents()
-        except Exception:  # noqa: BLE001 (a damaged field reads as absent; the tensors decide)
-            return default
-
-    def arch_fields(self) -> dict[str, Any]:
-        """The `<arch>.*` hyper-parameters, the prefix removed (`context_length`, `attention.key_length`)."""
-        prefix = f"{self.arch}."
-        return {k[len(prefix) :]: self.field(k) for k in self.reader.fields if k.startswith(prefix)}
+class GGUFFile(GGUFMetadata):
+    """A GGUF file as a model source: the family, config and weights its metadata and tensors give."""
 
     @cached_property
     def family(self) -> Family:
@@ -125,7 +71,7 @@ class GGUFFile:
 
         extra = family.gguf.config_kwargs(self.arch_fields())
         try:
-            with _quiet():
+            with quiet_transformers():
                 hf = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name, **extra)
         except (ValueError, KeyError, OSError) as exc:
             raise ConfigError(f"{self.where}: its metadata does not describe a model ({exc})") from None
@@ -135,23 +81,6 @@ class GGUFFile:
         if problem:
             raise ConfigError(f"{self.where} cannot be imported: {problem}")
         return cfg
-
-    def tokenizer(self) -> Any:
-        """transformers' tokenizer rebuilt from the metadata (with the file's chat template)."""
-        # deferred: transformers costs seconds to import; only a GGUF source's tokenizer needs it
-        from transformers import AutoTokenizer
-
-        try:
-            with _quiet():
-                return AutoTokenizer.from_pretrained(
-                    self.path.parent, gguf_file=self.path.name, trust_remote_code=False
-                )
-        except (ValueError, KeyError, NotImplementedError) as exc:
-            raise ConfigError(f"{self.where}: its tokenizer cannot be rebuilt ({exc})") from None
-
-    def special_ids(self) -> dict[str, int | None]:
-        """bos/eos/pad ids as the file's metadata holds them (config.json's keys)."""
-        return {ours: self.field(f"tokenizer.ggml.{theirs}") for ours, theirs in SPECIAL_KEYS.items()}
 
     def describe(self) -> str:
         types = sorted({t.tensor_type.name for t in self.reader.tensors})

@@ -7,8 +7,9 @@ them all once, in the parent, before any process starts.
 
 from __future__ import annotations
 
+from suite.config.cluster import COLLECTIVES
 from suite.config.errors import ConfigError
-from suite.config.schema import COLLECTIVES, SuiteConfig
+from suite.config.schema import SuiteConfig
 
 CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16", "fp8", "auto"),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from suite.config.errors import ConfigError
+from suite.data.gguf_metadata import GGUFMetadata
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -94,10 +95,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
     path = Path(path).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        # deferred: suite.gguf_file reads the optional gguf package; only a .gguf tokenizer needs it
-        from suite.gguf_file import GGUFFile
-
-        return GGUFFile(path, f"tokenizer '{path}'").tokenizer()
+        return GGUFMetadata(path, f"tokenizer '{path}'").tokenizer()
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(

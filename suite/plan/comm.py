@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import comb
 
-from suite.config.schema import ClusterConfig
+from suite.config.cluster import ClusterConfig
 from suite.plan.layout import Layout
 
 AXES = ("pp", "dp", "sharding", "cp", "tp")  # suite.parallel.dims.MESH_ORDER, outermost first

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from suite.config.schema import ClusterConfig
+from suite.config.cluster import ClusterConfig
 from suite.models.moe import moe_layer_ids
 from suite.models.transformer import head_size, kv_heads
 from suite.plan import comm

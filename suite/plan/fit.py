@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from suite.config.cluster import ClusterConfig
 from suite.config.errors import ConfigError
-from suite.config.schema import ClusterConfig, SuiteConfig
+from suite.config.schema import SuiteConfig
 from suite.config.validate import nproc_range
 from suite.parallel import hosting
 from suite.parallel.dims import MULTI_STAGE, ParallelDims

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from suite.config.cluster import ClusterConfig
 from suite.config.errors import ConfigError
-from suite.config.schema import ClusterConfig, ModelConfig, ParallelConfig, SuiteConfig
+from suite.config.schema import ModelConfig, ParallelConfig, SuiteConfig
 from suite.models.moe import expert_ffn_size
 from suite.models.transformer import ffn_size
 from suite.parallel.dims import ParallelDims, check_pipeline

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from suite.config.schema import ClusterConfig, ModelConfig
+from suite.config.cluster import ClusterConfig
+from suite.config.schema import ModelConfig
 from suite.plan.layout import Job, Layout
 
 

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
+from suite.config.cluster import ClusterConfig
 from suite.config.compose import compose_config, known_options, to_object
 from suite.config.errors import ConfigError
-from suite.config.schema import ClusterConfig, ModelConfig
+from suite.config.schema import ModelConfig
 from suite.plan import comm
 from suite.plan.activations import in_flight, kept_per_layer, layer_activations
 from suite.plan.cost import evaluate

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from suite.config.cluster import ClusterConfig
 from suite.config.errors import ConfigError
-from suite.config.schema import ClusterConfig, ModelConfig
+from suite.config.schema import ModelConfig
 from suite.models.transformer import Transformer
 from suite.plan import comm
 from suite.plan.layout import Job, Layout, MuonJob, check_layout
