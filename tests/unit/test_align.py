@@ -259,8 +259,8 @@ def test_policy_sampler_answers_are_the_models_own(tokenizer):
         for p in model.parameters():
             p.mul_(4)  # peaked distributions: the greedy answer is far ahead
     sample = policy_sampler(model, tokenizer, CHATML_TEMPLATE, "addition-2", 2, 1e-4, seed=0)
-    pairs, _ = sampled_task_pairs("addition-2", 2, seed=0, held_out=0, sample=sample)
-    rows, _ = generate_task("addition-2", 2, 0, seed=0)
+    pairs, _ = sampled_task_pairs("addition-2", 1, seed=0, held_out=0, sample=sample)
+    rows, _ = generate_task("addition-2", 1, 0, seed=0)
     new = get_task("addition-2").max_answer_chars + 2
     for number, (pair, messages) in enumerate(zip(pairs, rows)):
         ids = prompt_ids(tokenizer, messages, CHATML_TEMPLATE)
