@@ -10,7 +10,7 @@ Each seed is one `suite run` pipeline (written to <out>/seed-<N>/posttrain.yaml,
 
     sft        suite finetune recipe=sft-addition-tiny model.init_from=<base>    (addition-2, 300 steps)
     eval-sft   suite eval ckpt=<sft> eval.num_samples=200                         held-out exact match
-    dpo        suite align recipe=dpo-tiny model.init_from=<sft> align.data=task:addition-2
+    dpo        suite align recipe=dpo-addition-tiny model.init_from=<sft>       (pairs of its own mistakes)
     eval-dpo   suite eval ckpt=<dpo> task=addition-2 eval.num_samples=200
     grpo       suite align recipe=grpo-tiny model.init_from=<sft>                 (exact-match reward)
     eval-grpo  suite eval ckpt=<grpo> task=addition-2 eval.num_samples=200
@@ -57,10 +57,8 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
         "dpo": (
             "align",
             [
-                "recipe=dpo-tiny",
+                "recipe=dpo-addition-tiny",
                 "model.init_from=${stage:sft}",
-                f"align.data=task:{TASK}",
-                "align.num_pairs=1800",
                 f"train.max_steps={args.dpo_steps}",
                 "train.eval_every=100000",
                 *seeded,
@@ -76,7 +74,7 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
                 f"train.max_steps={args.grpo_steps}",
                 "train.eval_every=100000",
                 "finetune.eval_samples=0",
-                f"optim.lr={args.grpo_lr}",
+                *([f"optim.lr={args.grpo_lr}"] if args.grpo_lr else []),
                 *seeded,
             ],
         ),
@@ -160,7 +158,7 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--dpo-steps", type=int, default=200)
     parser.add_argument("--grpo-steps", type=int, default=100)
-    parser.add_argument("--grpo-lr", default="1e-4")
+    parser.add_argument("--grpo-lr", default=None, help="optim.lr of GRPO (default: grpo-tiny's)")
     parser.add_argument("--eval-samples", type=int, default=200, help="held-out questions scored")
     parser.add_argument("--set", action="append", default=[], help="STAGE:key=value (repeatable)")
     parser.add_argument("--table", action="store_true", help="only print what finished in --out")

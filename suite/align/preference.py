@@ -39,8 +39,9 @@ import torch.nn.functional as F
 
 from suite.align import register
 from suite.align.logps import target_logps
-from suite.align.pairs import TASK_PREFIX, PairDataset, read_pairs
+from suite.align.pairs import TASK_PREFIX, PairDataset, build_pairs, read_pairs
 from suite.align.reference import Reference, load_reference
+from suite.align.sampled_pairs import policy_sampler, sampled_task_pairs
 from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 from suite.data.batch import IGNORE_INDEX, Batch
@@ -48,6 +49,7 @@ from suite.data.chat import use_chat_template
 from suite.data.sampler import GlobalBatches
 from suite.data.tasks import get_task
 from suite.finetune.method import BaseWeights, LoRA, base_source
+from suite.infer.generate import load_for_inference
 from suite.model_source import ModelSource
 from suite.models.moe import moe_aux_loss
 from suite.train.components import Component, Data, Method, Trainer
@@ -256,15 +258,18 @@ class PairData(Data):
             raise ConfigError("the base tokenizer has no eos token; chat turns need one to end")
         self.chat_template = use_chat_template(self.tokenizer, cfg.finetune.data.template)
         a = cfg.align
-        pairs = read_pairs(
-            a.data,
-            self.tokenizer,
-            self.chat_template,
-            cfg.data.seq_len,
-            a.num_pairs,
-            cfg.finetune.data.task_seed,
-            cfg.finetune.data.num_eval,  # task:<name>: never the SFT run's held-out questions
-        )
+        if a.data.startswith(TASK_PREFIX) and a.pair_samples > 0:
+            pairs = self.sampled_pairs(trainer)
+        else:
+            pairs = read_pairs(
+                a.data,
+                self.tokenizer,
+                self.chat_template,
+                cfg.data.seq_len,
+                a.num_pairs,
+                cfg.finetune.data.task_seed,
+                cfg.finetune.data.num_eval,  # task:<name>: never the SFT run's held-out questions
+            )
         held = cfg.align.num_eval
         if len(pairs) <= held:
             raise ConfigError(
@@ -276,6 +281,27 @@ class PairData(Data):
             f"preference pairs: {len(self.train_pairs):,} to train on, {len(self.eval_pairs):,} held out "
             f"(rows of {cfg.data.seq_len} tokens)"
         )
+
+    def sampled_pairs(self, trainer: Trainer) -> PairDataset:
+        """task:<name> pairs whose rejected answers model.init_from samples (suite.align.sampled_pairs)."""
+        cfg, a = trainer.cfg, trainer.cfg.align
+        task = a.data[len(TASK_PREFIX) :]
+        model, _, _ = load_for_inference(self.source, str(trainer.device))
+        sample = policy_sampler(
+            model, self.tokenizer, self.chat_template, task, a.pair_samples, a.pair_temperature,
+            cfg.train.seed,
+        )  # fmt: skip
+        rows, fallbacks = sampled_task_pairs(
+            task, a.num_pairs, cfg.finetune.data.task_seed, cfg.finetune.data.num_eval, sample
+        )
+        del model
+        trainer.log(
+            f"preference pairs of {task}: {len(rows) - fallbacks:,} rejected answers sampled from "
+            f"model.init_from ({a.pair_samples} per question, temperature {a.pair_temperature}); "
+            f"{fallbacks:,} questions had no wrong sample and pair the answer with its digits swapped"
+        )
+        where = ((f"{a.data} pair {i}", row) for i, row in enumerate(rows, 1))
+        return build_pairs(where, self.tokenizer, self.chat_template, cfg.data.seq_len)
 
     def loaders(self, trainer: Trainer) -> tuple[Any, Any]:
         cfg, dims = trainer.cfg, trainer.dims
@@ -336,6 +362,13 @@ def check_preference(cfg: SuiteConfig) -> None:
             f"align.data={a.data} does not exist; give a .jsonl/.json/.parquet file of pairs, a folder of "
             "them, or a folder `datasets` saved (save_to_disk)"
         )
+    if a.pair_samples < 0 or (a.pair_samples and not a.data.startswith(TASK_PREFIX)):
+        raise ConfigError(
+            f"align.pair_samples={a.pair_samples} with align.data={a.data}: it is 0 (pairs as given) or, "
+            "with align.data=task:<name>, the answers sampled per question (e.g. 4)"
+        )
+    if not a.pair_temperature > 0:
+        raise ConfigError(f"align.pair_temperature={a.pair_temperature} must be > 0; e.g. 1.0")
     if not 0.0 <= a.label_smoothing < 0.5:
         raise ConfigError(f"align.label_smoothing={a.label_smoothing} must be in [0, 0.5); e.g. 0.1")
     for key, value in (("beta", a.beta), ("simpo_beta", a.simpo_beta)):

@@ -464,6 +464,11 @@ class AlignConfig:
     # task:<name>: align.num_pairs questions of a built-in task, right answer vs a corrupted one
     data: Optional[str] = None
     num_pairs: int = 2000  # align.data=task:<name>: pairs drawn (align.num_eval of them held out)
+    # align.data=task:<name>: 0: rejected = the right answer with two digits swapped; N > 0: the most
+    # frequent wrong one of N answers model.init_from samples per question (the swapped one where none
+    # is wrong), at align.pair_temperature (suite.align.sampled_pairs)
+    pair_samples: int = 0
+    pair_temperature: float = 1.0
     num_eval: int = 16  # pairs held out (the last ones of the data) for val_loss
     lora: bool = False  # adapters with finetune.lora.*'s shapes; the reference is the base, adapters off
     beta: float = 0.1  # dpo: strength of the implicit KL to the reference (TRL's default)

@@ -136,6 +136,7 @@ CASES: list[tuple[list[str], str]] = [
     (["align", "align.data=null"], "align.data is missing"),
     (["align", "align.data={cwd}/pairs.jsonl"], "does not exist"),
     (["align", "align.data={chat}", "align.label_smoothing=0.7"], "align.label_smoothing=0.7"),
+    (["align", "align.data={chat}", "align.pair_samples=4"], "align.pair_samples=4 with align.data="),
     (["align", "align.data={chat}", "model.init_from=null"], "model.init_from is missing"),
     (
         ["align", "align.data={chat}", "parallel.tp=2", "launch.nproc_per_node=2"],

@@ -18,12 +18,14 @@ from suite.align.logps import next_token_logps, target_logps
 from suite.align.pairs import build_pairs, read_pairs, task_pairs
 from suite.align.preference import DPO, SimPO
 from suite.align.reference import AdapterOffReference, FrozenReference
+from suite.align.sampled_pairs import policy_sampler, sampled_task_pairs
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
 from suite.data import load_tokenizer
 from suite.data.batch import IGNORE_INDEX
-from suite.data.chat import CHATML_TEMPLATE
+from suite.data.chat import CHATML_TEMPLATE, prompt_ids
+from suite.data.tasks import generate_task, get_task, score
 from suite.frozen_model import FrozenModel
 from suite.models import build_model, materialize
 from suite.models.lora import apply_lora, init_lora, lora_parameters
@@ -225,6 +227,53 @@ def test_task_pairs_leave_the_held_out_questions_out():
     asked = {m[0]["content"] for m in held_out}
     pairs = task_pairs("reverse-3", 50, seed=0, held_out=30)
     assert len(pairs) == 50 and not asked & {p["prompt"] for p in pairs}
+
+
+def test_sampled_pairs_reject_the_most_frequent_wrong_sample_never_a_right_one():
+    asked = []
+    answers = {m[0]["content"]: m[1]["content"] for m in generate_task("addition-2", 30, 10, seed=0)[0]}
+
+    def sample(number: int, messages: list[dict]) -> list[str]:
+        asked.append((number, messages))
+        answer = answers[messages[-1]["content"]]
+        right = [answer, f" {answer} "]  # right after stripping: never a rejected answer
+        return [right, [*right, *right, "7x", "99", "99"], [*right, *right]][number % 3]
+
+    pairs, fallbacks = sampled_task_pairs("addition-2", 30, seed=0, held_out=10, sample=sample)
+    swapped = task_pairs("addition-2", 30, seed=0, held_out=10)
+    assert [n for n, _ in asked] == list(range(30))  # every question, numbered in order
+    assert all(m[-1]["role"] == "user" for _, m in asked)  # the prompt only, not its answer
+    assert [p["prompt"] for p in pairs] == [p["prompt"] for p in swapped]
+    assert [p["chosen"] for p in pairs] == [p["chosen"] for p in swapped]
+    assert fallbacks == 20
+    for i, (pair, plain) in enumerate(zip(pairs, swapped)):
+        assert pair["rejected"] == ("99" if i % 3 == 1 else plain["rejected"]), (i, pair)
+
+
+def test_policy_sampler_answers_are_the_models_own(tokenizer):
+    """At a temperature near 0 the sampled answers are the model's greedy answers, decoded by a plain
+    forward loop here: samples from another model or another prompt would differ."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=len(tokenizer), max_seq_len=64)
+    model = materialize(build_model(cfg, "meta"), torch.device("cpu"), 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)  # peaked distributions: the greedy answer is far ahead
+    sample = policy_sampler(model, tokenizer, CHATML_TEMPLATE, "addition-2", 2, 1e-4, seed=0)
+    pairs, _ = sampled_task_pairs("addition-2", 1, seed=0, held_out=0, sample=sample)
+    rows, _ = generate_task("addition-2", 1, 0, seed=0)
+    new = get_task("addition-2").max_answer_chars + 2
+    for number, (pair, messages) in enumerate(zip(pairs, rows)):
+        ids = prompt_ids(tokenizer, messages, CHATML_TEMPLATE)
+        prompt_len = len(ids)
+        with torch.no_grad():
+            for _ in range(new):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+                if ids[-1] == tokenizer.eos_token_id:
+                    ids.pop()
+                    break
+        greedy = tokenizer.decode(ids[prompt_len:], skip_special_tokens=False)
+        assert sample(number, messages[:-1]) == [greedy, greedy]
+        assert pair["rejected"] == greedy or score("addition-2", greedy, pair["chosen"])
 
 
 @pytest.fixture(scope="module")
