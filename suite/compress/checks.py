@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from suite.compress.methods import linear_plan
@@ -35,6 +37,12 @@ def check_compress(cfg: SuiteConfig, device: torch.device) -> None:
             raise ConfigError(f"compress.{key}={value} must be a positive integer")
     if c.int8_layers < 0:
         raise ConfigError(f"compress.int8_layers={c.int8_layers} must be >= 0 (0: every layer at int4)")
+    if c.int8_layers and "int8_layers" not in {f.name for f in fields(get(c.method).options)}:
+        readers = [n for n in names() if "int8_layers" in {f.name for f in fields(get(n).options)}]
+        raise ConfigError(
+            f"compress.int8_layers={c.int8_layers} is read by compress={'|'.join(readers)} only, not "
+            f"compress={c.method}; use compress={readers[0]} or compress.int8_layers=0"
+        )
     if c.task_samples < 0:
         raise ConfigError(f"compress.task_samples={c.task_samples} must be >= 0 (0: no task accuracy)")
     if not 0.0 <= c.smoothquant_alpha <= 1.0:

@@ -117,7 +117,11 @@ def _in_precision(model: Transformer, dtype: torch.dtype, owns_model: bool) -> T
             f"generate.dtype={ {v: k for k, v in DTYPES.items()}[dtype] }: only plain dense models on CPU decode "
             "in half precision (not quantized, adapter, expert or GPU models); use generate.dtype=fp32"
         )
-    return (model if owns_model else copy.deepcopy(model)).to(dtype)
+    inv_freq = model.rope_inv_freq.float().clone() if model.rope_inv_freq is not None else None
+    half = (model if owns_model else copy.deepcopy(model)).to(dtype)
+    if inv_freq is not None:  # RoPE's frequencies stay fp32: rounded to half, far positions' angles drift
+        half.rope_inv_freq = inv_freq
+    return half
 
 
 class BatchDecoder:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from suite.config.errors import ConfigError
 from suite.infer.decoder import BatchDecoder
 from suite.infer.generate import load_for_inference
 from suite.infer.runners import graph_steps, is_graph_export, load_runner
@@ -66,6 +67,11 @@ def load_engine(
     (the suite model's decode precision; an export decodes in its own)."""
     folder = Path(str(ckpt)).expanduser()
     if is_graph_export(folder):
+        if dtype != "fp32":
+            raise ConfigError(
+                f"generate.dtype={dtype}: ckpt='{ckpt}' is a graph export, which decodes in the precision "
+                "it was exported in; use generate.dtype=fp32 with it, or a suite run or model source"
+            )
         # deferred: transformers costs seconds to import; only an ONNX/graph export's tokenizer needs it
         from transformers import AutoTokenizer
 

@@ -16,8 +16,10 @@ activations (fp32 ones go through a path ~10x slower), so x is rounded to bf16 g
 output widened back: logits then differ from the dequantized fp32 reference by bf16 rounding of the
 activations and of the kernel's bf16 output (tests/unit/test_int4_cpu.py bounds it).
 
-int8 per-row weights (compress=int8, gptq-int8, and the compress.embedding=int8 tied head) use
-`torch.ops.aten._weight_int8pack_mm(x bf16, w int8 [N, K], scales [N] bf16)` the same way.
+The compress.embedding=int8 tied head (an IntxUnpackedToInt8Tensor with one scale per row) uses
+`torch.ops.aten._weight_int8pack_mm(x bf16, w int8 [N, K], scales [N] bf16)` the same way. Int8
+Linear weights of compress=int8, gptq-int8 and compress.int8_layers are torchao's Int8Tensor, which
+`packable_int8_rows` does not take: they keep torchao's own matmul.
 
 Only the modules of a loaded model are replaced (`pack_for_cpu`); the stored file is unchanged.
 """

@@ -55,6 +55,8 @@ def test_half_precision_decode_is_fp32_within_tolerance(dtype, fp32_run):
     before = {n: p.clone() for n, p in model.named_parameters()}
     half = BatchDecoder(model, dtype=dtype)
     assert {p.dtype for p in half.model.parameters()} == {dtype} and half.head is None
+    # RoPE's frequencies stay fp32 (rounded to half, a position-4000 angle is off by ~0.5 rad)
+    assert torch.equal(half.model.rope_inv_freq, model.rope_inv_freq)
     for linear in (m for m in half.model.layers.modules() if type(m) is nn.Linear):
         assert linear.weight.is_contiguous()  # the stored [out, in] form, not fp32's transpose
     got, _ = _logits_along(half, PROMPTS, tokens)

@@ -6,6 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from suite.compress.checks import check_compress
+from suite.config.errors import ConfigError
+from suite.config.schema import SuiteConfig
+
 
 def _rtn(weight: torch.Tensor, method: str):
     from torchao.quantization import quantize_
@@ -187,3 +191,15 @@ def test_the_layer_int4_hurts_most_is_measured_and_kept_at_int8():
     gptq_quantize(model, ["0", "1"], grid, 0.01, calibrate, int8_layers=["1"])
     assert type(model[0].weight.data).__name__ == "IntxUnpackedToInt8Tensor"
     assert type(model[1].weight.data).__name__ == "Int8Tensor"
+
+
+def test_int8_layers_on_a_method_that_does_not_read_it_is_refused_in_one_line():
+    """Silently ignored, compress.int8_layers=12 with compress=int4 would quantize every layer at int4."""
+    cfg = SuiteConfig()
+    cfg.compress.method, cfg.compress.int8_layers = "int4", 12
+    with pytest.raises(
+        ConfigError, match=r"^compress.int8_layers=12 is read by compress=gptq only, not compress=int4"
+    ):
+        check_compress(cfg, torch.device("cpu"))
+    cfg.compress.method = "gptq"
+    check_compress(cfg, torch.device("cpu"))  # the method that reads it takes it
