@@ -162,6 +162,7 @@ ARTEFACT_KEYS = (
     "smoothquant_alpha",
     "gptq_damp",
     "int8_layers",
+    "symmetric",
 )
 
 
