@@ -7,9 +7,9 @@ inputs on calibration data. Runs on CPU and CUDA (torchao's own GPTQ is CUDA onl
                                         w_k -= e * [H^-1]_jk  for k > j   (upper Cholesky factor of H^-1)
 
 The grid is torchao's, so the result is the tensor type round-to-nearest produces and everything
-downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is symmetric group-wise,
-scale = max|w| / 7.5 per compress.group_size inputs, values in [-8, 7], bf16 scales
-(IntxUnpackedToInt8Tensor); int8 (`compress=gptq-int8`) is symmetric per output row,
+downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is group-wise per
+compress.group_size inputs, values in [-8, 7], bf16 scales (IntxUnpackedToInt8Tensor), asymmetric by
+default (scale = (max - min) / 15, an integer zero point; compress.symmetric=true: max|w| / 7.5, zero 0); int8 (`compress=gptq-int8`) is symmetric per output row,
 scale = max|w| / 127.5, values in [-128, 127] (Int8Tensor). A group's scale is taken from its columns
 as they stand when the group starts (after the compensation of the groups before it).
 
