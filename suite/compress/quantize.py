@@ -163,6 +163,7 @@ ARTEFACT_KEYS = (
     "gptq_damp",
     "int8_layers",
     "symmetric",
+    "clip_search",
 )
 
 

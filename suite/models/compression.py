@@ -69,6 +69,7 @@ class GptqOptions:
     gptq_damp: float  # fraction of the mean Hessian diagonal added to it
     int8_layers: int  # the Linear layers most sensitive to int4 kept at int8 (mixed precision)
     symmetric: bool  # int4 zero points 0; false: an integer zero point per group (torchao ASYMMETRIC)
+    clip_search: bool  # asymmetric: each group's range shrunk by the factor with the least error
 
 
 @dataclass(frozen=True)
@@ -420,7 +421,7 @@ class Gptq(_Gptq):
 
     def grid(self, compress: CompressConfig) -> Grid:
         settings = self.settings(compress)
-        return int4_grid(settings.group_size, settings.symmetric)
+        return int4_grid(settings.group_size, settings.symmetric, settings.clip_search)
 
     def wide(
         self, model: nn.Module, targets: list[str], compress: CompressConfig, calibrate: Calibrate

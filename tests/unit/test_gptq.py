@@ -208,3 +208,23 @@ def test_the_layer_int4_hurts_most_is_measured_and_kept_at_int8():
     gptq_quantize(model, ["0", "1"], grid, 0.01, calibrate, int8_layers=["1"])
     assert type(model[0].weight.data).__name__ == "IntxUnpackedToInt8Tensor"
     assert type(model[1].weight.data).__name__ == "Int8Tensor"
+
+
+def test_clip_search_rounds_no_group_worse_and_some_better():
+    """compress.clip_search (gptq's default, with the asymmetric grid): each group takes the shrunk
+    range with the least round-trip error, so no group is worse than the full range and a group whose
+    range an outlier sets is better (the other weights get finer steps)."""
+    from suite.compress.methods import grid_for
+    from suite.models.gptq import int4_grid
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(8, 64, generator=gen) * 0.05
+    weight[:, ::32] = 0.4  # one outlier per group of 32
+    default = grid_for("gptq", 32)
+    assert not default.symmetric and default.clip and default == int4_grid(32, False, True)
+
+    def errors(grid):
+        return (grid.round_trip(weight) - weight).pow(2).reshape(8, 2, 32).sum(-1)
+
+    plain, clipped = errors(int4_grid(32, False)), errors(default)
+    assert (clipped <= plain).all() and (clipped < plain).any(), (clipped, plain)
