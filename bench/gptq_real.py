@@ -4,6 +4,8 @@ forwards from the embedding, and held-out perplexity before and after.
     python bench/gptq_real.py --gguf .cache/real_model/SmolLM2-135M-Instruct.Q4_1.gguf --calib 32
     python bench/gptq_real.py --gguf ... --calib 4 --forwards     # the old way (re-run per block)
     python bench/gptq_real.py --gguf ... --no-ppl --keep-denormals  # without flush_denormals (A/B)
+    python bench/gptq_real.py --gguf ... --grid asymmetric          # int4 with integer zero points
+    python bench/gptq_real.py --gguf ... --grid asymmetric --clip-search  # compress=gptq's defaults
 
 Calibration: `--calib` windows of `--seq` tokens of the licence texts in /usr/share/common-licenses
 (all but GPL-3); held out: the first `--held` windows of GPL-3. Weights dequantized to fp32, int4
@@ -67,15 +69,24 @@ def main() -> None:
         action="store_true",
         help="GPTQ without flushing denormal floats to zero (what suite.models.gptq.flush_denormals changes)",
     )
+    parser.add_argument(
+        "--grid",
+        choices=["symmetric", "asymmetric"],
+        default="symmetric",
+        help="int4 grid: zero points 0, or per-group integer zero points (compress.symmetric=false)",
+    )
+    parser.add_argument(
+        "--clip-search", action="store_true", help="asymmetric: compress.clip_search=true (the default)"
+    )
     args = parser.parse_args()
     if args.keep_denormals:  # this process only: flush_denormals' switch does nothing
         torch.set_flush_denormal = lambda on: True
 
-    from suite.compress.methods import grid_for, linear_plan
+    from suite.compress.methods import linear_plan
     from suite.config.schema import CompressConfig
     from suite.model_source import ModelSource
     from suite.models import gptq
-    from suite.models.gptq import gptq_quantize
+    from suite.models.gptq import gptq_quantize, int4_grid
 
     if args.forwards_only:  # the per-column GPTQ update skipped: what caching the block inputs changes
         gptq._quantize_linears = lambda linears, hessians, grid, damp, results: None
@@ -95,12 +106,18 @@ def main() -> None:
 
     start = time.perf_counter()
     gptq_quantize(
-        model, targets, grid_for("gptq", 32), 0.01, calibrate, cache_inputs=not args.forwards, progress=True
+        model,
+        targets,
+        int4_grid(32, args.grid == "symmetric", args.clip_search),
+        0.01,
+        calibrate,
+        cache_inputs=not args.forwards,
+        progress=True,
     )
     seconds = time.perf_counter() - start
     after = None if args.no_ppl else perplexity(model, held)
     print(json.dumps({
-        "model": Path(args.gguf).name, "precision": "fp32 (dequantized), int4 g32 gptq",
+        "model": Path(args.gguf).name, "precision": f"fp32 (dequantized), int4 g32 {args.grid}{' clipped' if args.clip_search else ''} gptq",
         "mode": "forwards from the embedding" if args.forwards else "cached block inputs",
         "calib": f"{len(calib)} x {args.seq}", "held_out": f"{len(held)} x {args.seq}",
         "gptq_seconds": round(seconds, 1), "forwards_only": args.forwards_only,

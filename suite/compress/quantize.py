@@ -162,6 +162,8 @@ ARTEFACT_KEYS = (
     "smoothquant_alpha",
     "gptq_damp",
     "int8_layers",
+    "symmetric",
+    "clip_search",
 )
 
 

@@ -137,7 +137,7 @@ class CompressConfig:
     (quantization-aware training, converted to int4 / int8 at the end). See docs/compression.md.
 
     The keys users type, flat: each method reads its own through its config dataclass (`options`:
-    group_size for int4 and gptq, smoothquant_alpha, gptq_damp, calib_samples for calibrated methods;
+    group_size for int4 and gptq, symmetric and clip_search for gptq, smoothquant_alpha, gptq_damp, calib_samples for calibrated methods;
     learn_scales and scale_lr for the training half); skip and the report's keys apply to all.
     """
 
@@ -158,6 +158,13 @@ class CompressConfig:
     calib_samples: int = 32  # smoothquant, gptq: sequences of the recipe's data calibration sees
     smoothquant_alpha: float = 0.5  # smoothquant: migration strength (0: none, 1: all onto the weights)
     gptq_damp: float = 0.01  # gptq: fraction of the mean Hessian diagonal added to it (numerical damping)
+    # gptq: int4 groups with an integer zero point, scale = (max - min) / 15 (torchao's ASYMMETRIC mapping;
+    # fits off-centre groups, measured better on SmolLM2 in docs/benchmarks.md); true: scale = max|w| / 7.5,
+    # zero point 0 (int4, qat-int4 and gptq-int8 are always symmetric)
+    symmetric: bool = False
+    # gptq (asymmetric): each group's range shrunk by the factor in 1.0..0.8 (steps of 0.025) whose
+    # rounding error on its weights is least (measured better on SmolLM2 in docs/benchmarks.md)
+    clip_search: bool = True
     # gptq: this many Linear layers, those with the largest relative int4 output error on the calibration
     # data, are quantized on the int8 grid instead (mixed precision; named in the quantize output)
     int8_layers: int = 0

@@ -58,11 +58,11 @@ def check_quantized_hf(source: Any, info: dict[str, Any]) -> None:
         )
 
 
-def torchao_quant_type(info: dict[str, Any], group_size: int) -> Any:
+def torchao_quant_type(info: dict[str, Any], group_size: int, symmetric: bool = True) -> Any:
     """The torchao config of the checkpoint's tensors (the CPU layout): what TorchAoConfig records and
-    loads with."""
+    loads with. `symmetric`: whether its int4 tensors' zero points are all 0 (compress.symmetric)."""
     method = info["method"]
-    compress = CompressConfig(method=method, group_size=group_size)
+    compress = CompressConfig(method=method, group_size=group_size, symmetric=symmetric)
     return post_training(method).torchao_config(compress, torch.device("cpu"))
 
 
@@ -92,7 +92,11 @@ def write_quantized_hf(source: Any, out: Path) -> list[str]:
     config.update(special.config)
     config.dtype = torch.float32
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
-    quant = TorchAoConfig(quant_type=torchao_quant_type(info, group_size), modules_to_not_convert=["lm_head"])
+    symmetric = not any(
+        getattr(t, "zero_point", None) is not None and t.zero_point.any() for t in state.values()
+    )
+    quant_type = torchao_quant_type(info, group_size, symmetric)
+    quant = TorchAoConfig(quant_type=quant_type, modules_to_not_convert=["lm_head"])
     config.quantization_config = quant.to_dict()
     out.mkdir(parents=True, exist_ok=True)
     data, metadata = flatten_tensor_state_dict(hf_sd)

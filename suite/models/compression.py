@@ -68,6 +68,8 @@ class GptqOptions:
     calib_samples: int
     gptq_damp: float  # fraction of the mean Hessian diagonal added to it
     int8_layers: int  # the Linear layers most sensitive to int4 kept at int8 (mixed precision)
+    symmetric: bool  # int4 zero points 0; false: an integer zero point per group (torchao ASYMMETRIC)
+    clip_search: bool  # asymmetric: each group's range shrunk by the factor with the least error
 
 
 @dataclass(frozen=True)
@@ -418,7 +420,8 @@ class Gptq(_Gptq):
     group_wise = True
 
     def grid(self, compress: CompressConfig) -> Grid:
-        return int4_grid(self.settings(compress).group_size)
+        settings = self.settings(compress)
+        return int4_grid(settings.group_size, settings.symmetric, settings.clip_search)
 
     def wide(
         self, model: nn.Module, targets: list[str], compress: CompressConfig, calibrate: Calibrate

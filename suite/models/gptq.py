@@ -7,9 +7,9 @@ inputs on calibration data. Runs on CPU and CUDA (torchao's own GPTQ is CUDA onl
                                         w_k -= e * [H^-1]_jk  for k > j   (upper Cholesky factor of H^-1)
 
 The grid is torchao's, so the result is the tensor type round-to-nearest produces and everything
-downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is symmetric group-wise,
-scale = max|w| / 7.5 per compress.group_size inputs, values in [-8, 7], bf16 scales
-(IntxUnpackedToInt8Tensor); int8 (`compress=gptq-int8`) is symmetric per output row,
+downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is group-wise per
+compress.group_size inputs, values in [-8, 7], bf16 scales (IntxUnpackedToInt8Tensor), asymmetric by
+default (scale = (max - min) / 15, an integer zero point; compress.symmetric=true: max|w| / 7.5, zero 0); int8 (`compress=gptq-int8`) is symmetric per output row,
 scale = max|w| / 127.5, values in [-128, 127] (Int8Tensor). A group's scale is taken from its columns
 as they stand when the group starts (after the compensation of the groups before it).
 
@@ -38,31 +38,69 @@ COLUMN_BLOCK = 128  # columns updated together (the paper's lazy batch updates)
 
 @dataclass(frozen=True)
 class Grid:
-    """torchao's symmetric grid: levels [qmin, qmax], `group` inputs per scale (0: the whole row)."""
+    """torchao's grid: levels [qmin, qmax], `group` inputs per scale (0: the whole row); symmetric
+    (scale = max|w| / ((qmax - qmin) / 2), zero point 0) or asymmetric (scale = (max - min) / (qmax - qmin)
+    over the group's range widened to hold 0, integer zero point qmin - round(min / scale), as
+    IntxWeightOnlyConfig(mapping_type=ASYMMETRIC) stores it: its zero point comes from the fp32 scale,
+    its integers from the scale rounded to `scale_dtype`)."""
 
     qmin: int
     qmax: int
     group: int
     scale_dtype: torch.dtype
+    symmetric: bool = True
+    clip: tuple[float, ...] = ()  # asymmetric: shrink factors of the range tried per group (CLIP_SEARCH)
+
+    def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale in scale_dtype, zero point as float) of the columns `w` [..., cols] (one group each);
+        with `clip`, of the shrunk range whose round trip has the least squared error in each group."""
+        if self.clip and not self.symmetric:
+            w = w.float()
+            best = None
+            for factor in self.clip:
+                scale, zero = self._range_params(w, factor)
+                err = (
+                    ((self.quantize(w, scale, zero) - zero) * scale.float() - w).pow(2).sum(-1, keepdim=True)
+                )
+                if best is None:
+                    best = [err, scale, zero]
+                else:
+                    better = err < best[0]
+                    best = [torch.where(better, new, old) for new, old in zip((err, scale, zero), best)]
+            return best[1], best[2]
+        return self._range_params(w, 1.0)
+
+    def _range_params(self, w: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        w = w.float()
+        if self.symmetric:
+            amax = w.abs().amax(dim=-1, keepdim=True)
+            scale = (amax / ((self.qmax - self.qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+            return scale.to(self.scale_dtype), torch.zeros_like(scale)
+        low = w.amin(dim=-1, keepdim=True).clamp(max=0.0) * factor
+        high = w.amax(dim=-1, keepdim=True).clamp(min=0.0) * factor
+        scale = ((high - low) / float(self.qmax - self.qmin)).clamp(
+            min=torch.finfo(torch.float32).smallest_normal
+        )
+        zero = (self.qmin - torch.round(low / scale)).clamp(self.qmin, self.qmax)
+        return scale.to(self.scale_dtype), zero
 
     def scale(self, w: torch.Tensor) -> torch.Tensor:
         """[rows, 1] scale of the columns `w` (one group)."""
-        amax = w.abs().amax(dim=1, keepdim=True)
-        scale = (amax / ((self.qmax - self.qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
-        return scale.to(self.scale_dtype)
+        return self.params(w)[0]
 
-    def quantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """torchao's rounding: times the reciprocal, taken in the scale's own dtype."""
-        return torch.clamp(torch.round(w * (1.0 / scale)), self.qmin, self.qmax)
+    def quantize(
+        self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """torchao's rounding: times the reciprocal, taken in the scale's own dtype, plus the zero point."""
+        q = torch.round(w * (1.0 / scale))
+        return torch.clamp(q if zero is None else q + zero, self.qmin, self.qmax)
 
     def round_trip(self, w: torch.Tensor) -> torch.Tensor:
         """`w` [rows, cols] rounded to nearest on this grid and dequantized (fp32)."""
         rows, cols = w.shape
         groups = w.float().reshape(rows, cols // (self.group or cols), -1)
-        amax = groups.abs().amax(dim=-1, keepdim=True)
-        scale = (amax / ((self.qmax - self.qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
-        scale = scale.to(self.scale_dtype)
-        return (self.quantize(groups, scale) * scale.float()).reshape(rows, cols)
+        scale, zero = self.params(groups)
+        return ((self.quantize(groups, scale, zero) - zero) * scale.float()).reshape(rows, cols)
 
     def torchao_config(self) -> Any:
         """The round-to-nearest torchao config with this grid and its tensor type (on any device): int4
@@ -70,22 +108,31 @@ class Grid:
         quiet_torchao()
         # torchao: a heavy optional dependency, imported when a method runs
         # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
-        from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup
+        from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, MappingType, PerGroup
 
         if self.group:
+            mapping = MappingType.SYMMETRIC if self.symmetric else MappingType.ASYMMETRIC
             return IntxWeightOnlyConfig(
-                weight_dtype=torch.int4, granularity=PerGroup(self.group), scale_dtype=self.scale_dtype
+                weight_dtype=torch.int4,
+                granularity=PerGroup(self.group),
+                scale_dtype=self.scale_dtype,
+                mapping_type=mapping,
             )
         return Int8WeightOnlyConfig()
 
 
 INT4_LEVELS = (-8, 7)
+# gptq's clipping search (compress.clip_search): a group's range times 1.0, 0.975, ..., 0.8; measured on
+# SmolLM2 (docs/benchmarks.md): +15.25% -> +12.72% perplexity over fp32 with the asymmetric grid
+CLIP_SEARCH = tuple(1.0 - 0.025 * i for i in range(9))
 INT8_LEVELS = (-128, 127)
 
 
-def int4_grid(group_size: int) -> Grid:
-    """Symmetric int4, one bf16 scale per `group_size` inputs (compress=int4 on CPU, gptq, qat-int4)."""
-    return Grid(*INT4_LEVELS, group_size, torch.bfloat16)
+def int4_grid(group_size: int, symmetric: bool = True, clip_search: bool = False) -> Grid:
+    """int4, one bf16 scale (and, asymmetric, an integer zero point) per `group_size` inputs
+    (compress=int4 on CPU, gptq, qat-int4); `clip_search`: each group's range shrunk by the CLIP_SEARCH
+    factor with the least error (asymmetric only: no longer torchao's round to nearest)."""
+    return Grid(*INT4_LEVELS, group_size, torch.bfloat16, symmetric, CLIP_SEARCH if clip_search else ())
 
 
 def int8_grid() -> Grid:
@@ -96,8 +143,9 @@ def int8_grid() -> Grid:
 @torch.no_grad()
 def gptq_weight(
     weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, damp: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integer values [out, in] as int8, scales [out, groups]) of `weight` [out, in] given H [in, in]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(integer values [out, in] as int8, scales [out, groups], integer zero points [out, groups] as
+    int8: 0 on a symmetric grid) of `weight` [out, in] given H [in, in]."""
     w = weight.detach().float().clone()
     rows, cols = w.shape
     h = hessian.double().clone()
@@ -110,6 +158,7 @@ def gptq_weight(
     group = grid.group or cols
     q = torch.zeros_like(w)
     scales = torch.zeros(rows, cols // group, dtype=grid.scale_dtype, device=w.device)
+    zeros = torch.zeros(rows, cols // group, device=w.device)
     for start in range(0, cols, COLUMN_BLOCK):
         end = min(start + COLUMN_BLOCK, cols)
         w1, err = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
@@ -119,15 +168,16 @@ def gptq_weight(
             if col % group == 0:  # the group's scale, from its columns as compensated so far
                 g = col // group
                 ahead = torch.cat([w1[:, i:], w[:, end:]], dim=1)[:, :group]
-                scales[:, g : g + 1] = grid.scale(ahead)
+                scales[:, g : g + 1], zeros[:, g : g + 1] = grid.params(ahead)
             scale = scales[:, col // group : col // group + 1]
-            qcol = grid.quantize(w1[:, i : i + 1], scale)
+            zero = zeros[:, col // group : col // group + 1]
+            qcol = grid.quantize(w1[:, i : i + 1], scale, zero)
             q[:, col] = qcol[:, 0]
-            e = (w1[:, i] - (qcol * scale.float())[:, 0]) / h1[i, i]
+            e = (w1[:, i] - ((qcol - zero) * scale.float())[:, 0]) / h1[i, i]
             w1[:, i:] -= e[:, None] * h1[i, i:][None, :]
             err[:, i] = e
         w[:, end:] -= err @ hinv[start:end, end:]
-    return q.to(torch.int8), scales
+    return q.to(torch.int8), scales, zeros.to(torch.int8)
 
 
 class _Stop(Exception):
@@ -246,7 +296,7 @@ def _quantize_linears(
     hessians: dict[str, torch.Tensor],
     grid: Grid | Callable[[str], Grid],
     damp: float,
-    results: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    results: dict[str, tuple[torch.Tensor, ...]],
 ) -> None:
     """GPTQ each Linear on its Hessian (on `grid`, or `grid(name)`); its weight becomes the dequantized
     result, so what runs after it sees quantized outputs."""
@@ -255,10 +305,12 @@ def _quantize_linears(
         if h is None:
             h = torch.zeros(linear.in_features, linear.in_features, device=linear.weight.device)
         its = grid(name) if callable(grid) else grid
-        q, scales = gptq_weight(linear.weight, h, its, damp)
-        results[name] = (q, scales)
+        q, scales, zeros = gptq_weight(linear.weight, h, its, damp)
+        results[name] = (q, scales, zeros)
         group = its.group or linear.in_features
-        dequant = q.float() * scales.float().repeat_interleave(group, dim=1)
+        dequant = (
+            q.float() - zeros.float().repeat_interleave(group, dim=1)
+        ) * scales.float().repeat_interleave(group, dim=1)
         linear.weight.copy_(dequant.to(linear.weight.dtype))
 
 
@@ -308,7 +360,7 @@ def gptq_quantize(
     from tqdm import tqdm
 
     modules = dict(model.named_modules())
-    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    results: dict[str, tuple[torch.Tensor, ...]] = {}
     wide = set(int8_layers)
     eight = int8_grid()
 
@@ -352,10 +404,11 @@ def gptq_quantize(
 
 
 def store_values(
-    model: nn.Module, targets: list[str], grid: Grid, values: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    model: nn.Module, targets: list[str], grid: Grid, values: dict[str, tuple[torch.Tensor, ...]]
 ) -> None:
     """`targets` converted to `grid`'s torchao tensor type and layout (round to nearest), then the
-    layers in `values` given those integers and scales instead (GPTQ's, or QAT's learned grid)."""
+    layers in `values` given those integers, scales (and zero points, when a value has a third entry)
+    instead (GPTQ's, or QAT's learned grid)."""
     quiet_torchao()
     # torchao: a heavy optional dependency, imported when a method runs
     # deferred: torchao (seconds to import, with its own warnings) loads only where a quantized model is built
@@ -364,15 +417,16 @@ def store_values(
     modules = dict(model.named_modules())
     wanted = set(targets)
     quantize_(model, grid.torchao_config(), lambda m, n: n in wanted)
-    for name, (q, scales) in values.items():
+    for name, value in values.items():
         if name not in wanted:
             continue
         linear = modules[name]
-        linear.weight = nn.Parameter(with_values(linear.weight, q, scales), requires_grad=False)
+        linear.weight = nn.Parameter(with_values(linear.weight, *value), requires_grad=False)
 
 
-def with_values(like, q: torch.Tensor, scales: torch.Tensor):
-    """A tensor of `like`'s torchao type and attributes holding GPTQ's integers and scales."""
+def with_values(like, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None):
+    """A tensor of `like`'s torchao type and attributes holding GPTQ's integers and scales (and integer
+    zero points; None: `like`'s, 0 on a symmetric grid)."""
     fields = {n: getattr(like, n) for n in like.tensor_data_names + like.tensor_attribute_names}
     for n in getattr(like, "optional_tensor_data_names", []) + getattr(
         like, "optional_tensor_attribute_names", []
@@ -386,4 +440,9 @@ def with_values(like, q: torch.Tensor, scales: torch.Tensor):
     fields["scale"] = (
         scales.reshape(fields["scale"].shape).to(fields["scale"].dtype).to(fields["scale"].device)
     )
+    if zeros is not None and "zero_point" in fields:
+        zp = fields["zero_point"]
+        fields["zero_point"] = zeros.reshape(zp.shape).to(zp.dtype).to(zp.device)
+    elif zeros is not None and zeros.any():
+        raise AssertionError(f"{type(like).__name__} holds no zero point for nonzero zero points")
     return type(like)(**fields)

@@ -11,7 +11,7 @@ packed int4 kernel torch ships for the CPU reads ~0.56 byte a weight where fp32 
         = x @ W.T with W = (q - 8) * scale + zero per group
 
 torchao's stored value v in [-8, 7] with zero point z is W = (v - z) * scale, so q = v + 8 and
-zero = -z * scale (0 for the symmetric grid every suite int4 method writes). The kernel takes bf16
+zero = -z * scale (0 on a symmetric grid; compress=gptq's default asymmetric grid has integer z). The kernel takes bf16
 activations (fp32 ones go through a path ~10x slower), so x is rounded to bf16 going in and the
 output widened back: logits then differ from the dequantized fp32 reference by bf16 rounding of the
 activations and of the kernel's bf16 output (tests/unit/test_int4_cpu.py bounds it).

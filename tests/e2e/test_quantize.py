@@ -10,10 +10,12 @@ measured on this model (int8 0.07%, w8a8 0.14%, smoothquant 0.14%, int4 1.05%) w
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tests.helpers import TINY_MODEL, run_suite
 
@@ -130,7 +132,13 @@ def test_bytes_shrink_and_report_fields(quantized):
     # int4 blocks vs bf16 (half the fp32 source's bytes): the weights' 3.56x, less the norm and bias
     # vectors stored at 2 bytes; at this width (64) they weigh most: 3.41x (gpt-tiny, width 256: 3.52x)
     assert fp32_block / 2 / int4_block >= 3.4 and int4_block < int8_block, (fp32_block, int4_block)
-    assert reports["gptq"]["after"]["block_bytes"] == int4_block  # the same grid and storage
+    # gptq's grid is int4's plus an integer zero point per group (compress.symmetric=false), stored as
+    # one int8 each: the blocks' bytes are int4's and those zero points, nothing else
+    with safe_open(str(Path(reports["gptq"]["checkpoint"]) / "model.safetensors"), "pt") as f:
+        names = f.keys()  # a safetensors handle is not iterable
+        zeros = [k for k in names if k.startswith("layers.") and k.endswith("_zero_point")]
+        zero_bytes = sum(math.prod(f.get_slice(k).get_shape()) for k in zeros)  # int8: a byte each
+    assert zeros and reports["gptq"]["after"]["block_bytes"] == int4_block + zero_bytes
     assert abs(reports["int8"]["after"]["perplexity"] / reports["int8"]["before"]["perplexity"] - 1) < 0.01
 
 

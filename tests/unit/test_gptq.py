@@ -11,33 +11,52 @@ from suite.config.errors import ConfigError
 from suite.config.schema import SuiteConfig
 
 
-def _rtn(weight: torch.Tensor, method: str):
+def _rtn(weight: torch.Tensor, method: str, grid=None):
     from torchao.quantization import quantize_
 
     from suite.compress.methods import rtn_config
 
     layer = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False))
     layer[0].weight.data.copy_(weight)
-    quantize_(layer, rtn_config(method, 32))
+    quantize_(layer, grid.torchao_config() if grid else rtn_config(method, 32))
     return layer[0].weight
 
 
-@pytest.mark.parametrize("method", ["gptq", "gptq-int8"])
-def test_uncorrelated_inputs_give_torchaos_round_to_nearest(method):
-    """With H = I nothing is compensated: GPTQ's integers and scales are torchao's RTN, bit for bit."""
+def _grid(method: str, symmetric: bool):
     from suite.compress.methods import grid_for
+    from suite.models.gptq import int4_grid
+
+    return int4_grid(32, symmetric) if method == "gptq" else grid_for(method, 32)
+
+
+GRIDS = [("gptq", True), ("gptq", False), ("gptq-int8", True)]
+
+
+@pytest.mark.parametrize("method,symmetric", GRIDS)
+def test_uncorrelated_inputs_give_torchaos_round_to_nearest(method, symmetric):
+    """With H = I nothing is compensated: GPTQ's integers, scales and zero points are torchao's RTN, bit
+    for bit, and so is the grid's own round trip (int8_layers' sensitivity)."""
     from suite.models.gptq import gptq_weight
 
-    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
-    q, scales = gptq_weight(weight, torch.eye(64), grid_for(method, 32), damp=0.01)
-    rtn = _rtn(weight, method)
+    # rows off-centre, so the asymmetric grid's zero points are not 0
+    weight = (
+        torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) + torch.linspace(-1, 1, 16)[:, None]
+    )
+    grid = _grid(method, symmetric)
+    q, scales, zeros = gptq_weight(weight, torch.eye(64), grid, damp=0.01)
+    rtn = _rtn(weight, method, grid)
     assert torch.equal(q, rtn.qdata)
     assert torch.equal(scales.to(rtn.scale.dtype).reshape(rtn.scale.shape), rtn.scale)
+    if hasattr(rtn, "zero_point"):
+        assert torch.equal(zeros.reshape(rtn.zero_point.shape), rtn.zero_point)
+        assert bool(rtn.zero_point.any()) is not symmetric
+        assert torch.equal(grid.round_trip(weight), rtn.dequantize().float())
+    else:
+        assert not zeros.any()
 
 
-@pytest.mark.parametrize("method", ["gptq", "gptq-int8"])
-def test_correlated_inputs_give_less_output_error_than_rounding(method):
-    from suite.compress.methods import grid_for
+@pytest.mark.parametrize("method,symmetric", GRIDS)
+def test_correlated_inputs_give_less_output_error_than_rounding(method, symmetric):
     from suite.models.gptq import gptq_weight
 
     gen = torch.Generator().manual_seed(1)
@@ -47,10 +66,13 @@ def test_correlated_inputs_give_less_output_error_than_rounding(method):
     )  # inputs near a low-dimensional subspace, as activations are
     x = x @ mix / 8
     weight = torch.randn(32, 64, generator=gen)
-    grid = grid_for(method, 32)
-    q, scales = gptq_weight(weight, x.t() @ x, grid, damp=0.01)
-    gptq = q.float() * scales.float().repeat_interleave(grid.group or 64, dim=1)
-    rtn = _rtn(weight, method).dequantize()
+    grid = _grid(method, symmetric)
+    q, scales, zeros = gptq_weight(weight, x.t() @ x, grid, damp=0.01)
+    group = grid.group or 64
+    gptq = (q.float() - zeros.float().repeat_interleave(group, dim=1)) * scales.float().repeat_interleave(
+        group, dim=1
+    )
+    rtn = _rtn(weight, method, grid).dequantize()
     err_gptq = (x @ (weight - gptq).t()).pow(2).sum()
     err_rtn = (x @ (weight - rtn).t()).pow(2).sum()
     assert err_gptq < 0.7 * err_rtn, (float(err_gptq), float(err_rtn))
@@ -171,8 +193,7 @@ def test_the_layer_int4_hurts_most_is_measured_and_kept_at_int8():
     """Mixed precision: sensitivity ranks the Linear whose weight has an outlier in every group (int4's
     scale is set by it, the other weights round to few levels) first; gptq_quantize stores it on the
     int8 grid (the values GPTQ computed for it, as compress=gptq-int8 does) and the rest at int4."""
-    from suite.compress.methods import grid_for
-    from suite.models.gptq import gptq_quantize, sensitivity
+    from suite.models.gptq import gptq_quantize, int4_grid, sensitivity
 
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
@@ -185,7 +206,7 @@ def test_the_layer_int4_hurts_most_is_measured_and_kept_at_int8():
     def calibrate(m):
         m(x)
 
-    grid = grid_for("gptq", 32)
+    grid = int4_grid(32, symmetric=True)  # the symmetric scale spans the outlier both ways
     scores = sensitivity(model, ["0", "1"], grid, calibrate)
     assert scores["1"] > 1.5 * scores["0"] > 0, scores  # measured: 0.0183 against 0.0093
     gptq_quantize(model, ["0", "1"], grid, 0.01, calibrate, int8_layers=["1"])
@@ -203,3 +224,23 @@ def test_int8_layers_on_a_method_that_does_not_read_it_is_refused_in_one_line():
         check_compress(cfg, torch.device("cpu"))
     cfg.compress.method = "gptq"
     check_compress(cfg, torch.device("cpu"))  # the method that reads it takes it
+
+
+def test_clip_search_rounds_no_group_worse_and_some_better():
+    """compress.clip_search (gptq's default, with the asymmetric grid): each group takes the shrunk
+    range with the least round-trip error, so no group is worse than the full range and a group whose
+    range an outlier sets is better (the other weights get finer steps)."""
+    from suite.compress.methods import grid_for
+    from suite.models.gptq import int4_grid
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(8, 64, generator=gen) * 0.05
+    weight[:, ::32] = 0.4  # one outlier per group of 32
+    default = grid_for("gptq", 32)
+    assert not default.symmetric and default.clip and default == int4_grid(32, False, True)
+
+    def errors(grid):
+        return (grid.round_trip(weight) - weight).pow(2).reshape(8, 2, 32).sum(-1)
+
+    plain, clipped = errors(int4_grid(32, False)), errors(default)
+    assert (clipped <= plain).all() and (clipped < plain).any(), (clipped, plain)
