@@ -112,6 +112,19 @@ HF_MODELS |= {
         )
     ),
 }
+# the suite's side of DEEPSEEK: MLA at the same tiny widths
+SUITE_MLA = dict(
+    family="deepseek_v3",
+    hidden_size=32,
+    num_heads=4,
+    vocab_size=96,
+    max_seq_len=64,
+    ffn_hidden_size=48,
+    kv_lora_rank=12,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+)
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
@@ -347,17 +360,8 @@ def test_mtp_modules_train_only_and_are_dropped_on_export(tmp_path):
     from safetensors.torch import load_file
 
     cfg = ModelConfig(
-        family="deepseek_v3",
+        **SUITE_MLA,
         num_layers=2,
-        hidden_size=32,
-        num_heads=4,
-        vocab_size=96,
-        max_seq_len=64,
-        ffn_hidden_size=48,
-        kv_lora_rank=12,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
         num_mtp_layers=1,
         tie_embeddings=False,
     )
@@ -387,17 +391,8 @@ def test_mtp_loss_over_whole_rows_equals_the_cut_rows():
     from suite.models.mtp import mtp_loss
 
     cfg = ModelConfig(
-        family="deepseek_v3",
+        **SUITE_MLA,
         num_layers=1,
-        hidden_size=32,
-        num_heads=4,
-        vocab_size=96,
-        max_seq_len=64,
-        ffn_hidden_size=48,
-        kv_lora_rank=12,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
         num_mtp_layers=2,
     )
     model = materialize(build_model(cfg), "cpu", seed=5)
