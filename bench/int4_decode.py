@@ -19,10 +19,13 @@ import argparse
 import copy
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from bench.gptq_real import cpu_name
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+from gptq_real import cpu_name  # noqa: E402 (after the path)
 
 
 def main() -> None:
