@@ -15,7 +15,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_output_folders.py",  # 344
     "tests/unit/test_plan_dryrun.py",  # 301
     "tests/e2e/test_docs_commands.py",  # 296
-    "tests/distributed/test_family_layouts.py",  # ~240 (149 + MTP under tp, cp and pp: 1f1b, zero_bubble)
+    "tests/distributed/test_family_layouts.py",  # ~190 (deepseek layouts run with MTP only)
     "tests/distributed/test_equivalence.py",  # 174
     "tests/e2e/test_export_gguf.py",  # 141
     "tests/e2e/test_prune.py",  # 126

@@ -180,7 +180,8 @@ class ParallelDims:
                 f"need parallel.sharding>1 with parallel.sharding_stage 2 or 3 (got sharding={self.sharding}, "
                 f"stage {pcfg.sharding_stage})"
             )
-        check_pipeline(pcfg, self, cfg.train.compile is True)
+        tied_mtp = bool(cfg.model.num_mtp_layers and cfg.model.tie_embeddings)
+        check_pipeline(pcfg, self, cfg.train.compile is True, tied_mtp)
         launch = cfg.launch
         if not 0 <= launch.node_rank < launch.nnodes:
             raise ConfigError(
@@ -280,9 +281,13 @@ def check_context_parallel(dims: ParallelDims, cfg: SuiteConfig) -> None:
 
 
 # ---- pipeline checks ---------------------------------------------------------------------------
-def check_pipeline(cfg: ParallelConfig, dims: ParallelDims, compile_blocks: bool) -> None:
+def check_pipeline(
+    cfg: ParallelConfig, dims: ParallelDims, compile_blocks: bool, tied_mtp: bool = False
+) -> None:
     """One-line errors for pipeline settings the schedules cannot run (called once, by
-    ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp)."""
+    ParallelDims.validate_run, before any process starts; the schedule name is checked at any pp).
+    tied_mtp: multi-token prediction with a tied head (the last stage's one embedding weight feeds
+    both the MTP modules' input and the head)."""
     schedule = cfg.pp_schedule
     if schedule not in PP_SCHEDULES:
         raise ConfigError(
@@ -308,6 +313,13 @@ def check_pipeline(cfg: ParallelConfig, dims: ParallelDims, compile_blocks: bool
         raise ConfigError(
             f"parallel.pp_schedule={schedule} needs the micro-batches per step to split into equal rounds of "
             f"parallel.pp={dims.pp}, got {per_step}; use a multiple of {dims.pp}"
+        )
+    if schedule == "zero_bubble" and tied_mtp:
+        raise ConfigError(
+            "parallel.pp_schedule=zero_bubble with model.num_mtp_layers>0 and model.tie_embeddings=true: the "
+            "last stage's one embedding weight feeds both the MTP modules and the head, which zero bubble's "
+            "separate weight-gradient pass cannot run twice; use parallel.pp_schedule=interleaved_1f1b or "
+            "model.tie_embeddings=false"
         )
     if schedule == "zero_bubble" and compile_blocks:
         raise ConfigError(

@@ -114,6 +114,9 @@ def plan_stages(model: nn.Module, num_stages: int) -> list[list[int]]:
     costs = [_numel(model.layers[str(i)]) for i in ids]
     first = _numel(model.tok_embeddings) + _numel(model.pos_embeddings)
     last = _numel(model.norm) + _numel(model.output)  # a tied head is a separate copy on the last stage
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # the MTP modules, and the embedding they read (the tied head is that copy)
+        last += _numel(mtp) + (0 if model.cfg.tie_embeddings else _numel(model.tok_embeddings))
     return [[ids[i] for i in stage] for stage in split_layers(costs, first, last, num_stages)]
 
 

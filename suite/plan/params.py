@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from suite.config.schema import ModelConfig
 from suite.models.moe import moe_layer_ids
+from suite.models.mtp import mtp_config
 from suite.models.transformer import Transformer, TransformerBlock
 from suite.parallel.expert_tensor_parallel import shared_expert_plan
 from suite.parallel.pipeline import split_layers
@@ -135,12 +136,38 @@ def head_specs(cfg: ModelConfig, separate_copy: bool) -> list[ParamSpec]:
     return specs
 
 
+def mtp_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """The multi-token prediction modules' tensors (suite.models.mtp): each module's dense block split
+    by tensor parallelism as the model's dense blocks are, its norms and projection replicated
+    (suite.parallel.tensor_parallel.mtp_plan)."""
+    if not cfg.num_mtp_layers:
+        return []
+    block_dims = _tp_dims(mtp_config(cfg), moe=False)
+    specs = []
+    for name, spec in _outer_specs(cfg).items():
+        if name.startswith("mtp."):
+            inner = name.split(".block.", 1)[1] if ".block." in name else None
+            specs.append(dataclasses.replace(spec, tp_dim=block_dims.get(inner) if inner else None))
+    return specs
+
+
+def last_stage_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """What a pipeline's last stage holds beyond its layers: the final norm and its own head (a tied
+    head copied), and with multi-token prediction the MTP modules and the token embedding they read
+    (its own copy where the head is untied; a tied head is that copy already:
+    suite.parallel.pipeline.make_stage_part)."""
+    specs = head_specs(cfg, separate_copy=True) + mtp_specs(cfg)
+    if cfg.num_mtp_layers and not cfg.tie_embeddings:
+        specs += [s for s in embedding_specs(cfg) if s.name == "tok_embeddings.weight"]
+    return specs
+
+
 def model_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """Every distinct tensor of the single-process model (a tied head counted once)."""
     specs = embedding_specs(cfg)
     for layer in range(cfg.num_layers):
         specs += layer_specs(cfg, layer)
-    return specs + head_specs(cfg, separate_copy=False)
+    return specs + head_specs(cfg, separate_copy=False) + mtp_specs(cfg)
 
 
 def count_params(cfg: ModelConfig, position_embeddings: bool = True) -> int:
@@ -156,7 +183,7 @@ def stage_layers(cfg: ModelConfig, num_stages: int) -> tuple[tuple[int, ...], ..
     if key not in _CACHE:
         costs = [sum(s.numel for s in layer_specs(cfg, i)) for i in range(cfg.num_layers)]
         first = sum(s.numel for s in embedding_specs(cfg))
-        last = sum(s.numel for s in head_specs(cfg, separate_copy=True))
+        last = sum(s.numel for s in last_stage_specs(cfg))
         _CACHE[key] = tuple(tuple(stage) for stage in split_layers(costs, first, last, num_stages))
     return _CACHE[key]  # type: ignore[return-value]
 
@@ -184,7 +211,7 @@ def stage_specs(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[list[ParamSpec]
         for layer in layers:
             specs += layer_specs(cfg, layer)
         if index == len(stages) - 1:
-            specs += head_specs(cfg, separate_copy=True)
+            specs += last_stage_specs(cfg)
     return ranks
 
 

@@ -45,6 +45,15 @@ def _layout(t: torch.Tensor) -> tuple:
     )
 
 
+def with_positions(tokens: torch.Tensor, kwargs: dict) -> dict:
+    """The stage kwargs with the tokens' positions (0..s-1 unless given): a later stage cannot count
+    them from the hidden states it receives, which sequence parallelism leaves cut into this tp
+    rank's slice of the sequence (RoPE tables of that length would not fit the gathered q and k)."""
+    if "positions" in kwargs:
+        return kwargs
+    return {**kwargs, "positions": torch.arange(tokens.shape[1], device=tokens.device)}
+
+
 class _AttachAux(torch.autograd.Function):
     """Identity on a stage's output whose backward also gives the aux loss the gradient `scale`.
     A copy, not a view: the zero-bubble schedule detaches stage outputs in place."""
@@ -155,13 +164,15 @@ class PipelineStep(TrainStep):
         """`model_inputs` (cp > 1: this rank's sequence chunks) with every tensor batch-major: the
         schedule cuts each keyword argument into micro-batches along dim 0, so the chunks' shared
         positions [2L] are expanded to one row per sample; the last stage's MTP modules also get
-        their later tokens (`mtp_targets`, [b, depths + 1, s])."""
+        their later tokens (`mtp_targets`, [b, depths + 1, s]); positions always travel with the
+        micro-batch (`with_positions`)."""
         tokens, labels, kwargs = self.model_inputs(batch)
         depths = self.stages.mtp_depths
         if depths and self.stages.has_last and "mtp_targets" not in kwargs:  # (cp > 1: its chunks')
             kwargs = {**kwargs, "mtp_targets": mtp_targets(tokens, depths)}
-        positions = kwargs.get("positions")
-        if positions is not None and positions.dim() == 1:
+        kwargs = with_positions(tokens, kwargs)
+        positions = kwargs["positions"]
+        if positions.dim() == 1:
             kwargs = {**kwargs, "positions": positions.expand(tokens.shape[0], -1)}
         return tokens, labels, kwargs
 
@@ -262,6 +273,7 @@ class PipelineStep(TrainStep):
         total = torch.zeros((), device=device, dtype=torch.float64)
         for batch in batches:
             tokens, labels, kwargs = self.model_inputs(batch.to(device))
+            kwargs = with_positions(tokens, kwargs)
             hidden = None
             for s in range(stages.num_stages):
                 part = by_stage.get(s)

@@ -36,9 +36,15 @@ MOE = [
 ]
 
 
-def _config(model: str, world: int, parallel: dict):
+def _config(model: str, world: int, parallel: dict, *extra: str):
     data = world // (parallel.get("tp", 1) * parallel.get("pp", 1))
-    overrides = [f"model={model}", "train.precision=bf16", "data.seq_len=128", "model.max_seq_len=2048"]
+    overrides = [
+        f"model={model}",
+        "train.precision=bf16",
+        "data.seq_len=128",
+        "model.max_seq_len=2048",
+        *extra,
+    ]
     overrides += [f"parallel.{k}={str(v).lower()}" for k, v in parallel.items()]
     overrides += [
         "parallel.micro_batch_size=1",
@@ -68,6 +74,20 @@ def test_dry_run_parameters_equal_the_cost_model(model):
             assert result["params"] == result["params_predicted"], (model, world, parallel, rank)
         checked += 1
     assert checked >= 5, f"{model}: only {checked} layouts apply"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_multi_token_prediction_modules_are_counted_on_the_last_stage(tied):
+    """The MTP modules (and, with an untied head, the embedding copy they read) sit on the pipeline's
+    last stage, their blocks split by tp: the cost model's count equals the placed model's on every
+    pipeline rank. Leaving them out of suite.plan.params (as before) misses the last rank by the
+    modules' ~100k parameters; counting the embedding copy beside a tied head counts it twice."""
+    extra = ("model.num_mtp_layers=1", f"model.tie_embeddings={str(tied).lower()}")
+    for world, parallel in [(2, {"pp": 2}), (8, {"pp": 2, "tp": 2, "sp": True, "sharding": 2, "ep": 2})]:
+        cfg, dims = _config("deepseek-tiny", world, parallel, *extra)
+        for rank in (0, world - 1):
+            result = dry_run(cfg, dims, rank)
+            assert result["params"] == result["params_predicted"], (parallel, rank, result)
 
 
 def test_coordinates_are_the_meshes_row_major_order():

@@ -23,10 +23,12 @@ MODELS = known_options("model")
 
 
 def _model(name: str) -> ModelConfig:
+    if name == "deepseek-tiny-mtp":  # with a multi-token prediction module (suite.models.mtp)
+        return to_object(compose_config(["model=deepseek-tiny", "model.num_mtp_layers=1"])).model
     return to_object(compose_config([f"model={name}"])).model
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, "deepseek-tiny-mtp"])
 def test_every_tensor_matches_the_model_built_on_meta(name):
     from suite.models.transformer import build_model
 
@@ -37,7 +39,7 @@ def test_every_tensor_matches_the_model_built_on_meta(name):
     assert count_params(cfg, position_embeddings=False) == model.num_params()
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt345m"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt345m", "deepseek-tiny-mtp"])
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2)])
 def test_pipeline_split_is_the_trainers(name, pp, vpp):
     from suite.models.transformer import build_model
