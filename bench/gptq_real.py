@@ -18,9 +18,10 @@ Calibration: `--calib` windows of `--seq` tokens of the licence texts in /usr/sh
 compress.skip's default (embedding and tied head stay float). `--llama-cpp-q4_0`: the weights written
 as `suite export format=gguf export.quantize=q4_0` writes them (suite.export.gguf.write_gguf; the tied
 head/embedding Q8_0), then perplexity from llama.cpp's logits (llama-cpp-python, logits_all) on the
-same token ids, and from the suite reading that file back (`gguf:`), after checking that llama.cpp's
-tokenizer gives the suite's ids for GPL-3. Prints one JSON line: seconds in quantization (the
-int8_layers measurement and gptq_quantize), perplexities, bits per block weight, CPU, threads.
+same token ids, and from the suite reading that file back (`gguf:`); `q4_0_token_ids` compares
+llama.cpp's tokenization of GPL-3 with the suite's (they differ on whitespace runs:
+docs/benchmarks.md). Prints one JSON line: seconds in quantization (the int8_layers measurement and
+gptq_quantize), perplexities, bits per block weight, CPU, threads.
 """
 
 from __future__ import annotations
@@ -132,7 +133,11 @@ def llama_cpp_q4_0(source, held: list[torch.Tensor], text: str, suite_ids: list[
     return {
         "q4_0_llama_cpp_ppl": math.exp(total / count),
         "q4_0_suite_read_ppl": suite_ppl,
-        "q4_0_same_token_ids": ids == suite_ids,
+        "q4_0_token_ids": {  # GPL-3 in llama.cpp's tokenizer against the suite's
+            "suite": len(suite_ids),
+            "llama_cpp": len(ids),
+            "first_difference": next((i for i, (a, b) in enumerate(zip(ids, suite_ids)) if a != b), None),
+        },
         "q4_0_file_bytes": file_bytes,
         "q4_0_block_bits": round(bits, 3),
         "q4_0_export_seconds": round(export_s, 1),
