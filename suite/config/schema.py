@@ -167,11 +167,12 @@ class CompressConfig:
     # rounding error on its weights is least (measured better on SmolLM2 in docs/benchmarks.md)
     clip_search: bool = True
     # gptq (clip_search): each weight's error in the search weighted by its input's mean square on the
-    # calibration data (diag H: the layer's output error, as AWQ's and GPTQModel's MSE searches weigh it)
-    clip_weighted: bool = True
+    # calibration data (diag H, as AWQ's and GPTQModel's MSE searches weigh it); measured on SmolLM2
+    # (docs/benchmarks.md): no better with act_order, so off
+    clip_weighted: bool = False
     # gptq, gptq-int8: columns rounded in order of decreasing diag H (GPTQ's act-order / desc_act), the
     # groups' scales and zero points taken from the weight before compensation (static groups), so the
-    # stored layout is unchanged
+    # stored layout is unchanged; SmolLM2 int4 (docs/benchmarks.md): +12.7% -> +6.6% perplexity over fp32
     act_order: bool = True
     # gptq: this many Linear layers, those with the largest relative int4 output error on the calibration
     # data, are quantized on the int8 grid instead (mixed precision; named in the quantize output)

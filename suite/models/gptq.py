@@ -9,8 +9,8 @@ inputs on calibration data. Runs on CPU and CUDA (torchao's own GPTQ is CUDA onl
 The order is the columns' own (left to right) or, with compress.act_order (the default), decreasing
 diag H (GPTQ's act-order, with static groups: each stored group's scale taken from the weight before
 compensation, so the integers go back to the weight's column order and the layout is unchanged).
-The int4 grid's clipping search (compress.clip_search) weighs each weight's error by diag H of its
-input (compress.clip_weighted).
+The int4 grid's clipping search (compress.clip_search) can weigh each weight's error by diag H of its
+input (compress.clip_weighted, off by default).
 
 The grid is torchao's, so the result is the tensor type round-to-nearest produces and everything
 downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is group-wise per

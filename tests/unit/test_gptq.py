@@ -237,7 +237,7 @@ def test_clip_search_rounds_no_group_worse_and_some_better():
     weight = torch.randn(8, 64, generator=gen) * 0.05
     weight[:, ::32] = 0.4  # one outlier per group of 32
     default = grid_for("gptq", 32)
-    assert not default.symmetric and default.clip and default == int4_grid(32, False, True, True)
+    assert not default.symmetric and default.clip and default == int4_grid(32, False, True)
 
     def errors(grid):
         return (grid.round_trip(weight) - weight).pow(2).reshape(8, 2, 32).sum(-1)
@@ -288,11 +288,11 @@ def test_act_order_is_plain_gptq_in_decreasing_diag_h_order_stored_in_the_weight
     q, scales, zeros = gptq_weight(weight, h, grid, 0.01, act_order=True)
     order = torch.argsort(torch.diag(h), descending=True).tolist()
     assert order != sorted(order)
-    static = grid.params(weight.reshape(8, 2, 32), torch.diag(h).reshape(2, 32))
+    static = grid.params(weight.reshape(8, 2, 32), torch.diag(h).reshape(2, 32) if grid.weighted else None)
     assert torch.equal(scales, static[0].reshape(8, 2))
     assert torch.equal(zeros.float(), static[1].reshape(8, 2))
     want = _obs_reference(weight, h, grid, 0.01, order, scales, zeros)
-    assert (q.float() != want).float().mean() <= 0.01, int((q.float() != want).sum())
+    assert torch.equal(q.float(), want), int((q.float() != want).sum())  # left to right: 157 of 512 differ
 
     layer = nn.Sequential(nn.Linear(64, 8, bias=False))
     layer[0].weight.data.copy_(weight)
@@ -317,7 +317,7 @@ def test_act_order_gives_less_output_error_when_input_channels_differ_in_scale()
         delta = weight - dq
         return float(((delta @ h) * delta).sum())
 
-    assert error(True) < 0.9 * error(False), (error(True), error(False))
+    assert error(True) < 0.5 * error(False), (error(True), error(False))  # measured: 24,736 against 966,424
 
 
 def test_weighted_clip_search_minimises_the_diag_h_weighted_error_of_each_group():
