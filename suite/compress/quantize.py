@@ -164,6 +164,8 @@ ARTEFACT_KEYS = (
     "int8_layers",
     "symmetric",
     "clip_search",
+    "clip_weighted",
+    "act_order",
 )
 
 

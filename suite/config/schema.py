@@ -137,7 +137,8 @@ class CompressConfig:
     (quantization-aware training, converted to int4 / int8 at the end). See docs/compression.md.
 
     The keys users type, flat: each method reads its own through its config dataclass (`options`:
-    group_size for int4 and gptq, symmetric and clip_search for gptq, smoothquant_alpha, gptq_damp, calib_samples for calibrated methods;
+    group_size for int4 and gptq, symmetric, clip_search and clip_weighted for gptq, act_order for gptq
+    and gptq-int8, smoothquant_alpha, gptq_damp, calib_samples for calibrated methods;
     learn_scales and scale_lr for the training half); skip and the report's keys apply to all.
     """
 
@@ -165,6 +166,14 @@ class CompressConfig:
     # gptq (asymmetric): each group's range shrunk by the factor in 1.0..0.8 (steps of 0.025) whose
     # rounding error on its weights is least (measured better on SmolLM2 in docs/benchmarks.md)
     clip_search: bool = True
+    # gptq (clip_search): each weight's error in the search weighted by its input's mean square on the
+    # calibration data (diag H, as AWQ's and GPTQModel's MSE searches weigh it); measured on SmolLM2
+    # (docs/benchmarks.md): no better with act_order, so off
+    clip_weighted: bool = False
+    # gptq, gptq-int8: columns rounded in order of decreasing diag H (GPTQ's act-order / desc_act), the
+    # groups' scales and zero points taken from the weight before compensation (static groups), so the
+    # stored layout is unchanged; SmolLM2 int4 (docs/benchmarks.md): +12.7% -> +6.6% perplexity over fp32
+    act_order: bool = True
     # gptq: this many Linear layers, those with the largest relative int4 output error on the calibration
     # data, are quantized on the int8 grid instead (mixed precision; named in the quantize output)
     int8_layers: int = 0

@@ -70,12 +70,15 @@ class GptqOptions:
     int8_layers: int  # the Linear layers most sensitive to int4 kept at int8 (mixed precision)
     symmetric: bool  # int4 zero points 0; false: an integer zero point per group (torchao ASYMMETRIC)
     clip_search: bool  # asymmetric: each group's range shrunk by the factor with the least error
+    clip_weighted: bool  # that error weighted by diag H (each input's mean square)
+    act_order: bool  # columns rounded in order of decreasing diag H, static groups
 
 
 @dataclass(frozen=True)
 class GptqInt8Options:
     calib_samples: int
     gptq_damp: float
+    act_order: bool
 
 
 @dataclass(frozen=True)
@@ -393,16 +396,17 @@ class _Gptq(CompressionMethod):
         device: torch.device,
         calibrate: Calibrate | None,
     ) -> None:
-        damp, grid = self.settings(compress).gptq_damp, self.grid(compress)
+        settings, grid = self.settings(compress), self.grid(compress)
         calibrate = calibrate or (lambda m: None)
         gptq_quantize(
             model,
             targets,
             grid,
-            damp,
+            settings.gptq_damp,
             calibrate,
             progress=True,
             int8_layers=self.wide(model, targets, compress, calibrate),
+            act_order=settings.act_order,
         )
 
     def wide(
@@ -421,7 +425,9 @@ class Gptq(_Gptq):
 
     def grid(self, compress: CompressConfig) -> Grid:
         settings = self.settings(compress)
-        return int4_grid(settings.group_size, settings.symmetric, settings.clip_search)
+        return int4_grid(
+            settings.group_size, settings.symmetric, settings.clip_search, settings.clip_weighted
+        )
 
     def wide(
         self, model: nn.Module, targets: list[str], compress: CompressConfig, calibrate: Calibrate

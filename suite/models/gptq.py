@@ -3,15 +3,21 @@ rounding error compensated on the columns not yet quantized, through the inverse
 inputs on calibration data. Runs on CPU and CUDA (torchao's own GPTQ is CUDA only).
 
     H = X^T X over the calibration tokens (+ compress.gptq_damp * mean diag H on the diagonal)
-    for each column j, left to right:  q_j = round-to-grid(w_j);  e = (w_j - q_j) / [H^-1]_jj
-                                        w_k -= e * [H^-1]_jk  for k > j   (upper Cholesky factor of H^-1)
+    for each column j in order:  q_j = round-to-grid(w_j);  e = (w_j - q_j) / [H^-1]_jj
+                                  w_k -= e * [H^-1]_jk  for k after j   (upper Cholesky factor of H^-1)
+
+The order is the columns' own (left to right) or, with compress.act_order (the default), decreasing
+diag H (GPTQ's act-order, with static groups: each stored group's scale taken from the weight before
+compensation, so the integers go back to the weight's column order and the layout is unchanged).
+The int4 grid's clipping search (compress.clip_search) can weigh each weight's error by diag H of its
+input (compress.clip_weighted, off by default).
 
 The grid is torchao's, so the result is the tensor type round-to-nearest produces and everything
 downstream (save, reload, generate, eval) is shared: int4 (`compress=gptq`) is group-wise per
 compress.group_size inputs, values in [-8, 7], bf16 scales (IntxUnpackedToInt8Tensor), asymmetric by
 default (scale = (max - min) / 15, an integer zero point; compress.symmetric=true: max|w| / 7.5, zero 0); int8 (`compress=gptq-int8`) is symmetric per output row,
-scale = max|w| / 127.5, values in [-128, 127] (Int8Tensor). A group's scale is taken from its columns
-as they stand when the group starts (after the compensation of the groups before it).
+scale = max|w| / 127.5, values in [-128, 127] (Int8Tensor). Without act-order, a group's scale is taken from its
+columns as they stand when the group starts (after the compensation of the groups before it).
 
 Blocks are quantized in order: the inputs a block's Linear layers see come from the blocks before it
 already quantized (as in the paper). Each block's inputs are kept for every calibration batch and
@@ -50,18 +56,25 @@ class Grid:
     scale_dtype: torch.dtype
     symmetric: bool = True
     clip: tuple[float, ...] = ()  # asymmetric: shrink factors of the range tried per group (CLIP_SEARCH)
+    # clip: each weight's squared error weighted by its input's mean square (diag H, which GPTQ passes
+    # as `importance`): the layer's output error, as AWQ's and GPTQModel's MSE searches weigh it
+    weighted: bool = False
 
-    def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def params(
+        self, w: torch.Tensor, importance: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale in scale_dtype, zero point as float) of the columns `w` [..., cols] (one group each);
-        with `clip`, of the shrunk range whose round trip has the least squared error in each group."""
+        with `clip`, of the shrunk range whose round trip has the least squared error in each group,
+        each column's error times `importance` [..., cols] when given (diag H of those inputs)."""
         if self.clip and not self.symmetric:
             w = w.float()
             best = None
             for factor in self.clip:
                 scale, zero = self._range_params(w, factor)
-                err = (
-                    ((self.quantize(w, scale, zero) - zero) * scale.float() - w).pow(2).sum(-1, keepdim=True)
-                )
+                err = ((self.quantize(w, scale, zero) - zero) * scale.float() - w).pow(2)
+                if importance is not None:
+                    err = err * importance
+                err = err.sum(-1, keepdim=True)
                 if best is None:
                     best = [err, scale, zero]
                 else:
@@ -128,11 +141,15 @@ CLIP_SEARCH = tuple(1.0 - 0.025 * i for i in range(9))
 INT8_LEVELS = (-128, 127)
 
 
-def int4_grid(group_size: int, symmetric: bool = True, clip_search: bool = False) -> Grid:
+def int4_grid(
+    group_size: int, symmetric: bool = True, clip_search: bool = False, clip_weighted: bool = False
+) -> Grid:
     """int4, one bf16 scale (and, asymmetric, an integer zero point) per `group_size` inputs
     (compress=int4 on CPU, gptq, qat-int4); `clip_search`: each group's range shrunk by the CLIP_SEARCH
-    factor with the least error (asymmetric only: no longer torchao's round to nearest)."""
-    return Grid(*INT4_LEVELS, group_size, torch.bfloat16, symmetric, CLIP_SEARCH if clip_search else ())
+    factor with the least error (asymmetric only: no longer torchao's round to nearest);
+    `clip_weighted`: that error weighted by diag H in GPTQ (compress.clip_weighted)."""
+    clip = CLIP_SEARCH if clip_search else ()
+    return Grid(*INT4_LEVELS, group_size, torch.bfloat16, symmetric, clip, clip_weighted and clip_search)
 
 
 def int8_grid() -> Grid:
@@ -142,41 +159,64 @@ def int8_grid() -> Grid:
 
 @torch.no_grad()
 def gptq_weight(
-    weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, damp: float
+    weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, damp: float, act_order: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(integer values [out, in] as int8, scales [out, groups], integer zero points [out, groups] as
-    int8: 0 on a symmetric grid) of `weight` [out, in] given H [in, in]."""
+    int8: 0 on a symmetric grid) of `weight` [out, in] given H [in, in], all in the weight's own
+    column order.
+
+    `act_order` (GPTQ's desc_act): columns are rounded in order of decreasing diag H, so the inputs
+    that matter most are rounded while the most columns are left to absorb their error; the groups
+    stay the stored ones (consecutive inputs) and their scales and zero points are taken from the
+    weight before any compensation (AutoGPTQ's static_groups), so the tensor type and layout are
+    unchanged. Without it, a group's scale comes from its columns as compensated when it starts."""
     w = weight.detach().float().clone()
     rows, cols = w.shape
     h = hessian.double().clone()
     dead = torch.diag(h) == 0  # inputs never active: their weights cannot matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    importance = torch.diag(h).float()  # each input's sum of squares: its weights' cost per unit error
+    weights_of = importance if grid.weighted else None
+    group = grid.group or cols
+    scales = torch.zeros(rows, cols // group, dtype=grid.scale_dtype, device=w.device)
+    zeros = torch.zeros(rows, cols // group, device=w.device)
+    order = None
+    if act_order:
+        order = torch.argsort(importance, descending=True, stable=True)
+        scale, zero = grid.params(
+            w.reshape(rows, cols // group, group),
+            None if weights_of is None else weights_of.reshape(cols // group, group),
+        )
+        scales.copy_(scale.reshape(rows, cols // group))
+        zeros.copy_(zero.reshape(rows, cols // group))
+        w, h = w[:, order], h[order][:, order]
+    # the stored group of each column in the order rounded
+    groups = ((order.cpu() if order is not None else torch.arange(cols)) // group).tolist()
     h += damp * torch.diag(h).mean() * torch.eye(cols, dtype=h.dtype, device=h.device)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
-    group = grid.group or cols
     q = torch.zeros_like(w)
-    scales = torch.zeros(rows, cols // group, dtype=grid.scale_dtype, device=w.device)
-    zeros = torch.zeros(rows, cols // group, device=w.device)
     for start in range(0, cols, COLUMN_BLOCK):
         end = min(start + COLUMN_BLOCK, cols)
         w1, err = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
         h1 = hinv[start:end, start:end]
         for i in range(end - start):
             col = start + i
-            if col % group == 0:  # the group's scale, from its columns as compensated so far
-                g = col // group
+            g = groups[col]
+            if order is None and col % group == 0:  # its group's scale, from its columns as they stand
                 ahead = torch.cat([w1[:, i:], w[:, end:]], dim=1)[:, :group]
-                scales[:, g : g + 1], zeros[:, g : g + 1] = grid.params(ahead)
-            scale = scales[:, col // group : col // group + 1]
-            zero = zeros[:, col // group : col // group + 1]
+                its = None if weights_of is None else weights_of[col : col + group]
+                scales[:, g : g + 1], zeros[:, g : g + 1] = grid.params(ahead, its)
+            scale, zero = scales[:, g : g + 1], zeros[:, g : g + 1]
             qcol = grid.quantize(w1[:, i : i + 1], scale, zero)
             q[:, col] = qcol[:, 0]
             e = (w1[:, i] - ((qcol - zero) * scale.float())[:, 0]) / h1[i, i]
             w1[:, i:] -= e[:, None] * h1[i, i:][None, :]
             err[:, i] = e
         w[:, end:] -= err @ hinv[start:end, end:]
+    if order is not None:  # back to the weight's own column order
+        q = q[:, torch.argsort(order)]
     return q.to(torch.int8), scales, zeros.to(torch.int8)
 
 
@@ -297,15 +337,16 @@ def _quantize_linears(
     grid: Grid | Callable[[str], Grid],
     damp: float,
     results: dict[str, tuple[torch.Tensor, ...]],
+    act_order: bool = False,
 ) -> None:
-    """GPTQ each Linear on its Hessian (on `grid`, or `grid(name)`); its weight becomes the dequantized
-    result, so what runs after it sees quantized outputs."""
+    """GPTQ each Linear on its Hessian (on `grid`, or `grid(name)`; `act_order`: gptq_weight's); its
+    weight becomes the dequantized result, so what runs after it sees quantized outputs."""
     for name, linear in linears.items():
         h = hessians.get(name)
         if h is None:
             h = torch.zeros(linear.in_features, linear.in_features, device=linear.weight.device)
         its = grid(name) if callable(grid) else grid
-        q, scales, zeros = gptq_weight(linear.weight, h, its, damp)
+        q, scales, zeros = gptq_weight(linear.weight, h, its, damp, act_order)
         results[name] = (q, scales, zeros)
         group = its.group or linear.in_features
         dequant = (
@@ -344,6 +385,7 @@ def gptq_quantize(
     cache_inputs: bool = True,
     progress: bool = False,
     int8_layers: Iterable[str] = (),
+    act_order: bool = False,
 ) -> None:
     """Quantize the Linear layers `targets` of `model` in place with GPTQ on `grid`, to the tensor types
     torchao's round-to-nearest gives for the same grid (`compress=int4` / `int8` on CPU).
@@ -355,6 +397,7 @@ def gptq_quantize(
     block's inputs come from a forward from the embedding that stops after the block. What is not in a
     block (an untied head) is calibrated by one whole forward at the end. `progress`: a bar on stderr.
     `int8_layers`: targets quantized on the int8 grid instead (mixed precision: `sensitivity`).
+    `act_order`: columns rounded in order of decreasing diag H (gptq_weight).
     """
     # deferred: tqdm (transformers' dependency) draws the bar only when asked for
     from tqdm import tqdm
@@ -386,7 +429,7 @@ def gptq_quantize(
             if names:
                 linears = {n: modules[n] for n in names}
                 hessians = input_hessians(linears, lambda b=block, x=inputs: [b(*a, **k) for a, k in x], None)
-                _quantize_linears(linears, hessians, layer_grid, damp, results)
+                _quantize_linears(linears, hessians, layer_grid, damp, results, act_order)
                 bar.update()
             if i < last:  # the next block's inputs: this one's outputs, quantized
                 inputs = [((block(*args, **kwargs), *args[1:]), kwargs) for args, kwargs in inputs]
@@ -395,7 +438,7 @@ def gptq_quantize(
     for block, names in stages:
         linears = {n: modules[n] for n in names}
         hessians = input_hessians(linears, lambda: calibrate(forward_until_stop), block)
-        _quantize_linears(linears, hessians, layer_grid, damp, results)
+        _quantize_linears(linears, hessians, layer_grid, damp, results, act_order)
         bar.update()
     bar.close()
     store_values(model, [t for t in targets if t not in wide], grid, results)

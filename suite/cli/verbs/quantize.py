@@ -30,6 +30,8 @@ its own tokenizer; SmoothQuant and GPTQ calibrate on the same). compress= picks 
 Keys: compress.group_size  compress.skip (module-name patterns kept in full precision)
       compress.embedding=int8 (the token embedding and a head tied to it as int8 rows; default none)
       compress.calib_samples  compress.smoothquant_alpha  compress.gptq_damp
+      gptq: compress.symmetric  compress.clip_search  compress.clip_weighted  compress.act_order
+            compress.int8_layers (docs/compression.md)
       compress.eval_batches  compress.decode_tokens
       compress.task_samples (held-out questions scored when the run was finetuned on a built-in task)
       run.dir (default <ckpt run>-<method>)  train.device=auto|cpu|cuda
