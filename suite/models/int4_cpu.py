@@ -45,8 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the packed int4 kernel takes
-# rows of a call above which the int4 weight is dequantized for a plain matmul (module docstring):
-# the measured crossover of kernel against unpack + fp32 matmul, docs/benchmarks.md
+# rows of a call above which the int4 weight is dequantized for a plain matmul (module docstring): on
+# SmolLM2's four weight shapes the kernel was faster at 64 rows and slower at 128 (1 thread, bench/
+# int4_decode.py --crossover, docs/benchmarks.md)
 DEQUANT_ROWS = 64
 
 # The packed kernel's byte layout, as torch's weight_to_int4pack_kernel writes it
