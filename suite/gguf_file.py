@@ -29,7 +29,7 @@ import torch
 
 from suite.config.errors import ConfigError
 from suite.config.schema import ModelConfig
-from suite.data.gguf_metadata import GGUFMetadata, quiet_transformers
+from suite.data.gguf_metadata import GGUFMetadata
 from suite.models.family import FAMILIES, Family, kv_heads
 from suite.models.hf_mapping import to_hf_state_dict
 from suite.models.lazy import Box, LazyTensor, Source
@@ -71,7 +71,7 @@ class GGUFFile(GGUFMetadata):
 
         extra = family.gguf.config_kwargs(self.arch_fields())
         try:
-            with quiet_transformers():
+            with self.transformers_reading():
                 hf = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name, **extra)
         except (ValueError, KeyError, OSError) as exc:
             raise ConfigError(f"{self.where}: its metadata does not describe a model ({exc})") from None

@@ -267,7 +267,8 @@ class ModelSource:
 
     def load_model(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """A single-device model in eval mode holding the source's weights (LoRA adapters merged)."""
-        model = materialize(build_model(self.model_config()), device, seed=0)
+        # an imported source overwrites every parameter (load_suite_weights refuses a missing one): no init
+        model = materialize(build_model(self.model_config()), device, seed=None if self.is_hf else 0)
         if dtype != torch.float32:
             model.to(dtype)
         lora = self.lora

@@ -69,13 +69,37 @@ class GGUFMetadata:
         prefix = f"{self.arch}."
         return {k[len(prefix) :]: self.field(k) for k in self.reader.fields if k.startswith(prefix)}
 
+    @contextlib.contextmanager
+    def transformers_reading(self) -> Iterator[None]:
+        """transformers' GGUF config and tokenizer readers, quiet, handed this file's parsed reader
+        instead of parsing the file again (each parse walks every token and merge string: SmolLM2's
+        three parses took 21 of the 67 s before its weights were read, 1-thread profile,
+        docs/benchmarks.md). transformers imports gguf.GGUFReader inside its functions, so it is
+        swapped on the gguf module for the call only."""
+        # deferred: gguf is optional (the deploy extra); only a GGUF source needs it
+        import gguf
+
+        original, path = gguf.GGUFReader, self.path.resolve()
+
+        def parsed_once(file: Any, *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs and Path(file).resolve() == path:
+                return self.reader
+            return original(file, *args, **kwargs)
+
+        gguf.GGUFReader = parsed_once
+        try:
+            with quiet_transformers():
+                yield
+        finally:
+            gguf.GGUFReader = original
+
     def tokenizer(self) -> Any:
         """transformers' tokenizer rebuilt from the metadata (with the file's chat template)."""
         # deferred: transformers costs seconds to import; only a GGUF source's tokenizer needs it
         from transformers import AutoTokenizer
 
         try:
-            with quiet_transformers():
+            with self.transformers_reading():
                 return AutoTokenizer.from_pretrained(
                     self.path.parent, gguf_file=self.path.name, trust_remote_code=False
                 )

@@ -176,7 +176,9 @@ def load_quantized_model(folder: str | Path, model_cfg, device: str | torch.devi
     # deferred: suite.models imports this module (the quantized checkpoint format sits below it)
     from suite.models import build_model, materialize
 
-    model = materialize(build_model(model_cfg), "cpu", seed=0).requires_grad_(False)
+    model = materialize(build_model(model_cfg), "cpu", seed=None).requires_grad_(
+        False
+    )  # every tensor assigned below
     state = read_quantized_state(folder)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if not (k == "output.weight" and model_cfg.tie_embeddings)]

@@ -496,6 +496,10 @@ class Transformer(nn.Module):
             else:
                 init = initial(name, param.shape)
             param.copy_(init.to(param.dtype))
+        Transformer.init_buffers(self)  # on the class: full_init (suite.parallel) passes a stand-in
+
+    def init_buffers(self) -> None:
+        """The derived (non-persistent) buffers: the RoPE frequencies."""
         if self.rope_inv_freq is not None:
             self.rope_inv_freq.copy_(rope_inv_freq(self.cfg).to(self.rope_inv_freq.device))
 
@@ -586,10 +590,15 @@ def reset_buffers(model: nn.Module) -> None:
             module.reset_buffers()
 
 
-def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
-    """Allocate a meta-built model on `device` and run the seeded init."""
+def materialize(model: Transformer, device: str | torch.device, seed: int | None) -> Transformer:
+    """Allocate a meta-built model on `device` and run the seeded init. seed None: the parameters
+    stay uninitialised, for a caller that overwrites every one (a model read whole from a file:
+    the init of SmolLM2's 135M weights cost ~2 s a load), the derived buffers are still set."""
     model.to_empty(device=device)
     model.tie_weights()
-    model.init_weights(seed)
+    if seed is None:
+        model.init_buffers()
+    else:
+        model.init_weights(seed)
     reset_buffers(model)
     return model

@@ -92,3 +92,28 @@ def test_pack_for_cpu_keeps_a_quantized_model_s_logits():
     assert isinstance(modules["output"], PackedInt8Linear)
     error = float((got - ref).norm() / ref.norm())
     assert error < 0.02, error
+
+
+def test_large_inputs_dequantize_exactly_and_small_ones_take_the_kernel():
+    """Above DEQUANT_ROWS rows a call unpacks the weight from the kernel's own bytes and runs an fp32
+    F.linear; at DEQUANT_ROWS it takes the kernel. 112 output rows: a full 64-row block and a partial
+    one in AVX-512's layout (three 32-row blocks and a 16-row one in AVX2's), asymmetric grid.
+
+    Unpacked, the weight equals torchao's dequantized one bit for bit; the large call's output is the
+    fp32 reference's up to summation order (1e-5 of the largest value, where the kernel's bf16 output
+    is ~1e-3 off); the small call's output is the kernel's, every value a bf16 value."""
+    from suite.models.int4_cpu import DEQUANT_ROWS, PackedInt4Linear, kernel_layout, reference_linear
+
+    linear = _quantized_linear(112, 128, 32, True, False)
+    assert linear.weight.zero_point.any()
+    packed = PackedInt4Linear(linear.weight, None)
+    assert kernel_layout() is not None and packed.layout == kernel_layout()  # this torch's layout is known
+    assert torch.equal(packed.dequantized(torch.float32), linear.weight.dequantize().float())
+    x = torch.randn(DEQUANT_ROWS + 1, 128, generator=torch.Generator().manual_seed(2)).bfloat16().float()
+    with torch.no_grad():
+        ref = reference_linear(x, linear.weight)
+        large, small = packed(x), packed(x[:DEQUANT_ROWS])
+    top = float(ref.abs().max())
+    assert float((large - ref).abs().max()) < 1e-5 * top
+    assert torch.equal(small, small.bfloat16().float())  # the kernel ran: its output is bf16
+    assert float((small - ref[:DEQUANT_ROWS]).abs().max()) < top / 128
