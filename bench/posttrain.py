@@ -8,12 +8,16 @@ after GRPO, each started from the same SFT model, over several seeds, with the r
 
 Each seed is one `suite run` pipeline (written to <out>/seed-<N>/posttrain.yaml, run in <out>/seed-<N>):
 
-    sft        suite finetune recipe=sft-addition-tiny model.init_from=<base>    (addition-2, 300 steps)
+    sft        suite finetune recipe=sft-addition-tiny model.init_from=<base>    (addition-2)
     eval-sft   suite eval ckpt=<sft> eval.num_samples=200                         held-out exact match
     dpo        suite align recipe=dpo-addition-tiny model.init_from=<sft>       (pairs of its own mistakes)
     eval-dpo   suite eval ckpt=<dpo> task=addition-2 eval.num_samples=200
     grpo       suite align recipe=grpo-tiny model.init_from=<sft>                 (exact-match reward)
     eval-grpo  suite eval ckpt=<grpo> task=addition-2 eval.num_samples=200
+
+Every setting (steps, learning rates, DPO's and GRPO's keys) is the recipe's unless --sft-steps,
+--dpo-steps, --grpo-steps or --set STAGE:key=value give another; the recipes hold the settings measured
+in docs/benchmarks.md, "Post-training after SFT".
 
 The seed is train.seed of every training stage (its data order, GRPO's rollouts); the task's questions
 (finetune.data.task_seed) stay fixed, so every evaluation scores the same 200 held-out questions, none
@@ -38,6 +42,11 @@ TRAINED = ("sft", "dpo", "grpo")
 TARGETS = {"dpo": 5.0, "grpo": 10.0}  # points of held-out exact match over the SFT start
 
 
+def steps(count: int | None) -> list[str]:
+    """train.max_steps=<count>, or nothing: the recipe's."""
+    return [] if count is None else [f"train.max_steps={count}"]
+
+
 def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str]]]:
     """Each stage's verb and arguments (--set STAGE:key=value appended to its stage's)."""
     seeded = [f"train.seed={seed}", *QUIET]
@@ -48,7 +57,7 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
             [
                 "recipe=sft-addition-tiny",
                 f"model.init_from={args.base}",
-                f"train.max_steps={args.sft_steps}",
+                *steps(args.sft_steps),
                 "train.eval_every=100000",
                 *seeded,
             ],
@@ -59,7 +68,7 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
             [
                 "recipe=dpo-addition-tiny",
                 "model.init_from=${stage:sft}",
-                f"train.max_steps={args.dpo_steps}",
+                *steps(args.dpo_steps),
                 "train.eval_every=100000",
                 *seeded,
             ],
@@ -71,7 +80,7 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
                 "recipe=grpo-tiny",
                 "model.init_from=${stage:sft}",
                 f"finetune.data.task={TASK}",
-                f"train.max_steps={args.grpo_steps}",
+                *steps(args.grpo_steps),
                 "train.eval_every=100000",
                 "finetune.eval_samples=0",
                 *([f"optim.lr={args.grpo_lr}"] if args.grpo_lr else []),
@@ -155,9 +164,9 @@ def main() -> int:
     parser.add_argument("--base", default="runs/gpt-tiny", help="the pretrained model SFT starts from")
     parser.add_argument("--out", default="/tmp/posttrain", type=Path)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--sft-steps", type=int, default=300)
-    parser.add_argument("--dpo-steps", type=int, default=200)
-    parser.add_argument("--grpo-steps", type=int, default=100)
+    parser.add_argument("--sft-steps", type=int, default=None, help="default: sft-addition-tiny's")
+    parser.add_argument("--dpo-steps", type=int, default=None, help="default: dpo-addition-tiny's")
+    parser.add_argument("--grpo-steps", type=int, default=None, help="default: grpo-tiny's")
     parser.add_argument("--grpo-lr", default=None, help="optim.lr of GRPO (default: grpo-tiny's)")
     parser.add_argument("--eval-samples", type=int, default=200, help="held-out questions scored")
     parser.add_argument("--set", action="append", default=[], help="STAGE:key=value (repeatable)")

@@ -12,8 +12,10 @@ align.method=dpo and align.method=simpo.
     loss      `PreferenceLoss`, a suite.train.step.MethodLoss: per pair, from the summed log-probabilities
               of the response tokens (pc, pr: policy, chosen and rejected; rc, rr: reference)
                 dpo    z = beta * ((pc - rc) - (pr - rr))
-                       loss = -(1 - ls) logsigmoid(z) - ls logsigmoid(-z)      (ls: align.label_smoothing;
-                       TRL's "sigmoid" loss, conservative DPO when ls > 0)
+                       loss = -(1 - ls) logsigmoid(z) - ls logsigmoid(-z) - rpo_alpha pc / |c|
+                       (ls: align.label_smoothing, TRL's "sigmoid" loss, conservative DPO when ls > 0;
+                       rpo_alpha: align.rpo_alpha, the chosen response's NLL per token: RPO, TRL's
+                       rpo_alpha, which keeps the chosen likelihood from falling; 0: plain DPO)
                        rewards: beta (pc - rc), beta (pr - rr)
                 simpo  z = simpo_beta * (pc / |c| - pr / |r|) - simpo_gamma   (length-normalised; no reference)
                        loss = -(1 - ls) logsigmoid(z) - ls logsigmoid(-z)
@@ -66,17 +68,23 @@ def sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DPO:
-    """Direct preference optimisation against a frozen reference (Rafailov et al. 2023)."""
+    """Direct preference optimisation against a frozen reference (Rafailov et al. 2023); with
+    rpo_alpha > 0 plus the chosen response's negative log-likelihood per token (RPO): DPO alone can
+    lower the chosen likelihood along with the rejected one (measured: docs/benchmarks.md)."""
 
     beta: float
     label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
     needs_reference = True
 
     def __call__(self, policy: torch.Tensor, lengths: torch.Tensor, reference: torch.Tensor | None):
         """(per-pair losses [b], chosen rewards [b], rejected rewards [b]) from [b, 2] summed log-probs."""
         rewards = self.beta * (policy - reference)
         z = rewards[:, 0] - rewards[:, 1]
-        return sigmoid_loss(z, self.label_smoothing), rewards[:, 0].detach(), rewards[:, 1].detach()
+        losses = sigmoid_loss(z, self.label_smoothing)
+        if self.rpo_alpha:
+            losses = losses - self.rpo_alpha * policy[:, 0] / lengths[:, 0].clamp(min=1)
+        return losses, rewards[:, 0].detach(), rewards[:, 1].detach()
 
 
 @dataclass(frozen=True)
@@ -376,6 +384,11 @@ def check_preference(cfg: SuiteConfig) -> None:
             raise ConfigError(
                 f"align.{key}={value} must be > 0; e.g. align.{key}={0.1 if key == 'beta' else 2.0}"
             )
+    if a.rpo_alpha < 0 or (a.rpo_alpha and a.method != "dpo"):
+        raise ConfigError(
+            f"align.rpo_alpha={a.rpo_alpha} with align.method={a.method}: it is >= 0 and weighs the chosen "
+            "responses' NLL in DPO's loss (align.method=dpo align.rpo_alpha=1.0), or 0"
+        )
     if a.simpo_gamma < 0:
         raise ConfigError(f"align.simpo_gamma={a.simpo_gamma} must be >= 0 (the target margin); e.g. 1.0")
     if a.num_eval < 1:
@@ -395,7 +408,7 @@ def check_preference_layout(cfg: SuiteConfig, dims) -> None:
 @register("dpo", check=check_preference, layout_check=check_preference_layout)
 def compose_dpo(cfg: SuiteConfig) -> Method:
     """align.method=dpo: the pairs, the base's weights (+ LoRA), DPO against the reference."""
-    return _compose(cfg, DPO(cfg.align.beta, cfg.align.label_smoothing))
+    return _compose(cfg, DPO(cfg.align.beta, cfg.align.label_smoothing, cfg.align.rpo_alpha))
 
 
 @register("simpo", check=check_preference, layout_check=check_preference_layout)

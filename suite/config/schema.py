@@ -493,6 +493,9 @@ class AlignConfig:
     label_smoothing: float = (
         0.0  # dpo: the chance a pair's labels are flipped (conservative DPO), in [0, 0.5)
     )
+    # dpo: weight of the chosen response's negative log-likelihood per token added to each pair's loss
+    # (RPO, TRL's rpo_alpha): keeps the chosen likelihood from falling with the rejected one; 0: plain DPO
+    rpo_alpha: float = 0.0
     simpo_beta: float = 2.0  # simpo: scale of the length-normalised log-probabilities (the paper's default)
     simpo_gamma: float = 1.0  # simpo: the target reward margin
     grpo: GRPOConfig = field(default_factory=GRPOConfig)  # align.method=grpo (docs/grpo.md)

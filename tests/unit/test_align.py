@@ -13,15 +13,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import suite.align.sampled_pairs as sampled_pairs
 from suite.align.checks import check_align, check_align_layout
 from suite.align.logps import next_token_logps, target_logps
 from suite.align.pairs import build_pairs, read_pairs, task_pairs
-from suite.align.preference import DPO, SimPO
+from suite.align.preference import DPO, SimPO, check_preference
 from suite.align.reference import AdapterOffReference, FrozenReference
+from suite.align.rollout import rollout_generator, sample_group
 from suite.align.sampled_pairs import policy_sampler, sampled_task_pairs
 from suite.config.compose import compose_config, to_object
 from suite.config.errors import ConfigError
-from suite.config.schema import ModelConfig
+from suite.config.schema import GenerateConfig, ModelConfig
 from suite.data import load_tokenizer
 from suite.data.batch import IGNORE_INDEX
 from suite.data.chat import CHATML_TEMPLATE, prompt_ids
@@ -41,12 +43,15 @@ def plain_sigmoid_loss(z: torch.Tensor, ls: float) -> torch.Tensor:
     return -(1 - ls) * torch.log(1 / (1 + torch.exp(-z))) - ls * torch.log(1 / (1 + torch.exp(z)))
 
 
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
-def test_dpo_loss_and_gradient_equal_a_plain_reference(label_smoothing):
+@pytest.mark.parametrize(("label_smoothing", "rpo_alpha"), [(0.0, 0.0), (0.2, 0.0), (0.1, 0.7)])
+def test_dpo_loss_and_gradient_equal_a_plain_reference(label_smoothing, rpo_alpha):
+    """rpo_alpha adds the chosen response's NLL per token (RPO): fails if it is summed over the tokens,
+    taken on the rejected response, or added with the wrong sign."""
     beta = 0.3
     policy = torch.tensor(POLICY, dtype=torch.float64, requires_grad=True)
     reference = torch.tensor(REFERENCE, dtype=torch.float64)
-    losses, chosen, rejected = DPO(beta, label_smoothing)(policy, torch.tensor(LENGTHS), reference)
+    dpo = DPO(beta, label_smoothing, rpo_alpha)
+    losses, chosen, rejected = dpo(policy, torch.tensor(LENGTHS), reference)
     losses.sum().backward()
     got = policy.grad.clone()
 
@@ -56,7 +61,8 @@ def test_dpo_loss_and_gradient_equal_a_plain_reference(label_smoothing):
         pc, pr = plain[i, 0], plain[i, 1]
         rc, rr = REFERENCE[i]
         z = beta * ((pc - rc) - (pr - rr))
-        expected.append(plain_sigmoid_loss(z, label_smoothing))
+        nll_per_token = -pc / LENGTHS[i][0]
+        expected.append(plain_sigmoid_loss(z, label_smoothing) + rpo_alpha * nll_per_token)
     torch.stack(expected).sum().backward()
     assert torch.allclose(losses, torch.stack(expected).detach(), atol=1e-12)
     assert torch.allclose(got, plain.grad, atol=1e-12)
@@ -233,11 +239,14 @@ def test_sampled_pairs_reject_the_most_frequent_wrong_sample_never_a_right_one()
     asked = []
     answers = {m[0]["content"]: m[1]["content"] for m in generate_task("addition-2", 30, 10, seed=0)[0]}
 
-    def sample(number: int, messages: list[dict]) -> list[str]:
+    def sample_one(number: int, messages: list[dict]) -> list[str]:
         asked.append((number, messages))
         answer = answers[messages[-1]["content"]]
         right = [answer, f" {answer} "]  # right after stripping: never a rejected answer
         return [right, [*right, *right, "7x", "99", "99"], [*right, *right]][number % 3]
+
+    def sample(numbers: list[int], conversations: list[list[dict]]) -> list[list[str]]:
+        return [sample_one(n, m) for n, m in zip(numbers, conversations)]
 
     pairs, fallbacks = sampled_task_pairs("addition-2", 30, seed=0, held_out=10, sample=sample)
     swapped = task_pairs("addition-2", 30, seed=0, held_out=10)
@@ -272,8 +281,38 @@ def test_policy_sampler_answers_are_the_models_own(tokenizer):
                     ids.pop()
                     break
         greedy = tokenizer.decode(ids[prompt_len:], skip_special_tokens=False)
-        assert sample(number, messages[:-1]) == [greedy, greedy]
+        assert sample([number], [messages[:-1]]) == [[greedy, greedy]]
         assert pair["rejected"] == greedy or score("addition-2", greedy, pair["chosen"])
+
+
+def test_batched_pair_sampling_draws_what_each_question_draws_alone(tokenizer, monkeypatch):
+    """Questions decoded together (several calls, prompts of several lengths) get the answers GRPO's
+    one-prompt sampler draws for each alone from its (seed, question number) generator, at temperature
+    1. Fails if one generator serves the batch, generators go to the wrong questions, the rows of
+    different questions mix, or answers come back in another order than the questions'."""
+    monkeypatch.setattr(sampled_pairs, "ROWS_PER_CALL", 6)  # 2 questions of 3 answers per call
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=len(tokenizer), max_seq_len=64)
+    model = materialize(build_model(cfg, "meta"), torch.device("cpu"), 5).eval()
+    rows, _ = generate_task("addition-2", 6, 0, seed=1)
+    asked = ["What is 7 + 9?", "What is 123 + 4?", "What is 5 + 60?"]  # other lengths than addition-2's
+    prompts = [m[:-1] for m in rows] + [[{"role": "user", "content": q}] for q in asked]
+    numbers = [4, 0, 7, 1, 8, 2, 5, 3, 6]  # any numbering: each question's generator follows its number
+    got = policy_sampler(model, tokenizer, CHATML_TEMPLATE, "addition-2", 3, 1.0, seed=11)(numbers, prompts)
+    lengths = {len(prompt_ids(tokenizer, m, CHATML_TEMPLATE)) for m in prompts}
+    assert len(lengths) > 1  # prompts of several lengths, so several batches
+    new = get_task("addition-2").max_answer_chars + 2
+    sampling = GenerateConfig(temperature=1.0, top_k=None, top_p=1.0)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    alone = []
+    for number, messages in zip(numbers, prompts):
+        ids = prompt_ids(tokenizer, messages, CHATML_TEMPLATE)
+        group = sample_group(
+            model, ids, 3, new, sampling, rollout_generator(11, number, torch.device("cpu")),
+            tokenizer.eos_token_id, pad, kv=True,
+        )  # fmt: skip
+        alone.append([tokenizer.decode(c, skip_special_tokens=False) for c in group.completions])
+    assert got == alone
+    assert len({a for answers in alone for a in answers}) > 3  # random answers: a mix-up would show
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +343,14 @@ def test_layouts_align_does_not_run_are_refused_naming_the_key_value_and_what_wo
         dims = SimpleNamespace(**({"data_parallel_size": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1} | {name: 2}))
         with pytest.raises(ConfigError, match=f"parallel.{name}=2: suite align runs"):
             check_align_layout(cfg, dims)
+
+
+def test_rpo_alpha_is_refused_in_one_line_when_negative_or_without_dpo(align_configs):
+    for method, value in (("dpo", -0.5), ("simpo", 1.0)):
+        cfg = copy.deepcopy(align_configs[method])
+        cfg.align.data, cfg.align.rpo_alpha = "task:addition-2", value
+        with pytest.raises(ConfigError, match=f"align.rpo_alpha={value} with align.method={method}"):
+            check_preference(cfg)
+    cfg = copy.deepcopy(align_configs["dpo"])
+    cfg.align.data, cfg.align.rpo_alpha = "task:addition-2", 1.0
+    check_preference(cfg)
