@@ -60,12 +60,21 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "deepseek-mtp-tp2-sp": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.tp=2", "parallel.sp=true"]),
     "deepseek-mtp-cp2": (2, [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.cp=2"]),
     # the MTP module on the last stage with a copy of the embedding (suite.parallel.pipeline); with
-    # four layers, two stages per rank (zero_bubble: the last rank holds stages 1 and 3)
+    # four layers, two stages per rank (interleaved_1f1b, zero_bubble: the last rank holds stages 1 and 3);
+    # every schedule, since each orders the last stage's MTP loss and its backward its own way
     "deepseek-mtp-pp2": (
         2,
         [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
     ),
+    "deepseek-mtp-pp2-gpipe": (
+        2,
+        [*DEEPSEEK, "model.num_mtp_layers=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    ),
     "deepseek-mtp-l4-single": (1, [*DEEPSEEK, *MTP_L4]),
+    "deepseek-mtp-l4-pp2-interleaved_1f1b": (
+        2,
+        [*DEEPSEEK, *MTP_L4, "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"],
+    ),
     "deepseek-mtp-l4-pp2-zero_bubble": (
         2,
         [
@@ -131,6 +140,8 @@ def test_qwen3_layout_matches_single_process(family_run, name):
         "deepseek-mtp-tp2-sp",
         "deepseek-mtp-cp2",
         "deepseek-mtp-pp2",
+        "deepseek-mtp-pp2-gpipe",
+        "deepseek-mtp-l4-pp2-interleaved_1f1b",
         "deepseek-mtp-l4-pp2-zero_bubble",
     ],
 )
