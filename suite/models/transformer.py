@@ -591,14 +591,10 @@ def reset_buffers(model: nn.Module) -> None:
 
 
 def materialize(model: Transformer, device: str | torch.device, seed: int | None) -> Transformer:
-    """Allocate a meta-built model on `device` and run the seeded init. seed None: the parameters
-    stay uninitialised, for a caller that overwrites every one (a model read whole from a file:
-    the init of SmolLM2's 135M weights cost ~2 s a load), the derived buffers are still set."""
+    """Allocate a meta-built model on `device` and run the seeded init; seed None leaves the
+    parameters to a caller that overwrites every one (a model read from a file) and sets the buffers."""
     model.to_empty(device=device)
     model.tie_weights()
-    if seed is None:
-        model.init_buffers()
-    else:
-        model.init_weights(seed)
+    model.init_buffers() if seed is None else model.init_weights(seed)
     reset_buffers(model)
     return model
