@@ -258,6 +258,9 @@ class SchedConfig:
     # linear | cosine | 1-sqrt, down to min_lr_ratio * optim.lr; the lr is constant before it
     decay_fraction: float = 0.2
     decay_shape: str = "linear"
+    # the step count the schedule decays over (null: train.max_steps); larger than train.max_steps, a run
+    # stops part-way down a longer schedule, as a checkpoint inside that longer run would
+    total_steps: Optional[int] = None
 
 
 @dataclass

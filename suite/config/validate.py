@@ -177,6 +177,11 @@ def _check_ranges(cfg: SuiteConfig) -> None:
             f"sched.decay_fraction={cfg.sched.decay_fraction} must be in (0, 1] (the share of train.max_steps "
             "that sched=wsd decays over), e.g. 0.2"
         )
+    if cfg.sched.total_steps is not None and cfg.sched.total_steps < 1:
+        raise ConfigError(
+            f"sched.total_steps={cfg.sched.total_steps} must be at least 1 (the steps the schedule decays "
+            "over), or null: train.max_steps"
+        )
     if not 0.0 <= o.muon_momentum < 1.0:
         raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
     if not 0.0 <= cfg.model.dropout < 1.0:

@@ -10,7 +10,9 @@ DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 def lr_at(step: int, optim: OptimConfig, sched: SchedConfig, max_steps: int) -> float:
-    """Linear warmup to optim.lr, then cosine/linear decay to min_lr_ratio*lr, constant, or wsd."""
+    """Linear warmup to optim.lr, then cosine/linear decay to min_lr_ratio*lr, constant, or wsd, over
+    sched.total_steps when set (a run that stops part-way down a longer schedule), else max_steps."""
+    max_steps = sched.total_steps or max_steps
     peak = optim.lr
     warmup = max(0, sched.warmup_steps)
     if warmup and step < warmup:

@@ -42,3 +42,16 @@ def test_raising_max_steps_keeps_the_stable_phase_and_moves_the_decay():
     long = [lr_at(s, optim, sched, 40) for s in range(40)]
     assert short[:8] == long[:8]  # the short run decays from step 8
     assert short[8] < 1.0 and long[8:32] == [1.0] * 24 and long[32] < 1.0
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "wsd"])
+def test_total_steps_stops_a_run_part_way_down_a_longer_schedule(name):
+    """sched.total_steps=40 with max_steps 30 gives each of the 30 steps the lr of the 40-step run, still
+    above the floor at the last one. Fails if lr_at decays over train.max_steps regardless (the key
+    ignored), which would end this run on the floor."""
+    optim = OptimConfig(lr=1.0)
+    longer = SchedConfig(name=name, warmup_steps=3, min_lr_ratio=0.1)
+    stopped = SchedConfig(name=name, warmup_steps=3, min_lr_ratio=0.1, total_steps=40)
+    for step in range(30):
+        assert lr_at(step, optim, stopped, 30) == lr_at(step, optim, longer, 40), step
+    assert lr_at(29, optim, stopped, 30) > lr_at(29, optim, longer, 30) + 1e-3
