@@ -2,6 +2,7 @@
 after GRPO, each started from the same SFT model, over several seeds, with the real CLI.
 
     python bench/posttrain.py --base runs/gpt-tiny --out /tmp/posttrain              # 3 seeds
+    python bench/posttrain.py --base runs/gpt-tiny --out /tmp/posttrain --sft-seed 0  # one SFT model
     python bench/posttrain.py --base runs/gpt-tiny --out /tmp/posttrain --seeds 0 --grpo-steps 60
     python bench/posttrain.py --out /tmp/posttrain --table                           # what finished there
     python bench/posttrain.py ... --set grpo:optim.lr=1e-4 --set dpo:align.beta=0.2  # a stage's settings
@@ -47,10 +48,18 @@ def steps(count: int | None) -> list[str]:
     return [] if count is None else [f"train.max_steps={count}"]
 
 
+def sft_folder(args: argparse.Namespace) -> Path:
+    """Where --sft-seed's SFT model is: the SFT stage of that seed's pipeline."""
+    return args.out / f"seed-{args.sft_seed}" / "run" / "sft"
+
+
 def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str]]]:
-    """Each stage's verb and arguments (--set STAGE:key=value appended to its stage's)."""
+    """Each stage's verb and arguments (--set STAGE:key=value appended to its stage's). With --sft-seed,
+    only that seed's pipeline trains SFT; the other seeds' DPO and GRPO start from its model."""
     seeded = [f"train.seed={seed}", *QUIET]
     evaluated = [f"eval.num_samples={args.eval_samples}"]
+    shared = args.sft_seed is not None and seed != args.sft_seed
+    start = str(sft_folder(args)) if shared else "${stage:sft}"
     out = {
         "sft": (
             "finetune",
@@ -67,7 +76,7 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
             "align",
             [
                 "recipe=dpo-addition-tiny",
-                "model.init_from=${stage:sft}",
+                f"model.init_from={start}",
                 *steps(args.dpo_steps),
                 "train.eval_every=100000",
                 *seeded,
@@ -78,7 +87,7 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
             "align",
             [
                 "recipe=grpo-tiny",
-                "model.init_from=${stage:sft}",
+                f"model.init_from={start}",
                 f"finetune.data.task={TASK}",
                 *steps(args.grpo_steps),
                 "train.eval_every=100000",
@@ -89,8 +98,12 @@ def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str
         ),
         "eval-grpo": ("eval", ["ckpt=${stage:grpo}", f"task={TASK}", *evaluated]),
     }
+    if shared:
+        del out["sft"], out["eval-sft"]
     for item in args.set:
         stage, _, override = item.partition(":")
+        if stage in ("sft", "eval-sft") and shared:
+            continue
         if stage not in out or "=" not in override:
             raise SystemExit(f"--set {item}: use STAGE:key=value with STAGE one of {', '.join(out)}")
         out[stage][1].append(override)
@@ -164,6 +177,13 @@ def main() -> int:
     parser.add_argument("--base", default="runs/gpt-tiny", help="the pretrained model SFT starts from")
     parser.add_argument("--out", default="/tmp/posttrain", type=Path)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--sft-seed",
+        type=int,
+        default=None,
+        help="train SFT only in this seed's pipeline (run it first) and start every seed's DPO and GRPO "
+        "from that model (default: each seed trains its own)",
+    )
     parser.add_argument("--sft-steps", type=int, default=None, help="default: sft-addition-tiny's")
     parser.add_argument("--dpo-steps", type=int, default=None, help="default: dpo-addition-tiny's")
     parser.add_argument("--grpo-steps", type=int, default=None, help="default: grpo-tiny's")
@@ -184,6 +204,10 @@ def main() -> int:
             if code != 0:
                 print(f"seed {seed}: suite run exited {code}; see {folder / 'run.log'}", flush=True)
         rows[seed] = read_seed(folder / "run")
+        if args.sft_seed is not None and seed != args.sft_seed:
+            shared_sft = read_seed(args.out / f"seed-{args.sft_seed}" / "run").get("sft")
+            if shared_sft is not None:
+                rows[seed]["sft"] = shared_sft
         print(f"seed {seed}: {rows[seed]}", flush=True)
     text = table(rows)
     print(text)
