@@ -19,16 +19,16 @@ Each seed is one `suite run` pipeline (written to <out>/seed-<N>/posttrain.yaml,
     eval-grpo  suite eval ckpt=<grpo> task=addition-2 eval.num_samples=200
 
 Every setting (steps, learning rates, DPO's and GRPO's keys) is the recipe's unless --sft-steps,
---dpo-steps, --simpo-steps, --grpo-steps or --set STAGE:key=value give another; the recipes hold the settings measured
-in docs/benchmarks.md, "Post-training after SFT".
+--dpo-steps, --simpo-steps, --grpo-steps or --set STAGE:key=value give another; the recipes hold the
+settings measured in docs/benchmarks.md, "Post-training after SFT".
 
 The seed is train.seed of every training stage (its data order, DPO's sampled pairs, GRPO's rollouts).
 SFT's end accuracy depends on its seed far more than the later stages' gains do (docs/benchmarks.md:
 58% at seed 0, 14.5% at seed 1), so `--sft-seed S` trains SFT once, in seed S's pipeline, and starts
 every seed's DPO, SimPO and GRPO from that model: 3 seeds of post-training from one SFT start.
 The task's questions (finetune.data.task_seed) stay fixed, so every
-evaluation scores the same 200 held-out questions, none of which any stage trained on. A rerun skips the stages that finished (suite run's markers), so an
-interrupted bench continues where it stopped. Prints a markdown table (exact match per stage and seed,
+evaluation scores the same 200 held-out questions, none of which any stage trained on. A rerun skips
+the stages that finished (suite run's markers), so an interrupted bench continues where it stopped. Prints a markdown table (exact match per stage and seed,
 each later stage's gain over its SFT start in points, each stage's wall time) and writes
 <out>/results.json. Targets (issue 42): DPO +5 points, GRPO +10 points averaged over 3 seeds, each
 stage within 15 minutes on this CPU.
@@ -61,7 +61,7 @@ def sft_folder(args: argparse.Namespace) -> Path:
 
 def stages(args: argparse.Namespace, seed: int) -> dict[str, tuple[str, list[str]]]:
     """Each stage's verb and arguments (--set STAGE:key=value appended to its stage's). With --sft-seed,
-    only that seed's pipeline trains SFT; the other seeds' DPO and GRPO start from its model."""
+    only that seed's pipeline trains SFT; the other seeds' DPO, SimPO and GRPO start from its model."""
     seeded = [f"train.seed={seed}", *QUIET]
     evaluated = [f"eval.num_samples={args.eval_samples}"]
     shared = args.sft_seed is not None and seed != args.sft_seed
@@ -199,7 +199,7 @@ def main() -> int:
         "--sft-seed",
         type=int,
         default=None,
-        help="train SFT only in this seed's pipeline (run it first) and start every seed's DPO and GRPO "
+        help="train SFT only in this seed's pipeline (run it first) and start every seed's DPO, SimPO and GRPO "
         "from that model (default: each seed trains its own)",
     )
     parser.add_argument("--sft-steps", type=int, default=None, help="default: sft-addition-tiny's")
@@ -228,7 +228,7 @@ def main() -> int:
                 print(f"seed {seed}: suite run exited {code}; see {folder / 'run.log'}", flush=True)
         rows[seed] = read_seed(folder / "run")
         if args.sft_seed is not None and seed != args.sft_seed:
-            shared_sft = read_seed(args.out / f"seed-{args.sft_seed}" / "run").get("sft")
+            shared_sft = read_seed(sft_folder(args).parent).get("sft")
             if shared_sft is not None:
                 rows[seed]["sft"] = shared_sft
         print(f"seed {seed}: {rows[seed]}", flush=True)

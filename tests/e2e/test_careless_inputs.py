@@ -91,6 +91,7 @@ CASES: list[tuple[list[str], str]] = [
     ([*PRE, "sched.warmup_steps=-5"], "sched.warmup_steps=-5"),
     ([*PRE, "sched.name=step"], "sched.name='step' is not supported"),
     ([*PRE, "sched.min_lr_ratio=2"], "sched.min_lr_ratio=2"),
+    ([*PRE, "sched.total_steps=0"], "sched.total_steps=0 must be at least 1"),
     ([*PRE, "optim.lr=0"], "optim.lr=0"),
     ([*PRE, "optim.lr=-1e-3"], "optim.lr=-0.001"),
     ([*PRE, "optim.name=sgd"], "optim.name='sgd' is not supported"),
